@@ -1,0 +1,174 @@
+"""Run a function on several local gloo ranks: for tests, the demo and benchmarks.
+
+:func:`run_distributed` spawns one process per rank on a free loopback port,
+initialises a gloo process group in each, runs ``fn(rank, world_size, *args)`` and
+returns every rank's result. A rank that raises makes the whole call raise
+:class:`RankFailedError` with that rank's traceback; a run that does not finish in
+``timeout`` seconds is killed and raises :class:`RankTimeoutError`, so a broken rank
+fails a test instead of hanging it.
+
+Results travel as ``torch.save`` bytes, not through torch's shared-memory queue
+reductions: a rank exits as soon as it has reported, and shared-memory handles do not
+outlive their sender. Ranks leave with ``os._exit`` after a clean
+``destroy_process_group``, because gloo sometimes aborts at interpreter exit
+("terminate called without an active exception") after all work is done; a run is
+judged by its results, never by that exit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import multiprocessing as mp
+import os
+import queue as queue_module
+import socket
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from overlapkit.errors import OverlapkitError
+
+__all__ = ["RankFailedError", "RankTimeoutError", "free_port", "run_distributed"]
+
+
+class RankFailedError(OverlapkitError, RuntimeError):
+    """A rank raised; the message holds its traceback."""
+
+
+class RankTimeoutError(OverlapkitError, TimeoutError):
+    """Some ranks did not report within the timeout and were killed."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _dumps(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: Sequence[Any],
+    env: Mapping[str, str],
+    timeout: float,
+    results: Any,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    status, payload = "ok", b""
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        payload = _dumps(fn(rank, world_size, *args))
+    except BaseException:
+        status, payload = "error", traceback.format_exc().encode()
+    results.put((rank, status, payload))
+    results.close()
+    results.join_thread()
+    if status == "ok" and dist.is_initialized():
+        try:
+            dist.barrier()
+            dist.destroy_process_group()
+        except Exception:  # the results are already reported
+            pass
+    os._exit(0)
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *,
+    args: Sequence[Any] = (),
+    timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local gloo ranks.
+
+    ``fn`` must be importable by name (a module-level function), since ranks are
+    started with the ``spawn`` method. Each rank uses one intra-op thread.
+
+    :return: the return values, indexed by rank.
+    :raises RankFailedError: a rank raised (its traceback is in the message).
+    :raises RankTimeoutError: not every rank reported within ``timeout`` seconds.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, rank, world_size, port, tuple(args), dict(env or {}), timeout, results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    reported: dict[int, tuple[str, bytes]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(reported) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                rank, status, payload = results.get(timeout=min(remaining, 1.0))
+            except queue_module.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in reported
+                        and p.exitcode is not None]
+                if dead:
+                    time.sleep(0.5)  # let a last report arrive
+                    while not results.empty():
+                        rank, status, payload = results.get()
+                        reported[rank] = (status, payload)
+                    dead = [r for r in dead if r not in reported]
+                if dead:
+                    break
+                continue
+            reported[rank] = (status, payload)
+            if status == "error":
+                break
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if len(reported) == world_size else 0.1)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    errors = {r: p.decode() for r, (s, p) in reported.items() if s == "error"}
+    if errors:
+        rank = min(errors)
+        raise RankFailedError(f"rank {rank} of {world_size} failed:\n{errors[rank]}")
+    missing = [r for r in range(world_size) if r not in reported]
+    if missing:
+        codes = {r: procs[r].exitcode for r in missing}
+        raise RankTimeoutError(
+            f"ranks {missing} of {world_size} did not report within {timeout:.0f}s "
+            f"(exit codes {codes}); they were stopped. Look for a hang in a collective "
+            "or a crash in their output above."
+        )
+    return [_loads(reported[r][1]) for r in range(world_size)]

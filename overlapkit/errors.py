@@ -1,0 +1,83 @@
+"""The overlapkit error hierarchy.
+
+Every error raised on purpose by overlapkit is an :class:`OverlapkitError`, and each
+subclass also derives from the built-in exception a caller would naturally catch
+(``ValueError``, ``TypeError``, ``LookupError``, ``ImportError``), so existing
+``except ValueError`` code keeps working. Every message ends with what to do about it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "ConfigurationError",
+    "OverlapkitError",
+    "PluginConflictError",
+    "PluginLoadError",
+    "PluginValidationError",
+    "UnknownNameError",
+    "UnsupportedOptimizerError",
+    "UnsupportedModelError",
+]
+
+
+class OverlapkitError(Exception):
+    """Base class of every error overlapkit raises on purpose."""
+
+
+class ConfigurationError(OverlapkitError, ValueError):
+    """An argument or option has a value overlapkit cannot work with."""
+
+
+class UnknownNameError(OverlapkitError, LookupError):
+    """A comm hook, averager or load planner name that no plugin provides.
+
+    The message lists every valid name.
+    """
+
+    def __init__(self, kind: str, name: str, valid: list[str]) -> None:
+        self.kind = kind
+        self.name = name
+        self.valid = sorted(valid)
+        choices = ", ".join(repr(v) for v in self.valid) or "none are registered"
+        super().__init__(
+            f"unknown {kind} {name!r}; valid names: {choices}. "
+            f"Use one of these, or install the plugin that provides {name!r} "
+            "(`overlapkit plugins` lists what is installed)."
+        )
+
+    def __str__(self) -> str:  # LookupError would otherwise repr() the message
+        return str(self.args[0])
+
+
+class UnsupportedOptimizerError(OverlapkitError, TypeError):
+    """The optimizer class cannot be overlapped (not an optimizer, needs a closure, ...)."""
+
+
+class UnsupportedModelError(OverlapkitError, TypeError):
+    """The model is not of a kind the requested technique works with."""
+
+
+class CheckpointError(OverlapkitError, ValueError):
+    """A checkpoint is missing, corrupt, or does not fit the model it is loaded into."""
+
+
+class PluginLoadError(OverlapkitError, ImportError):
+    """A plugin's entry point failed to import; the original error is chained.
+
+    overlapkit fails fast here instead of skipping the plugin: ranks that end up with
+    different plugin sets would pick different comm hooks or averagers and hang in a
+    collective.
+    """
+
+
+class PluginConflictError(OverlapkitError, ValueError):
+    """Two plugins provide the same name or claim the same optimizer class."""
+
+
+class PluginValidationError(OverlapkitError, TypeError):
+    """A plugin returned something that is not a valid overlapkit record."""
+
+    def __init__(self, plugin: str, message: str) -> None:
+        self.plugin = plugin
+        super().__init__(f"plugin {plugin!r}: {message}")

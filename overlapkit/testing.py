@@ -1,0 +1,48 @@
+"""pytest fixtures for plugin authors (and overlapkit's own tests).
+
+Installed as a pytest plugin through the ``pytest11`` entry point, so these fixtures
+are available in any project that has overlapkit installed:
+
+``overlapkit_plugin_manager``
+    A fresh plugin manager with the built-in plugins and entry-point autoload off,
+    installed as the process-wide manager for the duration of the test. Register the
+    plugin under test on it::
+
+        def test_my_averager(overlapkit_plugin_manager):
+            overlapkit_plugin_manager.register(my_plugin, name="my-plugin")
+            averager = overlapkit.create_averager("mine")
+
+``run_distributed``
+    :func:`overlapkit.distributed.run_distributed`: run a module-level function on
+    several local gloo ranks and get each rank's result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from overlapkit.distributed import run_distributed as _run_distributed
+from overlapkit.plugins import OverlapkitPluginManager, create_plugin_manager, set_plugin_manager
+
+__all__ = ["overlapkit_plugin_manager", "run_distributed"]
+
+
+@pytest.fixture
+def overlapkit_plugin_manager() -> Iterator[OverlapkitPluginManager]:
+    """A fresh plugin manager (built-ins only, autoload off) used by overlapkit for
+    the duration of the test; the previous one is restored afterwards."""
+    pm = create_plugin_manager(autoload=False, disabled=(), trace=False)
+    previous = set_plugin_manager(pm)
+    try:
+        yield pm
+    finally:
+        set_plugin_manager(previous)
+
+
+@pytest.fixture
+def run_distributed() -> Callable[..., list[Any]]:
+    """:func:`overlapkit.distributed.run_distributed`, as a fixture."""
+    return _run_distributed

@@ -1,0 +1,45 @@
+"""The multi-process harness every distributed test stands on."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from overlapkit.distributed import RankFailedError, RankTimeoutError, run_distributed
+
+
+def _sum_of_ranks(rank: int, world_size: int, scale: float) -> torch.Tensor:
+    value = torch.tensor([float(rank) * scale])
+    dist.all_reduce(value)
+    return value
+
+
+def _rank_one_raises(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("rank one is broken")
+    dist.barrier()
+
+
+def _rank_one_hangs(rank: int, world_size: int) -> None:
+    if rank == 1:
+        time.sleep(600)
+
+
+def test_every_rank_returns_its_result() -> None:
+    results = run_distributed(_sum_of_ranks, 3, args=(2.0,), timeout=60)
+    assert [r.item() for r in results] == [6.0, 6.0, 6.0]
+
+
+def test_a_failing_rank_fails_the_run_with_its_traceback() -> None:
+    with pytest.raises(RankFailedError, match=r"(?s)rank 1 of 2 failed.*rank one is broken"):
+        run_distributed(_rank_one_raises, 2, timeout=60)
+
+
+def test_a_hanging_rank_times_out_instead_of_hanging() -> None:
+    started = time.monotonic()
+    with pytest.raises(RankTimeoutError, match=r"ranks \[1\] of 2 did not report"):
+        run_distributed(_rank_one_hangs, 2, timeout=15)
+    assert time.monotonic() - started < 60
