@@ -106,11 +106,13 @@ def run_distributed(
     args: Sequence[Any] = (),
     timeout: float = 120.0,
     env: Mapping[str, str] | None = None,
+    port: int | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local gloo ranks.
 
     ``fn`` must be importable by name (a module-level function), since ranks are
-    started with the ``spawn`` method. Each rank uses one intra-op thread.
+    started with the ``spawn`` method. Each rank uses one intra-op thread. The ranks
+    meet on ``port`` of 127.0.0.1 (a free one when not given).
 
     :return: the return values, indexed by rank.
     :raises RankFailedError: a rank raised (its traceback is in the message).
@@ -118,7 +120,7 @@ def run_distributed(
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    port = free_port() if port is None else port
     procs = [
         ctx.Process(
             target=_rank_main,

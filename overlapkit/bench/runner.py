@@ -1,0 +1,140 @@
+"""``overlapkit bench``: run the technique benchmarks and report medians and ratios.
+
+Each benchmark interleaves its variants (ours, torch's own, plain) in one run, so
+their figures are comparable; this module only runs them in turn and presents what
+they return.
+"""
+
+from __future__ import annotations
+
+import importlib
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from overlapkit.errors import ConfigurationError
+
+__all__ = ["BENCHMARKS", "format_result", "machine_description", "plot_results", "run_benchmarks"]
+
+#: benchmark name -> module under overlapkit.bench, in the order they run
+BENCHMARKS: dict[str, str] = {
+    "ddp_overlap": "overlapkit.bench.ddp_overlap",
+    "optimizer_in_backward": "overlapkit.bench.optimizer_in_backward",
+    "local_sgd": "overlapkit.bench.local_sgd",
+    "checkpoint": "overlapkit.bench.checkpoint",
+}
+
+
+def machine_description() -> str:
+    """One line naming the machine the figures come from."""
+    import os
+
+    return (f"{platform.machine()}, {os.cpu_count()} cores, Python "
+            f"{platform.python_version()}, torch {torch.__version__}")
+
+
+def available_benchmarks() -> list[str]:
+    """The benchmarks whose modules are present."""
+    names = []
+    for name, module in BENCHMARKS.items():
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+            continue
+        names.append(name)
+    return names
+
+
+def parse_benchmarks(text: str) -> list[str]:
+    """``"all"`` or a comma-separated list of benchmark names, validated."""
+    available = available_benchmarks()
+    if not available:
+        raise ConfigurationError("no benchmark modules are installed; reinstall overlapkit.")
+    if text.strip() == "all":
+        return available
+    names = [n.strip().replace("-", "_") for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in available]
+    if unknown or not names:
+        raise ConfigurationError(
+            f"unknown benchmark {', '.join(map(repr, unknown)) or repr(text)}; choose 'all' "
+            f"or a comma-separated list of: {', '.join(available)}."
+        )
+    return names
+
+
+def run_benchmarks(names: Sequence[str], *, rounds: int, world_size: int,
+                   quick: bool) -> list[dict[str, Any]]:
+    """Run each named benchmark and return their results in order."""
+    if rounds < 1:
+        raise ConfigurationError(f"--rounds must be at least 1, got {rounds}.")
+    results = []
+    for name in names:
+        module = importlib.import_module(BENCHMARKS[name])
+        result = module.run_benchmark(rounds=rounds, world_size=world_size, quick=quick)
+        result.setdefault("benchmark", name)
+        result["machine"] = machine_description()
+        results.append(result)
+    return results
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return "/".join(_cell(v) for v in value)
+    return str(value)
+
+
+def format_result(result: dict[str, Any]) -> str:
+    """One benchmark's result as a text table: a row per variant, then the ratios."""
+    variants: dict[str, dict[str, Any]] = result.get("variants", {})
+    metrics: list[str] = []
+    for figures in variants.values():
+        metrics += [m for m in figures if m not in metrics and not isinstance(figures[m], dict)]
+    lines = [["variant", *metrics]]
+    lines += [[name, *(_cell(figures.get(m, "-")) for m in metrics)]
+              for name, figures in variants.items()]
+    widths = [max(len(line[c]) for line in lines) for c in range(len(lines[0]))]
+    text = [f"== {result.get('benchmark')} ({result.get('machine', '')})"]
+    text += ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+             for line in lines]
+    for name, value in result.get("ratios", {}).items():
+        text.append(f"  {name}: {_cell(value)}")
+    if result.get("notes"):
+        text.append(f"  notes: {result['notes']}")
+    return "\n".join(text)
+
+
+def plot_results(results: list[dict[str, Any]], path: Path) -> None:
+    """A bar chart per benchmark of its first metric per variant, into a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigurationError(
+            "--plot needs matplotlib, which is not installed; run "
+            "`pip install 'overlapkit[plot]'` or leave out --plot."
+        ) from None
+    figure, axes = plt.subplots(1, max(len(results), 1), figsize=(5 * max(len(results), 1), 4),
+                                squeeze=False)
+    for ax, result in zip(axes[0], results, strict=False):
+        variants = result.get("variants", {})
+        metric = next((m for f in variants.values() for m, v in f.items()
+                       if isinstance(v, (int, float))), None)
+        if metric is None:
+            continue
+        names = list(variants)
+        ax.bar(names, [float(variants[n].get(metric, 0.0)) for n in names])
+        ax.set(title=result.get("benchmark", ""), ylabel=metric)
+        ax.tick_params(axis="x", rotation=20)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

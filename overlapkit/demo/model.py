@@ -1,0 +1,62 @@
+"""The demo's model and synthetic data: an MLP regressing a fixed random teacher.
+
+Every rank builds the same model from the same seed and its own data from
+``seed + rank``, so runs are reproducible and techniques are compared on exactly the
+same numbers.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+from torch import nn
+
+__all__ = ["MODEL_SIZES", "ModelSize", "build_model", "make_batches"]
+
+
+@attrs.frozen(kw_only=True)
+class ModelSize:
+    """The width and depth of the demo MLP."""
+
+    features: int
+    hidden: int
+    layers: int
+    batch: int
+
+    @property
+    def parameters(self) -> int:
+        """How many parameters the MLP has."""
+        f, h, n = self.features, self.hidden, self.layers
+        return (f * h + h) + (n - 1) * (h * h + h) + (h * f + f)
+
+
+MODEL_SIZES: dict[str, ModelSize] = {
+    "tiny": ModelSize(features=16, hidden=32, layers=2, batch=8),
+    "small": ModelSize(features=128, hidden=512, layers=4, batch=32),
+    "medium": ModelSize(features=512, hidden=1024, layers=6, batch=32),
+    "large": ModelSize(features=1024, hidden=2048, layers=12, batch=16),
+}
+
+
+def build_model(size: ModelSize, seed: int) -> nn.Module:
+    """The MLP, initialised from ``seed`` (the same on every rank)."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(size.features, size.hidden), nn.GELU()]
+    for _ in range(size.layers - 1):
+        layers += [nn.Linear(size.hidden, size.hidden), nn.GELU()]
+    layers.append(nn.Linear(size.hidden, size.features))
+    return nn.Sequential(*layers)
+
+
+def make_batches(
+    size: ModelSize, steps: int, seed: int, rank: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` batches of (input, target) for ``rank``: targets from a fixed teacher."""
+    generator = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(size.features, size.features, generator=generator) / size.features**0.5
+    generator.manual_seed(seed + 1 + rank)
+    batches = []
+    for _ in range(steps):
+        x = torch.randn(size.batch, size.features, generator=generator)
+        batches.append((x, torch.tanh(x @ teacher)))
+    return batches
