@@ -1,0 +1,36 @@
+"""The overlapkit plugin: registers the ``diloco`` averager.
+
+Found by overlapkit through this package's entry point::
+
+    [project.entry-points.overlapkit]
+    diloco = "overlapkit_diloco.plugin"
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+import overlapkit
+from overlapkit_diloco.averager import DiLoCoAverager
+
+
+def build_diloco(
+    *,
+    period: int,
+    warmup_steps: int = 0,
+    process_group: dist.ProcessGroup | None = None,
+    outer_lr: float = 0.7,
+    outer_momentum: float = 0.9,
+) -> DiLoCoAverager:
+    """A :class:`DiLoCoAverager`: ``post_local_sgd(..., averager="diloco", outer_lr=...)``."""
+    return DiLoCoAverager(period, warmup_steps, process_group,
+                          outer_lr=outer_lr, outer_momentum=outer_momentum)
+
+
+@overlapkit.hookimpl
+def overlapkit_register_averagers() -> overlapkit.AveragerSpec:
+    return overlapkit.AveragerSpec(
+        name="diloco", build=build_diloco,
+        description="DiLoCo: every `period` steps an outer Nesterov SGD step on the "
+        "averaged pseudo-gradient",
+    )
