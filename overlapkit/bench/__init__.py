@@ -1,0 +1,1 @@
+"""Benchmarks, one module per technique, each exposing ``run_benchmark(...) -> dict``."""
