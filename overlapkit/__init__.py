@@ -5,6 +5,8 @@ Public API::
     import overlapkit
     overlapkit.list_plugins()                 # what is installed, and what it provides
     overlapkit.build_comm_hook("allreduce")   # a registered DDP comm hook, by name
+    opt = overlapkit.post_local_sgd(ddp_model, torch.optim.SGD(params, lr=0.1),
+                                    period=4, warmup_steps=100)   # post-local SGD
     @overlapkit.hookimpl                      # the marker for plugin hook functions
 
 See ``docs/`` for the user guide and the plugin author guide.
@@ -27,6 +29,7 @@ from overlapkit.errors import (
     UnsupportedOptimizerError,
 )
 from overlapkit.hookspecs import hookimpl
+from overlapkit.local_sgd import PostLocalSGDOptimizer, create_averager, post_local_sgd
 from overlapkit.plugins import (
     PluginInfo,
     create_plugin_manager,
@@ -48,15 +51,18 @@ __all__ = [
     "PluginInfo",
     "PluginLoadError",
     "PluginValidationError",
+    "PostLocalSGDOptimizer",
     "UnknownNameError",
     "UnsupportedModelError",
     "UnsupportedOptimizerError",
     "__version__",
     "build_comm_hook",
+    "create_averager",
     "create_plugin_manager",
     "get_plugin_manager",
     "hookimpl",
     "list_plugins",
+    "post_local_sgd",
     "set_plugin_manager",
 ]
 

@@ -145,7 +145,8 @@ def test_two_plugins_with_one_name_conflict() -> None:
 
 def test_blocked_builtin_is_listed_and_provides_nothing() -> None:
     pm = overlapkit.create_plugin_manager(autoload=False, disabled=["overlapkit.comm_hooks"])
-    assert pm.registry.comm_hooks == {}
+    assert pm.registry.provided_by("overlapkit.comm_hooks") == {}
+    assert "allreduce" not in pm.registry.comm_hooks
     statuses = {i.name: i.status for i in pm.plugin_infos()}
     assert statuses["overlapkit.comm_hooks"] == "blocked"
 

@@ -1,0 +1,387 @@
+"""Model averagers for post-local SGD: periodic and hierarchical.
+
+A model averager is called once per optimizer step, after the local step, and every so
+often replaces each parameter by its mean over a process group. The averagers here
+follow torch's ``PeriodicModelAverager`` and ``HierarchicalModelAverager`` (the same
+schedule, the same arithmetic, bitwise the same results) and fix three things that
+users of torch's hit:
+
+- **every** parameter passed is averaged. torch's skip parameters whose ``.grad`` is
+  ``None``: after ``zero_grad(set_to_none=True)`` that is all of them and ``torch.cat``
+  fails on the empty list; a parameter that got no gradient on some ranks only is
+  left out of the flat buffer there and not elsewhere, so the ranks sum mismatched
+  slices (a silent accuracy loss, pytorch #74157). Averaging what was passed keeps the
+  layout the same on every rank;
+- their state (the step counter, and whatever a subclass keeps) is saved and restored
+  with :meth:`ModelAverager.state_dict` / :meth:`ModelAverager.load_state_dict`, so a
+  resumed run neither re-runs warm-up nor shifts its averaging schedule (pytorch
+  #74556);
+- bad arguments raise :class:`~overlapkit.errors.ConfigurationError` before any
+  process group is created.
+
+Write a new averager (DiLoCo, SlowMo, ...) by subclassing :class:`ModelAverager` and
+registering it through ``overlapkit_register_averagers``; see
+``docs/post_local_sgd.rst`` for the interface.
+"""
+
+from __future__ import annotations
+
+import abc
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from overlapkit.errors import CheckpointError, ConfigurationError
+
+__all__ = [
+    "HierarchicalAverager",
+    "ModelAverager",
+    "PeriodicAverager",
+    "average_in_place",
+    "parameters_to_average",
+    "validate_period_group_sizes",
+]
+
+
+def _positive_int(name: str, value: object, what_to_do: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"{name} must be an integer >= 1, got {value!r}; {what_to_do}")
+    return value
+
+
+def _non_negative_int(name: str, value: object, what_to_do: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigurationError(f"{name} must be an integer >= 0, got {value!r}; {what_to_do}")
+    return value
+
+
+def check_warmup_steps(value: object) -> int:
+    """``value`` as a warm-up step count, or a ConfigurationError saying what to pass."""
+    return _non_negative_int(
+        "warmup_steps", value, "pass the number of steps of global gradient averaging "
+        "before local SGD starts (0 for none)."
+    )
+
+
+def check_period(value: object) -> int:
+    """``value`` as an averaging period, or a ConfigurationError saying what to pass."""
+    return _positive_int(
+        "period", value, "pass how many optimizer steps go between two averagings "
+        "(e.g. 4; 1 averages every step, which costs more than plain DDP)."
+    )
+
+
+def parameters_to_average(
+    params: Iterable[torch.Tensor] | Iterable[Mapping[str, Any]],
+) -> list[torch.Tensor]:
+    """Every parameter in ``params`` (parameters, or an optimizer's ``param_groups``),
+    once each, in order, whether or not it has a gradient.
+
+    :raises ConfigurationError: an item is neither a tensor nor a parameter group.
+    """
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for item in params:
+        if isinstance(item, torch.Tensor):
+            tensors: Iterable[Any] = (item,)
+        elif isinstance(item, Mapping) and "params" in item:
+            tensors = item["params"]
+        else:
+            raise ConfigurationError(
+                f"cannot average {type(item).__name__} objects; pass model.parameters() "
+                "or an optimizer's param_groups."
+            )
+        for tensor in tensors:
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                out.append(tensor)
+    return out
+
+
+def average_in_place(params: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Replace each tensor in ``params`` by its mean over ``group``, in place.
+
+    Tensors are flattened into one buffer per (device, dtype), divided by the group
+    size, then all-reduced: torch's ``average_parameters`` arithmetic, so results are
+    bitwise equal to it. The values are copied back into the parameters rather than
+    rebinding ``p.data`` to views of the flat buffer as torch does, so code that holds
+    a parameter's storage (fused optimizers, bucket views) keeps seeing it.
+    Ranks outside ``group`` and groups of one rank do nothing.
+    """
+    if dist._rank_not_in_group(group):
+        return
+    size = dist.get_world_size(group)
+    if size == 1 or not params:
+        return
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:
+        by_kind.setdefault((p.device, p.dtype), []).append(p)
+    for tensors in by_kind.values():
+        flat = torch.cat([p.detach().reshape(-1) for p in tensors])
+        flat.div_(size)
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        with torch.no_grad():
+            for p in tensors:
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+
+def _require_initialized(what: str) -> None:
+    if not dist.is_initialized():
+        raise ConfigurationError(
+            f"{what} needs torch.distributed; call torch.distributed.init_process_group() "
+            "first (torchrun sets up the environment it reads)."
+        )
+
+
+class ModelAverager(abc.ABC):
+    """Base class of overlapkit's model averagers: the interface post-local SGD drives.
+
+    :class:`~overlapkit.PostLocalSGDOptimizer` calls :meth:`average_parameters` once
+    per optimizer step, right after the local step, and saves :meth:`state_dict` in
+    its own ``state_dict()``. A subclass says *when* and *over which group* to average
+    by implementing :meth:`group_for_step`, and may change *how* by overriding
+    :meth:`average` (an outer optimizer step, compression, ...). An averager that
+    keeps state of its own (momentum buffers, round-start parameters) extends
+    :meth:`state_dict` and :meth:`load_state_dict`, calling ``super()``.
+
+    :param warmup_steps: steps during which no averaging happens (DDP averages the
+        gradients globally then).
+    :param process_group: the group the averaging spans at its top level
+        (``None``: the default group, resolved when used).
+    """
+
+    #: optimizer steps seen so far: the number of :meth:`average_parameters` calls.
+    step: int
+    #: steps before the first averaging (no averaging while ``step < warmup_steps``).
+    warmup_steps: int
+
+    def __init__(
+        self, *, warmup_steps: int = 0, process_group: dist.ProcessGroup | None = None
+    ) -> None:
+        self.warmup_steps = check_warmup_steps(warmup_steps)
+        self._process_group = process_group
+        self.step = 0
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The top-level group (the default group when none was given)."""
+        if self._process_group is not None:
+            return self._process_group
+        _require_initialized(type(self).__name__)
+        group = dist.group.WORLD
+        assert group is not None
+        return group
+
+    @abc.abstractmethod
+    def group_for_step(self, step: int) -> dist.ProcessGroup | None:
+        """The group to average over after optimizer step ``step`` (counted from 0),
+        or ``None`` for no averaging. Only called once warm-up is over."""
+
+    def average(self, params: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+        """Average ``params`` over ``group`` in place; the one collective an averager
+        runs. Override it to change what averaging means (e.g. an outer optimizer)."""
+        average_in_place(params, group)
+
+    def average_parameters(
+        self, params: Iterable[torch.Tensor] | Iterable[Mapping[str, Any]]
+    ) -> bool:
+        """Count one optimizer step, and average every parameter in ``params`` if this
+        step is an averaging step after warm-up.
+
+        Call it after ``optimizer.step()`` on every rank of the process group (it is a
+        collective on averaging steps), with the same parameters in the same order on
+        every rank. Parameters without a gradient are averaged too.
+
+        :param params: ``model.parameters()`` or an optimizer's ``param_groups``.
+        :return: whether parameters were averaged at this step.
+        """
+        averaged = False
+        if self.step >= self.warmup_steps:
+            group = self.group_for_step(self.step)
+            if group is not None:
+                self.average(parameters_to_average(params), group)
+                averaged = True
+        self.step += 1
+        return averaged
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly: ``{"step": ...}`` here; subclasses add
+        their own entries (tensors included) to ``super().state_dict()``."""
+        return {"step": self.step}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned.
+
+        :raises CheckpointError: the ``step`` entry is missing or not an integer.
+        """
+        step = state_dict.get("step")
+        if isinstance(step, torch.Tensor) and step.numel() == 1:
+            step = int(step.item())
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(
+                f"the averager state has no valid 'step' entry (got {step!r}); pass the "
+                "'averager' entry of a PostLocalSGDOptimizer state_dict."
+            )
+        self.step = step
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(step={self.step}, warmup_steps={self.warmup_steps})"
+
+
+class PeriodicAverager(ModelAverager):
+    """Average over the whole process group every ``period`` steps after warm-up.
+
+    The first averaging happens at step ``warmup_steps`` (the first local step), then
+    every ``period`` steps: torch's ``PeriodicModelAverager`` schedule.
+
+    :param period: optimizer steps between two averagings (>= 1).
+    :param warmup_steps: steps before the first averaging.
+    :param process_group: the group to average over (``None``: the default group).
+    """
+
+    def __init__(
+        self,
+        period: int,
+        warmup_steps: int = 0,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.period = check_period(period)
+        super().__init__(warmup_steps=warmup_steps, process_group=process_group)
+        if period == 1:
+            warnings.warn(
+                "PeriodicAverager(period=1) all-reduces the parameters every step, which "
+                "costs at least as much as DDP's gradient allreduce; use plain DDP, or a "
+                "period > 1.", UserWarning, stacklevel=2,
+            )
+
+    def group_for_step(self, step: int) -> dist.ProcessGroup | None:
+        """The process group every ``period`` steps from ``warmup_steps`` on."""
+        if (step - self.warmup_steps) % self.period == 0:
+            return self.process_group
+        return None
+
+    def __repr__(self) -> str:
+        return (f"PeriodicAverager(period={self.period}, warmup_steps={self.warmup_steps}, "
+                f"step={self.step})")
+
+
+def validate_period_group_sizes(
+    period_group_size_dict: object, overall_size: int | None
+) -> dict[int, int]:
+    """Check a hierarchical averaging plan; return it as a plain ``{period: size}``.
+
+    The rules are torch's ``HierarchicalModelAverager``'s, checked up front: a
+    non-empty mapping whose keys are strictly increasing periods >= 1 and whose values
+    are group sizes dividing ``overall_size``, the last one equal to it. With
+    ``overall_size=None`` only what does not depend on the group size is checked.
+
+    :raises ConfigurationError: saying which rule is broken and what to pass.
+    """
+    top = "N" if overall_size is None else str(overall_size)
+    example = f"e.g. {{4: 2, 16: {top}}} averages pairs every 4 steps and all every 16"
+    if not isinstance(period_group_size_dict, Mapping) or not period_group_size_dict:
+        raise ConfigurationError(
+            f"period_group_size_dict must be a non-empty dict of period -> group size, got "
+            f"{period_group_size_dict!r}; {example}."
+        )
+    plan: dict[int, int] = {}
+    previous = 0
+    for period, size in period_group_size_dict.items():
+        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+            raise ConfigurationError(
+                f"period_group_size_dict keys are periods (integers >= 1), got {period!r}; "
+                f"{example}."
+            )
+        if period <= previous:
+            raise ConfigurationError(
+                f"period_group_size_dict keys must be strictly increasing periods, got "
+                f"{list(period_group_size_dict)}; list the levels from the most frequent "
+                f"(smallest group) to the global one, {example}."
+            )
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigurationError(
+                f"period_group_size_dict[{period}] = {size!r} is not a group size; use a "
+                f"positive integer dividing the number of ranks, {example}."
+            )
+        if overall_size is not None and overall_size % size != 0:
+            raise ConfigurationError(
+                f"period_group_size_dict[{period}] = {size} does not divide the process "
+                f"group's {overall_size} ranks; use a divisor of {overall_size}."
+            )
+        plan[period] = size
+        previous = period
+    last_size = plan[previous]
+    if overall_size is not None and last_size != overall_size:
+        raise ConfigurationError(
+            f"the last (largest-period) group size in period_group_size_dict must be the "
+            f"whole process group, {overall_size} ranks, got {last_size}; add a top level "
+            f"such as {{{previous}: {overall_size}}} or change the last size."
+        )
+    return plan
+
+
+class HierarchicalAverager(ModelAverager):
+    """Average over groups of several sizes, each at its own period, after warm-up.
+
+    ``period_group_size_dict`` maps a period to a group size, e.g. ``{4: 2, 16: 8}``:
+    groups of 2 consecutive ranks average every 4 steps, all 8 ranks every 16 steps.
+    At a step divisible by several periods only the largest one averages (its group
+    contains the smaller ones). Steps are counted from 0, as in torch's
+    ``HierarchicalModelAverager``: the period test is ``step % period``, not counted
+    from the end of warm-up. Groups of one rank never communicate.
+
+    Creating it creates the subgroups, a collective: every rank of the process group
+    must create it, with the same arguments.
+
+    :param period_group_size_dict: period -> group size; see
+        :func:`validate_period_group_sizes` for the rules.
+    :param warmup_steps: steps before the first averaging.
+    :param process_group: the top-level group (``None``: the default group); the last
+        group size must be its size.
+    """
+
+    def __init__(
+        self,
+        period_group_size_dict: Mapping[int, int],
+        warmup_steps: int = 0,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(warmup_steps=warmup_steps, process_group=process_group)
+        validate_period_group_sizes(period_group_size_dict, None)
+        _require_initialized("HierarchicalAverager")
+        top = self.process_group
+        overall = dist.get_world_size(top)
+        self.period_group_size_dict = validate_period_group_sizes(period_group_size_dict, overall)
+        self._periods_largest_first = sorted(self.period_group_size_dict, reverse=True)
+        #: period -> the group averaging at that period (``None``: one-rank groups)
+        self.period_process_group_dict: dict[int, dist.ProcessGroup | None] = {}
+        for period, size in self.period_group_size_dict.items():
+            if size == overall:
+                self.period_process_group_dict[period] = top
+            elif size == 1:
+                self.period_process_group_dict[period] = None
+            else:
+                self.period_process_group_dict[period], _ = dist.new_subgroups(
+                    group_size=size, group=top
+                )
+
+    @property
+    def period(self) -> int:
+        """The largest period: how often the whole process group is averaged."""
+        return self._periods_largest_first[0]
+
+    def group_for_step(self, step: int) -> dist.ProcessGroup | None:
+        """The group of the largest period dividing ``step``, if any."""
+        for period in self._periods_largest_first:
+            if step % period == 0:
+                return self.period_process_group_dict[period]
+        return None
+
+    def __repr__(self) -> str:
+        return (f"HierarchicalAverager({self.period_group_size_dict}, "
+                f"warmup_steps={self.warmup_steps}, step={self.step})")
