@@ -1,0 +1,52 @@
+"""The DiLoCo averager on 2 gloo ranks, through overlapkit.post_local_sgd."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import diloco_ranks
+import pytest
+import torch
+from overlapkit.distributed import run_distributed
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, Any]]:
+    return run_distributed(diloco_ranks.run_all, 2, timeout=180)
+
+
+def test_outer_lr_one_without_momentum_is_periodic_averaging_exactly(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for result in ranks:
+        assert torch.equal(result["diloco_unit"], result["periodic"])
+
+
+def test_default_nesterov_outer_step_changes_the_trajectory(ranks: list[dict[str, Any]]) -> None:
+    assert not torch.equal(ranks[0]["diloco"], ranks[0]["periodic"])
+
+
+def test_nesterov_outer_step_matches_the_formula(ranks: list[dict[str, Any]]) -> None:
+    # The formula is evaluated in float64; the averager works in float32.
+    for result in ranks:
+        assert result["nesterov_max_error"] < 1e-5
+
+
+def test_ranks_agree_after_the_last_outer_step(ranks: list[dict[str, Any]]) -> None:
+    # 12 steps, warm-up 2, period 3: averaging at steps 2, 5, 8 and 11, the last one.
+    assert torch.equal(ranks[0]["diloco"], ranks[1]["diloco"])
+
+
+def test_resumed_run_matches_the_uninterrupted_one(ranks: list[dict[str, Any]]) -> None:
+    for result in ranks:
+        assert torch.equal(result["resumed"], result["diloco"])
+
+
+def test_state_dict_holds_the_round_start_and_outer_momentum(
+    ranks: list[dict[str, Any]],
+) -> None:
+    saved = ranks[0]["saved_averager"]
+    assert saved["step"] == 7
+    assert len(saved["round_start"]) == 4  # two Linear layers: weight and bias each
+    momentum = [s["momentum_buffer"] for s in saved["outer_optimizer"]["state"].values()]
+    assert len(momentum) == 4 and all(m.abs().sum() > 0 for m in momentum)

@@ -1,0 +1,66 @@
+"""The plugin as users meet it: installed, listed, blockable, validating its options."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import overlapkit
+import overlapkit_diloco.plugin
+import pytest
+import torch
+from overlapkit.plugins import OverlapkitPluginManager
+from overlapkit_diloco import DiLoCoAverager
+
+
+def _plugins_json(**env: str) -> dict[str, dict[str, object]]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "overlapkit", "plugins", "--json"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, **env},
+    )
+    assert proc.returncode == 0, proc.stderr
+    return {p["name"]: p for p in json.loads(proc.stdout)}
+
+
+def test_installed_plugin_is_listed_with_its_version() -> None:
+    listed = _plugins_json()["diloco"]
+    assert (listed["distribution"], listed["version"]) == ("overlapkit-diloco", "0.1.0")
+    assert listed["provides"] == {"averagers": ["diloco"]}
+
+
+def test_blocking_the_plugin_by_name_removes_it() -> None:
+    listed = _plugins_json(OVERLAPKIT_DISABLE_PLUGINS="diloco")
+    assert listed["diloco"]["status"] == "blocked"
+    assert listed["diloco"]["provides"] == {}
+
+
+def test_registered_by_hand_in_a_test(overlapkit_plugin_manager: OverlapkitPluginManager) -> None:
+    with pytest.raises(overlapkit.UnknownNameError):
+        overlapkit.create_averager("diloco", period=4)  # autoload is off in the fixture
+    overlapkit_plugin_manager.register(overlapkit_diloco.plugin, name="diloco")
+    averager = overlapkit.create_averager("diloco", period=4, outer_lr=0.5)
+    assert isinstance(averager, DiLoCoAverager) and averager.period == 4
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [({"outer_lr": 0.0}, "outer_lr must be > 0"),
+     ({"outer_momentum": 1.0}, "outer_momentum must be in"),
+     ({"period": 0}, "period must be an integer >= 1")],
+)
+def test_bad_options_are_clear_errors(
+    overlapkit_plugin_manager: OverlapkitPluginManager, options: dict[str, float], message: str
+) -> None:
+    overlapkit_plugin_manager.register(overlapkit_diloco.plugin, name="diloco")
+    with pytest.raises(overlapkit.ConfigurationError, match=message):
+        overlapkit.create_averager("diloco", **{"period": 4, **options})
+
+
+def test_outer_weight_decay_is_refused() -> None:
+    averager = DiLoCoAverager(
+        2, outer_optimizer=lambda ts: torch.optim.SGD(ts, lr=0.7, weight_decay=0.1))
+    with pytest.raises(overlapkit.ConfigurationError, match="must not use weight_decay"):
+        averager.load_state_dict({"step": 3, "round_start": [torch.zeros(2)],
+                                  "outer_optimizer": {}})
