@@ -6,6 +6,7 @@ Public API::
     overlapkit.list_plugins()                 # what is installed, and what it provides
     overlapkit.build_comm_hook("allreduce")   # a registered DDP comm hook, by name
     @overlapkit.hookimpl                      # the marker for plugin hook functions
+    overlapkit.checkpoint.save(path, model, optimizer)   # sharded, atomic checkpoints
 
 See ``docs/`` for the user guide and the plugin author guide.
 """
@@ -53,6 +54,7 @@ __all__ = [
     "UnsupportedOptimizerError",
     "__version__",
     "build_comm_hook",
+    "checkpoint",
     "create_plugin_manager",
     "get_plugin_manager",
     "hookimpl",
@@ -62,6 +64,11 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    # overlapkit.checkpoint imports torch.distributed.checkpoint: only when first used.
+    if name == "checkpoint":
+        import importlib
+
+        return importlib.import_module("overlapkit.checkpoint")
     # __version__ is read from the installed metadata only when asked for.
     if name == "__version__":
         import importlib_metadata
