@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import checkpoint_scenarios as scenarios
 import pytest
 import torch
 
-import checkpoint_scenarios as scenarios
 from overlapkit.distributed import run_distributed
 
 

@@ -130,9 +130,9 @@ def has_nested_sharded_tensor(state_dict: Any) -> bool:
     if not isinstance(state_dict, Mapping):
         return False
     for value in state_dict.values():
-        if isinstance(value, ShardedTensor) and value.local_shards():
-            if isinstance(value.local_shards()[0].tensor, ShardedTensor):
-                return True
+        shards = value.local_shards() if isinstance(value, ShardedTensor) else []
+        if shards and isinstance(shards[0].tensor, ShardedTensor):
+            return True
     return False
 
 
