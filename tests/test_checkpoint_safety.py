@@ -26,7 +26,6 @@ from overlapkit.cli import main
 from overlapkit.errors import CheckpointError, UnknownNameError
 
 
-
 def make(seed: int = 0, width: int = 16, optimizer: type = torch.optim.AdamW
          ) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
