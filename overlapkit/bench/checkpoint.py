@@ -130,7 +130,7 @@ def run_benchmark(
         "ratios", "notes"}``, JSON-serialisable.
     """
     save_ws = save_world_size or max(1, world_size // 2)
-    layers = layers or (4 if quick else 16)
+    layers = layers or (4 if quick else 17)
     dim = dim or (256 if quick else 1024)
     root = Path(tempfile.mkdtemp(prefix="overlapkit-bench-ckpt-", dir=directory))
     path = str(root / "ckpt")
