@@ -8,6 +8,7 @@ Public API::
     opt = overlapkit.post_local_sgd(ddp_model, torch.optim.SGD(params, lr=0.1),
                                     period=4, warmup_steps=100)   # post-local SGD
     @overlapkit.hookimpl                      # the marker for plugin hook functions
+    overlapkit.checkpoint.save(path, model, optimizer)   # sharded, atomic checkpoints
 
 See ``docs/`` for the user guide and the plugin author guide.
 """
@@ -57,6 +58,7 @@ __all__ = [
     "UnsupportedOptimizerError",
     "__version__",
     "build_comm_hook",
+    "checkpoint",
     "create_averager",
     "create_plugin_manager",
     "get_plugin_manager",
@@ -68,6 +70,11 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    # overlapkit.checkpoint imports torch.distributed.checkpoint: only when first used.
+    if name == "checkpoint":
+        import importlib
+
+        return importlib.import_module("overlapkit.checkpoint")
     # __version__ is read from the installed metadata only when asked for.
     if name == "__version__":
         import importlib_metadata

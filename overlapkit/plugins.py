@@ -51,6 +51,7 @@ ENTRY_POINT_GROUP = "overlapkit"
 BUILTIN_PLUGINS: dict[str, str] = {
     "overlapkit.comm_hooks": "overlapkit.builtin.comm_hooks",
     "overlapkit.local_sgd": "overlapkit.builtin.local_sgd",
+    "overlapkit.checkpoint": "overlapkit.builtin.checkpoint",
 }
 
 ENV_DISABLE_AUTOLOAD = "OVERLAPKIT_DISABLE_PLUGIN_AUTOLOAD"

@@ -60,7 +60,7 @@ def test_demo_table_for_people() -> None:
     proc = _overlapkit("demo", "--model-size", "tiny", "--steps", "3", "--technique",
                        "overlap_ddp")
     assert proc.returncode == 0, proc.stderr
-    header, rule, *rows = proc.stdout.splitlines()
+    header, _rule, *rows = proc.stdout.splitlines()
     assert header.split()[:3] == ["technique", "step", "(ms)"]
     assert [row.split()[0] for row in rows[:2]] == ["plain", "overlap_ddp"]
     assert "overlap_ddp [" in proc.stderr  # the progress bar

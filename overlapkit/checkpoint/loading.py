@@ -1,0 +1,64 @@
+"""Loading a checkpoint into a model and optimizer, resharded to the current mesh."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.planner import LoadPlanner
+
+from overlapkit.checkpoint._state import (
+    MODEL_KEY,
+    OPTIMIZER_KEY,
+    converted_dcp_errors,
+    load_into,
+    state_dicts,
+)
+from overlapkit.checkpoint.metadata import SafeFileSystemReader, read_metadata
+from overlapkit.checkpoint.planners import resolve_load_planner
+from overlapkit.checkpoint.validation import check_against_metadata
+
+__all__ = ["load"]
+
+
+def load(
+    path: str | os.PathLike[str],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    planner: LoadPlanner | str | None = None,
+) -> None:
+    """Load a checkpoint written by :func:`~overlapkit.checkpoint.save` into ``model``
+    and ``optimizer``, in place, resharded to the current world size and mesh.
+
+    Call it on every rank, after the model is wrapped (DDP, FSDP1, FSDP2, FSDP + TP or
+    plain) and the optimizer is created. The saving run's world size and mesh do not
+    matter: each rank reads exactly the pieces of its own shards, from 2-D to 1-D and
+    back included. Parameters and every optimizer-state tensor end up bitwise equal to
+    the saved ones.
+
+    Before anything is read the checkpoint's metadata (read without unpickling arbitrary
+    objects) is compared with the model and optimizer, so a mismatch is one clear
+    :class:`~overlapkit.errors.CheckpointError` on every rank rather than a traceback from
+    inside DCP.
+
+    :param planner: a DCP ``LoadPlanner``, the name of a registered load planner, or
+        ``None`` to choose one from the model state dict's layout.
+    :raises CheckpointError: no checkpoint at ``path``; truncated or corrupt metadata;
+        a checkpoint of a different model or optimizer; a tensor whose shape differs.
+    :raises UnknownNameError: ``planner`` names no registered load planner.
+    """
+    path = Path(path)
+    metadata = read_metadata(path)
+    state = state_dicts(model, optimizer)
+    flat, _ = flatten_state_dict(state)
+    check_against_metadata(flat, metadata, path=path, model_key=MODEL_KEY,
+                           optimizer_key=OPTIMIZER_KEY if optimizer is not None else None)
+    _, chosen = resolve_load_planner(planner, state[MODEL_KEY])
+    reader = SafeFileSystemReader(path, metadata=metadata)
+    converted_dcp_errors("loading the checkpoint at", path,
+                         lambda: dcp.load(state, storage_reader=reader, planner=chosen))
+    load_into(model, optimizer, state)

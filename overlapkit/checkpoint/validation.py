@@ -1,0 +1,113 @@
+"""Checking a state dict against a checkpoint's metadata before anything is read.
+
+DCP reports a missing key or a shape mismatch from deep inside its planner, after a
+collective, as a ``CheckpointException`` (a ``BaseException``) wrapping each rank's
+traceback. Comparing the flattened state dict with the metadata first gives one
+:class:`~overlapkit.errors.CheckpointError` that names what differs and what to do, on
+every rank alike (every rank reads the same metadata and builds the same keys).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
+
+from overlapkit.errors import CheckpointError
+
+__all__ = ["check_against_metadata"]
+
+_SHOWN = 5
+
+
+def _few(keys: Iterable[str]) -> str:
+    keys = sorted(keys)
+    shown = ", ".join(repr(k) for k in keys[:_SHOWN])
+    return shown + (f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
+
+
+def _under(keys: Iterable[str], prefix: str) -> set[str]:
+    return {k for k in keys if k == prefix or k.startswith(prefix + ".")}
+
+
+def check_against_metadata(
+    flat_state_dict: Mapping[str, Any],
+    metadata: Metadata,
+    *,
+    path: object,
+    model_key: str = "model",
+    optimizer_key: str | None = "optimizer",
+) -> None:
+    """Raise a :class:`CheckpointError` unless every entry of ``flat_state_dict`` (a DCP
+    flattened state dict) is in the checkpoint with the same global shape, and the
+    checkpoint holds nothing else under ``model_key`` and ``optimizer_key``.
+
+    Checked in this order, so the most telling error wins: model keys (a checkpoint
+    of a different model), the optimizer key itself, optimizer keys (a different
+    optimizer or settings), then shapes.
+    """
+    saved = metadata.state_dict_metadata
+    wanted = set(flat_state_dict)
+    sections = [model_key] + ([optimizer_key] if optimizer_key else [])
+    for section in sections:
+        mine, theirs = _under(wanted, section), _under(saved, section)
+        if mine and not theirs:
+            tops = sorted({str(k).split(".", 1)[0] for k in saved})
+            raise CheckpointError(
+                f"the checkpoint at {path} has no {section!r} entries (its top-level keys "
+                f"are {tops}). It was not written by overlapkit.checkpoint.save with "
+                f"{'a model' if section == model_key else 'an optimizer'}; load it with "
+                "the API that wrote it, or pass the matching key."
+            )
+        missing, unexpected = mine - theirs, theirs - mine
+        if not (missing or unexpected):
+            continue
+        if section == model_key:
+            what = "a different model"
+            todo = ("Build the same model (same modules and parameter names) before "
+                    "loading, or load the checkpoint that belongs to this model.")
+        else:
+            what = "a different optimizer or optimizer settings"
+            todo = ("Create the same optimizer class with the same parameter groups as "
+                    "when the checkpoint was saved, then load.")
+        detail = []
+        if missing:
+            detail.append(f"missing from the checkpoint: {_few(missing)}")
+        if unexpected:
+            detail.append(f"in the checkpoint but not expected: {_few(unexpected)}")
+        raise CheckpointError(
+            f"the checkpoint at {path} is from {what}: {'; '.join(detail)}. {todo}"
+        )
+    for key in sorted(wanted):
+        value, stored = flat_state_dict[key], saved.get(key)
+        if stored is None:
+            raise CheckpointError(
+                f"the checkpoint at {path} has no entry {key!r}; save it with this "
+                "model and optimizer, or load the checkpoint that belongs to them."
+            )
+        if isinstance(value, torch.Tensor):
+            if isinstance(stored, BytesStorageMetadata):
+                raise CheckpointError(
+                    f"{key!r} is a tensor here but a non-tensor value in the checkpoint at "
+                    f"{path}; load it into the model and optimizer that saved it."
+                )
+            assert isinstance(stored, TensorStorageMetadata)
+            if tuple(value.size()) != tuple(stored.size):
+                raise CheckpointError(
+                    f"{key!r} has shape {tuple(stored.size)} in the checkpoint at {path} "
+                    f"but {tuple(value.size())} here; build the model with the same "
+                    "sizes as when it was saved (resharding changes the local shards, "
+                    "never the global shape)."
+                )
+        elif isinstance(stored, TensorStorageMetadata):
+            raise CheckpointError(
+                f"{key!r} is a tensor of shape {tuple(stored.size)} in the checkpoint at "
+                f"{path} but a {type(value).__name__} here; load it into the model and "
+                "optimizer that saved it."
+            )

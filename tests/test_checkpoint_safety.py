@@ -1,0 +1,365 @@
+"""Single-process checkpoint behaviour: errors, safe unpickling, atomic saves, inspect.
+
+Plain modules in the test process (DCP loads and saves without a process group), real
+DCP directories in tmp_path; the killed save is a real SIGKILL of a real subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import overlapkit
+from overlapkit import checkpoint
+from overlapkit.cli import main
+from overlapkit.errors import CheckpointError, UnknownNameError
+
+
+def make(seed: int = 0, width: int = 16, optimizer: type = torch.optim.AdamW
+         ) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Linear(width, 4))
+    opt = optimizer(model.parameters(), lr=0.01)
+    model(torch.randn(4, 8)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+@pytest.fixture(scope="module")
+def saved(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, nn.Module, torch.optim.Optimizer]:
+    path = tmp_path_factory.mktemp("ckpt") / "step-1"
+    model, opt = make()
+    checkpoint.save(path, model, opt)
+    return path, model, opt
+
+
+@pytest.fixture
+def copy_of(saved: tuple[Path, nn.Module, torch.optim.Optimizer], tmp_path: Path) -> Path:
+    path = tmp_path / "copy"
+    shutil.copytree(saved[0], path)
+    return path
+
+
+def test_checkpoint_is_reachable_as_an_attribute_of_the_package() -> None:
+    assert overlapkit.checkpoint is checkpoint
+    assert "checkpoint" in overlapkit.__all__
+
+
+def test_plain_model_roundtrip_is_exact_even_with_gradients_present(
+    saved: tuple[Path, nn.Module, torch.optim.Optimizer],
+) -> None:
+    path, model, opt = saved
+    other, other_opt = make(seed=5)
+    other(torch.randn(4, 8)).sum().backward()  # grads present, state empty below
+    other_opt.state.clear()
+    checkpoint.load(path, other, other_opt)
+    for p, q in zip(model.parameters(), other.parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert opt.state[p].keys() == other_opt.state[q].keys()
+        for key in opt.state[p]:
+            assert torch.equal(opt.state[p][key], other_opt.state[q][key])
+    assert all(q.grad is not None for q in other.parameters())  # put back untouched
+
+
+# -- errors ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["missing", "empty dir", "file"])
+def test_no_checkpoint_at_path(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "nothing"
+    if kind == "empty dir":
+        path.mkdir()
+    elif kind == "file":
+        path.write_text("x")
+    model, opt = make()
+    with pytest.raises(CheckpointError, match=r"checkpoint\.save|not a checkpoint") as err:
+        checkpoint.load(path, model, opt)
+    assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
+def test_truncated_or_corrupt_metadata(copy_of: Path, damage: str) -> None:
+    meta = copy_of / ".metadata"
+    data = meta.read_bytes()
+    meta.write_bytes({"truncated": data[: len(data) // 2], "garbage": b"\x80\x04junk" * 9,
+                      "empty": b""}[damage])
+    model, opt = make()
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        checkpoint.load(copy_of, model, opt)
+
+
+def test_shape_mismatch_names_the_tensor_and_both_shapes(
+    saved: tuple[Path, nn.Module, torch.optim.Optimizer],
+) -> None:
+    model, opt = make(width=32)
+    with pytest.raises(CheckpointError) as err:
+        checkpoint.load(saved[0], model, opt)
+    assert "'model.0.bias' has shape (16,) in the checkpoint" in str(err.value)
+    assert "but (32,) here" in str(err.value)
+
+
+def test_different_optimizer_lists_the_missing_optimizer_keys(
+    saved: tuple[Path, nn.Module, torch.optim.Optimizer],
+) -> None:
+    model, opt = make(optimizer=torch.optim.Adagrad)
+    with pytest.raises(CheckpointError, match="different optimizer") as err:
+        checkpoint.load(saved[0], model, opt)
+    assert "optimizer.state.0.bias.sum" in str(err.value)
+    assert "same optimizer class" in str(err.value)
+
+
+def test_checkpoint_without_optimizer_state(tmp_path: Path) -> None:
+    model, opt = make()
+    checkpoint.save(tmp_path / "model-only", model)
+    with pytest.raises(CheckpointError, match="no 'optimizer' entries"):
+        checkpoint.load(tmp_path / "model-only", model, opt)
+    checkpoint.load(tmp_path / "model-only", model)  # the model alone loads
+
+
+def test_missing_optimizer_key_in_load_sharded_optimizer_state_dict(
+    saved: tuple[Path, nn.Module, torch.optim.Optimizer],
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    with pytest.raises(CheckpointError, match="no optimizer state under 'optim'") as err:
+        checkpoint.load_sharded_optimizer_state_dict(
+            saved[1].state_dict(), "optim", dcp.FileSystemReader(saved[0]))
+    assert "['model', 'optimizer']" in str(err.value)
+
+
+def test_checkpoint_from_a_different_model_lists_missing_and_unexpected(
+    saved: tuple[Path, nn.Module, torch.optim.Optimizer],
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Linear(16, 4))
+    with pytest.raises(CheckpointError, match="from a different model") as err:
+        checkpoint.load(saved[0], model, torch.optim.AdamW(model.parameters()))
+    message = str(err.value)
+    assert "missing from the checkpoint: 'model.3.bias', 'model.3.weight'" in message
+    assert "Build the same model" in message
+
+
+def test_dcp_failure_becomes_a_checkpoint_error(copy_of: Path) -> None:
+    # DCP raises CheckpointException, a BaseException, when a data file is gone.
+    for data_file in copy_of.glob("*.distcp"):
+        data_file.unlink()
+    model, opt = make()
+    with pytest.raises(CheckpointError, match=r"failed on ranks \[0\].*FileNotFoundError"):
+        checkpoint.load(copy_of, model, opt)
+
+
+def test_save_refuses_to_replace_something_that_is_not_a_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "keep.txt").write_text("precious")
+    model, opt = make()
+    with pytest.raises(CheckpointError, match="exists and is not a checkpoint"):
+        checkpoint.save(tmp_path / "results", model, opt)
+    assert (tmp_path / "results" / "keep.txt").read_text() == "precious"
+
+
+# -- safe unpickling -------------------------------------------------------------------
+
+class _Payload:
+    """Unpickling this creates a directory: the stand-in for arbitrary code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return os.mkdir, (str(self.marker),)
+
+
+def test_metadata_with_a_foreign_class_is_refused_and_never_run(
+    copy_of: Path, tmp_path: Path,
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    marker = tmp_path / "ran"
+    metadata = checkpoint.read_metadata(copy_of)
+    metadata.planner_data["evil"] = _Payload(marker)
+    (copy_of / ".metadata").write_bytes(pickle.dumps(metadata))
+    model, opt = make()
+    with pytest.raises(CheckpointError, match=r"refers to posix\.mkdir"):
+        checkpoint.load(copy_of, model, opt)
+    with pytest.raises(CheckpointError, match="refuses to unpickle"):
+        checkpoint.inspect(copy_of)
+    with pytest.raises(CheckpointError, match="refuses to unpickle"):  # torch's reader swapped
+        checkpoint.load_sharded_optimizer_state_dict(
+            model.state_dict(), "optimizer", dcp.FileSystemReader(copy_of))
+    assert not marker.exists()
+
+
+def test_non_tensor_entry_with_a_foreign_object_is_refused_and_never_run(
+    tmp_path: Path,
+) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    marker = tmp_path / "ran"
+    model, opt = make()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    optim_sd["param_groups"][0]["lr"] = _Payload(marker)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp_path / "evil")
+    with pytest.raises(CheckpointError, match=r"'optimizer\.param_groups\.0\.lr' is not a plain"):
+        checkpoint.load(tmp_path / "evil", model, opt)
+    assert not marker.exists()
+
+
+def test_every_class_in_real_metadata_is_allowed(
+    saved: tuple[Path, nn.Module, torch.optim.Optimizer],
+) -> None:
+    data = (saved[0] / ".metadata").read_bytes()
+    assert checkpoint.SafeUnpickler.__module__ == "overlapkit.checkpoint.metadata"
+    assert checkpoint.read_metadata(saved[0]) == pickle.loads(data)
+
+
+# -- atomic saves ----------------------------------------------------------------------
+
+_SAVER = """
+import sys, torch
+from torch import nn
+from overlapkit import checkpoint
+torch.manual_seed(1)
+model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(24)])
+opt = torch.optim.AdamW(model.parameters())
+model(torch.randn(2, 512)).sum().backward(); opt.step()
+print("saving", flush=True)
+checkpoint.save(sys.argv[1], model, opt)
+print("saved", flush=True)
+"""
+
+
+def _big_model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(24)])
+    return model, torch.optim.AdamW(model.parameters())
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
+    path = tmp_path / "latest"
+    previous, previous_opt = _big_model(seed=0)
+    previous(torch.randn(2, 512)).sum().backward()
+    previous_opt.step()
+    checkpoint.save(path, previous, previous_opt)
+
+    saver = subprocess.Popen([sys.executable, "-c", _SAVER, str(path)],
+                             stdout=subprocess.PIPE, text=True)
+    assert saver.stdout is not None and saver.stdout.readline().strip() == "saving"
+    partial = tmp_path / ".latest.saving"
+    deadline = time.monotonic() + 60
+    while not any(partial.glob("*.distcp")) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    saver.send_signal(signal.SIGKILL)
+    saver.wait()
+    assert saver.returncode == -signal.SIGKILL
+    assert partial.is_dir() and not (partial / ".metadata").exists()  # killed mid-way
+
+    model, opt = _big_model(seed=3)
+    checkpoint.load(path, model, opt)
+    for p, q in zip(previous.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert torch.equal(previous_opt.state[p]["exp_avg"], opt.state[q]["exp_avg"])
+
+    checkpoint.save(path, model, opt)  # the next save clears the partial one
+    assert not partial.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
+
+
+def test_save_replaces_a_previous_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    first, first_opt = make(seed=0)
+    checkpoint.save(path, first, first_opt)
+    second, second_opt = make(seed=1)
+    checkpoint.save(path, second, second_opt)
+    model, opt = make(seed=2)
+    checkpoint.load(path, model, opt)
+    assert torch.equal(model[0].weight, second[0].weight)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_save_interrupted_between_its_renames_is_recovered(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    model, opt = make(seed=0)
+    checkpoint.save(path, model, opt)
+    path.rename(tmp_path / ".ckpt.old")  # where the swap leaves it, had it died there
+    with pytest.raises(CheckpointError, match=r"previous checkpoint is intact at .*\.ckpt\.old"):
+        checkpoint.load(path, model, opt)
+    checkpoint.save(path, *make(seed=1))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+# -- planners ---------------------------------------------------------------------------
+
+def test_builtin_load_planners_are_registered(overlapkit_plugin_manager) -> None:
+    registry = overlapkit_plugin_manager.registry
+    assert registry.provided_by("overlapkit.checkpoint") == {
+        "load_planners": ["default", "offset_2d"]}
+    assert [s.name for s in registry.load_planners_by_priority()] == ["offset_2d", "default"]
+
+
+def test_planner_is_chosen_from_the_layout_or_by_name(overlapkit_plugin_manager) -> None:
+    from overlapkit.checkpoint.planners import resolve_load_planner
+
+    plain = nn.Linear(2, 2).state_dict()
+    name, planner = resolve_load_planner(None, plain)
+    assert (name, type(planner)) == ("default", checkpoint.SafeLoadPlanner)
+    name, planner = resolve_load_planner("offset-2d", plain)
+    assert (name, type(planner)) == ("offset_2d", checkpoint.OffsetLoadPlanner)
+    with pytest.raises(UnknownNameError, match="'default', 'offset_2d'"):
+        resolve_load_planner("nope", plain)
+
+
+def test_load_with_an_unknown_planner_name_fails_before_reading(
+    saved: tuple[Path, nn.Module, torch.optim.Optimizer],
+) -> None:
+    model, opt = make(seed=4)
+    with pytest.raises(UnknownNameError):
+        checkpoint.load(saved[0], model, opt, planner="nope")
+
+
+# -- inspect -----------------------------------------------------------------------------
+
+def test_inspect_lists_tensors_shapes_dtypes_and_size(
+    saved: tuple[Path, nn.Module, torch.optim.Optimizer],
+) -> None:
+    info = checkpoint.inspect(saved[0])
+    by_key = {e.key: e for e in info.entries}
+    weight = by_key["optimizer.state.0.weight.exp_avg"]
+    assert (weight.kind, weight.shape, weight.dtype) == ("tensor", (16, 8), "torch.float32")
+    assert weight.chunks == (((0, 0), (16, 8)),)
+    assert weight.stored_bytes >= 16 * 8 * 4
+    assert by_key["optimizer.param_groups.0.lr"].kind == "value"
+    assert info.size_on_disk == sum(f.stat().st_size for f in saved[0].iterdir())
+
+
+def test_cli_inspect_table_and_json(
+    saved: tuple[Path, nn.Module, torch.optim.Optimizer], capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["checkpoint", "inspect", str(saved[0])]) == 0
+    table = capsys.readouterr().out
+    assert "16 tensors" in table and "model.0.weight" in table and "(16, 8)" in table
+    assert main(["checkpoint", "inspect", "--json", str(saved[0])]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["tensor_count"] == 16
+    assert {"key", "shape", "dtype", "chunks", "stored_bytes"} <= set(data["entries"][0])
+
+
+def test_cli_inspect_missing_path_is_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["checkpoint", "inspect", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("overlapkit: error: no checkpoint at") and "Traceback" not in err
