@@ -47,6 +47,8 @@ def _post_local_sgd(ddp: DDP, cfg: DemoConfig) -> torch.optim.Optimizer:
     return overlapkit.post_local_sgd(
         ddp, torch.optim.AdamW(ddp.parameters(), lr=cfg.lr),
         period=cfg.period, warmup_steps=cfg.warmup_steps,
+        # every rank its own subgroup: after warm-up, steps are truly local
+        subgroup_size=1,
     )
 
 

@@ -83,7 +83,7 @@ def run_all(rank: int, world_size: int) -> dict[str, Any]:
     periodic, _ = _train(rank, "periodic", range(STEPS))
     unit, _ = _train(rank, "diloco", range(STEPS), outer_lr=1.0, outer_momentum=0.0)
     diloco, _ = _train(rank, "diloco", range(STEPS))
-    half, state = _train(rank, "diloco", range(7))
+    _, state = _train(rank, "diloco", range(7))
     resumed, _ = _train(rank, "diloco", range(7, STEPS), state=state)
     results = {
         "periodic": periodic, "diloco_unit": unit, "diloco": diloco, "resumed": resumed,

@@ -7,6 +7,7 @@ from typing import Any
 import diloco_ranks
 import pytest
 import torch
+
 from overlapkit.distributed import run_distributed
 
 

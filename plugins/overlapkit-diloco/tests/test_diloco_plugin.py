@@ -7,10 +7,11 @@ import os
 import subprocess
 import sys
 
-import overlapkit
-import overlapkit_diloco.plugin
 import pytest
 import torch
+
+import overlapkit
+import overlapkit_diloco.plugin
 from overlapkit.plugins import OverlapkitPluginManager
 from overlapkit_diloco import DiLoCoAverager
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from overlapkit.overlapped import ParamGroup
 
 from overlapkit import OverlappedOptimizer, UnsupportedOptimizerError
+from overlapkit.overlapped import ParamGroup
 from overlapkit_lion.optimizer import Lion, lion_update
 
 __all__ = ["LionOverlapped"]
