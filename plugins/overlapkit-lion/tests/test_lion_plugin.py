@@ -1,0 +1,58 @@
+"""The plugin as users meet it: installed, listed, resolvable, blockable."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import overlapkit_lion.plugin
+import torch
+
+import overlapkit
+from overlapkit.plugins import OverlapkitPluginManager
+from overlapkit_lion import Lion, LionOverlapped
+
+
+def _plugins_json(**env: str) -> dict[str, dict[str, object]]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "overlapkit", "plugins", "--json"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, **env},
+    )
+    assert proc.returncode == 0, proc.stderr
+    return {p["name"]: p for p in json.loads(proc.stdout)}
+
+
+def test_installed_plugin_is_listed_with_its_version() -> None:
+    listed = _plugins_json()["lion"]
+    assert (listed["distribution"], listed["version"]) == ("overlapkit-lion", "0.1.0")
+    assert listed["provides"] == {"optimizers": ["overlapkit_lion.optimizer.Lion"]}
+
+
+def test_blocking_the_plugin_by_name_removes_it() -> None:
+    listed = _plugins_json(OVERLAPKIT_DISABLE_PLUGINS="lion")
+    assert listed["lion"]["status"] == "blocked"
+
+
+def test_lion_and_its_subclasses_resolve_to_the_plugin(
+    overlapkit_plugin_manager: OverlapkitPluginManager,
+) -> None:
+    overlapkit_plugin_manager.register(overlapkit_lion.plugin, name="lion")
+
+    class MyLion(Lion):
+        pass
+
+    registry = overlapkit_plugin_manager.registry
+    assert registry.optimizer_spec(MyLion).overlapped_cls is LionOverlapped
+    assert registry.optimizer_spec(torch.optim.AdamW).overlapped_cls is not LionOverlapped
+
+
+def test_lion_overlapped_refuses_other_optimizers() -> None:
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    try:
+        LionOverlapped(optimizer)
+    except overlapkit.UnsupportedOptimizerError as exc:
+        assert "Lion optimizers only" in str(exc)
+    else:
+        raise AssertionError("LionOverlapped accepted SGD")
