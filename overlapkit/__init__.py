@@ -5,6 +5,7 @@ Public API::
     import overlapkit
     overlapkit.list_plugins()                 # what is installed, and what it provides
     overlapkit.build_comm_hook("allreduce")   # a registered DDP comm hook, by name
+    opt = overlapkit.overlap_ddp(ddp_model, torch.optim.AdamW, lr=1e-3)  # step per bucket
     @overlapkit.hookimpl                      # the marker for plugin hook functions
 
 See ``docs/`` for the user guide and the plugin author guide.
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from overlapkit.comm_hooks import build_comm_hook
+from overlapkit.ddp_overlap import DDPOverlapOptimizer, overlap_ddp
 from overlapkit.errors import (
     CheckpointError,
     ConfigurationError,
@@ -27,6 +29,7 @@ from overlapkit.errors import (
     UnsupportedOptimizerError,
 )
 from overlapkit.hookspecs import hookimpl
+from overlapkit.overlapped import OverlappedOptimizer
 from overlapkit.plugins import (
     PluginInfo,
     create_plugin_manager,
@@ -41,9 +44,11 @@ __all__ = [
     "CheckpointError",
     "CommHookSpec",
     "ConfigurationError",
+    "DDPOverlapOptimizer",
     "LoadPlannerSpec",
     "OptimizerSpec",
     "OverlapkitError",
+    "OverlappedOptimizer",
     "PluginConflictError",
     "PluginInfo",
     "PluginLoadError",
@@ -57,6 +62,7 @@ __all__ = [
     "get_plugin_manager",
     "hookimpl",
     "list_plugins",
+    "overlap_ddp",
     "set_plugin_manager",
 ]
 
