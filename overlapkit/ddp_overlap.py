@@ -10,6 +10,7 @@ resolved once here, at set-up: the overlapped implementation of the optimizer cl
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -27,17 +28,22 @@ from overlapkit.errors import (
 from overlapkit.overlapped import OverlappedOptimizer
 from overlapkit.plugins import get_plugin_manager
 
-__all__ = ["DDPOverlapOptimizer", "overlap_ddp"]
+__all__ = ["STEP_THREADS", "DDPOverlapOptimizer", "overlap_ddp"]
 
 _MARKER = "_overlapkit_overlap_ddp"
+#: where bucket steps run: see overlap_ddp(step_thread=...)
+STEP_THREADS = ("backward", "comm")
 
 
 class _BucketStepper:
     """The state of the registered comm hook: runs the inner hook, then steps.
 
-    Callbacks of the inner hook's future run on a gloo worker thread, concurrently
-    with autograd (measured on torch 2.13), so the stepping goes through the
-    engine's lock; DDP waits for every future before ``backward()`` returns.
+    ``step_thread="backward"``: a bucket whose reduction has completed is stepped on
+    the thread running backward, at the next bucket's hook or, at the latest, just
+    before DDP finalises backward. ``"comm"``: in the future's callback, which runs
+    on a gloo worker thread concurrently with autograd (measured on torch 2.13).
+    Either way the stepping goes through the engine's lock, and every bucket has
+    been stepped when ``backward()`` returns.
     """
 
     def __init__(
@@ -47,6 +53,8 @@ class _BucketStepper:
         inner_hook: Any,
         *,
         track_usage: bool,
+        step_thread: str,
+        grads_are_bucket_views: bool,
         clip_grad_value: float | None,
         clip_grad_norm: float | None,
         clip_norm_type: float,
@@ -55,6 +63,8 @@ class _BucketStepper:
         self.inner_state = inner_state
         self.inner_hook = inner_hook
         self.track_usage = track_usage
+        self.step_thread = step_thread
+        self.grads_are_bucket_views = grads_are_bucket_views
         self.clip_grad_value = clip_grad_value
         self.clip_grad_norm = clip_grad_norm
         self.clip_norm_type = clip_norm_type
@@ -65,6 +75,7 @@ class _BucketStepper:
         #: parameters that got a gradient on this rank since the last synced backward
         self.used: set[torch.Tensor] = set()
         self._in_backward = False
+        self._pending: deque[tuple[dist.GradBucket, torch.futures.Future[Any]]] = deque()
 
     # -- on the autograd thread -------------------------------------------------
 
@@ -74,11 +85,26 @@ class _BucketStepper:
             self.stepped_since_step = True
             # DDP queues its own finalize after the last bucket's hook; a callback
             # queued from ours (queued now, so it runs first) lands after it.
-            Variable._execution_engine.queue_callback(self._after_backward_queue)
+            Variable._execution_engine.queue_callback(self._before_finalize)
         future = self.inner_hook(self.inner_state, bucket)
-        return future.then(lambda fut: self._step_bucket(bucket, fut))
+        if self.step_thread == "comm":
+            return future.then(lambda fut: self._step_bucket(bucket, fut))
+        self._pending.append((bucket, future))
+        self._drain(wait=False)
+        return future
 
-    def _after_backward_queue(self) -> None:
+    def _drain(self, wait: bool) -> None:
+        pending = self._pending
+        while pending:
+            bucket, future = pending[0]
+            if not wait and not future.done():
+                return
+            pending.popleft()
+            future.wait()
+            self._step_bucket(bucket, future)
+
+    def _before_finalize(self) -> None:
+        self._drain(wait=True)
         Variable._execution_engine.queue_callback(self._after_backward)
 
     def _after_backward(self) -> None:
@@ -113,16 +139,18 @@ class _BucketStepper:
             buffer.copy_(result)
         engine = self.engine
         used = self.used
+        track_usage = self.track_usage
+        # gradient_as_bucket_view=True: DDP has made each used .grad a view of the
+        # bucket. False: .grad is still the local gradient (DDP copies the reduced
+        # one into it after backward), so the reduced view is lent for the step.
+        lend = not self.grads_are_bucket_views
         chosen: list[torch.Tensor] = []
         restore: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
-            if not engine.owns(param) or (self.track_usage and param not in used):
+            if not engine.owns(param) or (track_usage and param not in used):
                 continue
-            current = param.grad
-            # gradient_as_bucket_view=False: .grad is still the local gradient;
-            # DDP copies the reduced one into it after backward.
-            if current is None or current.data_ptr() != grad.data_ptr():
-                restore.append((param, current))
+            if lend:
+                restore.append((param, param.grad))
                 param.grad = grad
             chosen.append(param)
         self.last_buckets[bucket.index()] = chosen
@@ -359,6 +387,7 @@ def overlap_ddp(
     params: Iterable[Any] | None = None,
     comm_hook: str = "allreduce",
     comm_hook_options: Mapping[str, Any] | None = None,
+    step_thread: str = "backward",
     clip_grad_value: float | None = None,
     clip_grad_norm: float | None = None,
     clip_norm_type: float = 2.0,
@@ -379,6 +408,11 @@ def overlap_ddp(
         optimizer stepped after backward.
     :param comm_hook: a registered comm hook (``overlapkit plugins`` lists them).
     :param comm_hook_options: keyword options for the comm hook's builder.
+    :param step_thread: ``"backward"`` (default): each bucket whose reduction has
+        completed is stepped on the thread running backward, at the next bucket's
+        hook or just before DDP finalises backward. ``"comm"``: in the comm future's
+        callback, on the communication worker thread, concurrently with autograd
+        (slower on CPU, where they compete for the same cores).
     :param clip_grad_value: clamp each gradient to ``[-v, v]`` before its step
         (exactly ``clip_grad_value_`` after backward).
     :param clip_grad_norm: clip the norm of each *bucket's* gradients to this value
@@ -410,6 +444,11 @@ def overlap_ddp(
             f"comm_hook_options must be a dict of the hook's options, got "
             f"{type(comm_hook_options).__name__}."
         )
+    if step_thread not in STEP_THREADS:
+        raise ConfigurationError(
+            f"step_thread must be one of {', '.join(map(repr, STEP_THREADS))}, got "
+            f"{step_thread!r}."
+        )
     _check_clip("clip_grad_value", clip_grad_value)
     _check_clip("clip_grad_norm", clip_grad_norm)
 
@@ -437,7 +476,8 @@ def overlap_ddp(
     )
     track_usage = bool(model.find_unused_parameters or model.static_graph)
     stepper = _BucketStepper(
-        engine, inner_state, inner_hook, track_usage=track_usage,
+        engine, inner_state, inner_hook, track_usage=track_usage, step_thread=step_thread,
+        grads_are_bucket_views=bool(model.gradient_as_bucket_view),
         clip_grad_value=clip_grad_value, clip_grad_norm=clip_grad_norm,
         clip_norm_type=clip_norm_type,
     )

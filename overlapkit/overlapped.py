@@ -59,7 +59,8 @@ class OverlappedOptimizer:
         self.optimizer = optimizer
         #: held while a step, ``load_state_dict`` or ``zero_grad`` runs
         self.lock = threading.RLock()
-        self._group_of: dict[torch.Tensor, int] = {}
+        # keyed by id(): Tensor.__hash__ is a Python-level call, id() is not
+        self._group_of: dict[int, int] = {}
         self.reindex()
 
     # -- what subclasses implement ----------------------------------------------
@@ -114,7 +115,7 @@ class OverlappedOptimizer:
 
     def owns(self, param: torch.Tensor) -> bool:
         """Whether ``param`` is one of the real optimizer's parameters."""
-        return param in self._group_of
+        return id(param) in self._group_of
 
     def step_params(self, params: Iterable[torch.Tensor]) -> None:
         """Step exactly ``params`` (each must have ``.grad`` set); the ones this
@@ -122,7 +123,7 @@ class OverlappedOptimizer:
         group_of = self._group_of
         chosen: dict[int, list[torch.Tensor]] = {}
         for param in params:
-            index = group_of.get(param)
+            index = group_of.get(id(param))
             if index is not None:
                 chosen.setdefault(index, []).append(param)
         if not chosen:
@@ -166,7 +167,7 @@ class OverlappedOptimizer:
         """
         with self.lock:
             self._group_of = {
-                param: index
+                id(param): index
                 for index, group in enumerate(self.optimizer.param_groups)
                 for param in group["params"]
             }

@@ -218,6 +218,11 @@ def _bucket_views_and_unused(rank: int) -> dict[str, Any]:
         }
     out["static_graph"] = _parity(rank, torch.optim.Adam, {"lr": 0.01},
                                   ddp_options={"static_graph": True})
+    for as_view in (False, True):
+        out[f"comm thread bucket_view={as_view}"] = _parity(
+            rank, torch.optim.NAdam, {"lr": 0.01},
+            ddp_options={"gradient_as_bucket_view": as_view, "find_unused_parameters": True},
+            overlap_options={"step_thread": "comm"}, use_branch=lambda r: r == 0)
     return out
 
 
@@ -451,6 +456,8 @@ def _errors(rank: int) -> dict[str, Any]:
         "bad clip": _error_of(lambda: overlapkit.overlap_ddp(
             fresh(), torch.optim.SGD, lr=0.1, clip_grad_norm=-1)),
         "closure": _error_of(lambda: working.step(lambda: 0.0)),
+        "bad step_thread": _error_of(lambda: overlapkit.overlap_ddp(
+            fresh(), torch.optim.SGD, lr=0.1, step_thread="gloo")),
         "muon on a bias": _error_of(lambda: overlapkit.overlap_ddp(fresh(), torch.optim.Muon)),
     }
 
@@ -483,6 +490,13 @@ def test_find_unused_parameters_steps_like_plain(scenarios: list[dict[str, Any]]
         assert result["equal"]
         # used on rank 0 only: stepped on both ranks, as plain DDP does
         assert result["branch_moved"]
+
+
+@pytest.mark.parametrize("as_view", [False, True])
+def test_stepping_on_the_comm_thread_gives_the_same_result(
+    scenarios: list[dict[str, Any]], as_view: bool
+) -> None:
+    assert all(r[f"comm thread bucket_view={as_view}"] for r in scenarios)
 
 
 def test_static_graph_parity(scenarios: list[dict[str, Any]]) -> None:
@@ -548,6 +562,7 @@ ERRORS = {
     "bad optimizer argument": ("ConfigurationError", "Fix the optimizer arguments"),
     "bad clip": ("ConfigurationError", "clip_grad_norm must be a positive"),
     "closure": ("ConfigurationError", "takes no closure"),
+    "bad step_thread": ("ConfigurationError", "step_thread must be one of"),
     "muon on a bias": ("ConfigurationError", "Muon only supports 2D"),
 }
 
