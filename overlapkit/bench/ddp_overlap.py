@@ -1,4 +1,5 @@
-"""Benchmark: overlap_ddp vs torch's ``DDP._register_fused_optim`` vs plain DDP + step().
+"""Benchmark: overlap_ddp (both step threads) vs torch's ``DDP._register_fused_optim`` vs plain
+DDP + step().
 
 Same model, same initial weights, same data, in the same spawned run; the variants
 take turns in every round (the order rotates), and each round's figure is the median
