@@ -5,6 +5,7 @@ Public API::
     import overlapkit
     overlapkit.list_plugins()                 # what is installed, and what it provides
     overlapkit.build_comm_hook("allreduce")   # a registered DDP comm hook, by name
+    opt = overlapkit.overlap_ddp(ddp_model, torch.optim.AdamW, lr=1e-3)  # step per bucket
     opt = overlapkit.post_local_sgd(ddp_model, torch.optim.SGD(params, lr=0.1),
                                     period=4, warmup_steps=100)   # post-local SGD
     @overlapkit.hookimpl                      # the marker for plugin hook functions
@@ -18,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from overlapkit.comm_hooks import build_comm_hook
+from overlapkit.ddp_overlap import DDPOverlapOptimizer, overlap_ddp
 from overlapkit.errors import (
     CheckpointError,
     ConfigurationError,
@@ -31,6 +33,7 @@ from overlapkit.errors import (
 )
 from overlapkit.hookspecs import hookimpl
 from overlapkit.local_sgd import PostLocalSGDOptimizer, create_averager, post_local_sgd
+from overlapkit.overlapped import OverlappedOptimizer
 from overlapkit.plugins import (
     PluginInfo,
     create_plugin_manager,
@@ -45,9 +48,11 @@ __all__ = [
     "CheckpointError",
     "CommHookSpec",
     "ConfigurationError",
+    "DDPOverlapOptimizer",
     "LoadPlannerSpec",
     "OptimizerSpec",
     "OverlapkitError",
+    "OverlappedOptimizer",
     "PluginConflictError",
     "PluginInfo",
     "PluginLoadError",
@@ -64,6 +69,7 @@ __all__ = [
     "get_plugin_manager",
     "hookimpl",
     "list_plugins",
+    "overlap_ddp",
     "post_local_sgd",
     "set_plugin_manager",
 ]

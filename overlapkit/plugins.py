@@ -50,6 +50,7 @@ ENTRY_POINT_GROUP = "overlapkit"
 #: plugin name -> module, registered in this order before any entry point
 BUILTIN_PLUGINS: dict[str, str] = {
     "overlapkit.comm_hooks": "overlapkit.builtin.comm_hooks",
+    "overlapkit.ddp_overlap": "overlapkit.builtin.ddp_overlap",
     "overlapkit.local_sgd": "overlapkit.builtin.local_sgd",
     "overlapkit.checkpoint": "overlapkit.builtin.checkpoint",
 }
