@@ -7,10 +7,10 @@ import os
 import subprocess
 import sys
 
-import overlapkit_lion.plugin
 import torch
 
 import overlapkit
+import overlapkit_lion.plugin
 from overlapkit.plugins import OverlapkitPluginManager
 from overlapkit_lion import Lion, LionOverlapped
 
