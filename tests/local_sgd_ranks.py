@@ -281,7 +281,7 @@ def errors(rank: int) -> dict[str, Any]:
             model, sgd(model), period=2, warmup_steps=1, subgroup_size=2,
             averager="hierarchical", period_group_size_dict={2: 2, 4: 4})),
         "unknown_averager": _error(lambda: overlapkit.post_local_sgd(
-            model, sgd(model), period=2, warmup_steps=1, averager="diloco")),
+            model, sgd(model), period=2, warmup_steps=1, averager="no_such_averager")),
         "averager_unknown_option": _error(lambda: overlapkit.post_local_sgd(
             model, sgd(model), period=2, warmup_steps=1, subgroup_size=2, momentum=0.9)),
         "hook_missing_start": _error(lambda: overlapkit.build_comm_hook(

@@ -160,7 +160,7 @@ def test_default_subgroup_without_launcher_is_one_rank_with_a_warning(
     ("hier_size_not_dividing", "ConfigurationError", "does not divide the process group"),
     ("hier_last_not_world", "ConfigurationError", "must be the whole process group"),
     ("hier_period_mismatch", "ConfigurationError", "pass period=4"),
-    ("unknown_averager", "UnknownNameError", "valid names: 'hierarchical', 'periodic'"),
+    ("unknown_averager", "UnknownNameError", "'hierarchical', 'periodic'"),
     ("averager_unknown_option", "ConfigurationError", "takes no options ['momentum']"),
     ("hook_missing_start", "ConfigurationError", "needs start_localSGD_iter=N"),
     ("hook_unknown_option", "ConfigurationError", "has no options ['warmup']"),

@@ -54,9 +54,10 @@ def test_periodic_bad_options_are_configuration_errors(options: dict, says: str)
     assert says in str(raised.value)
 
 
-def test_unknown_averager_lists_the_valid_names() -> None:
-    with pytest.raises(overlapkit.UnknownNameError, match="'hierarchical', 'periodic'"):
-        overlapkit.create_averager("diloco", period=2)
+def test_unknown_averager_lists_the_valid_names(overlapkit_plugin_manager: object) -> None:
+    with pytest.raises(overlapkit.UnknownNameError,
+                       match="valid names: 'hierarchical', 'periodic'"):
+        overlapkit.create_averager("no_such_averager", period=2)
 
 
 @pytest.mark.parametrize(("plan", "says"), [

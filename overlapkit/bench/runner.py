@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import importlib
 import platform
+import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
 from overlapkit.errors import ConfigurationError
+from overlapkit.launch import check_world_size
 
 __all__ = ["BENCHMARKS", "format_result", "machine_description", "plot_results", "run_benchmarks"]
 
@@ -67,15 +70,30 @@ def parse_benchmarks(text: str) -> list[str]:
     return names
 
 
-def run_benchmarks(names: Sequence[str], *, rounds: int, world_size: int,
-                   quick: bool) -> list[dict[str, Any]]:
-    """Run each named benchmark and return their results in order."""
+def run_benchmarks(names: Sequence[str], *, rounds: int, world_size: int | None,
+                   quick: bool, log: TextIO | None = None) -> list[dict[str, Any]]:
+    """Run each named benchmark and return their results in order.
+
+    ``world_size=None`` lets each benchmark use its own default (the checkpoint one
+    reshards 2 -> 4 ranks, the others run on 2). Progress goes to ``log`` (stderr).
+    """
     if rounds < 1:
         raise ConfigurationError(f"--rounds must be at least 1, got {rounds}.")
+    if world_size is not None:
+        check_world_size(world_size)
+    log = sys.stderr if log is None else log
     results = []
-    for name in names:
+    for index, name in enumerate(names, 1):
         module = importlib.import_module(BENCHMARKS[name])
-        result = module.run_benchmark(rounds=rounds, world_size=world_size, quick=quick)
+        options: dict[str, Any] = {"rounds": rounds, "quick": quick}
+        if world_size is not None:
+            options["world_size"] = world_size
+        print(f"[{index}/{len(names)}] {name} ({rounds} rounds"
+              f"{', quick' if quick else ''}) ...", file=log, flush=True)
+        started = time.monotonic()
+        result = module.run_benchmark(**options)
+        print(f"[{index}/{len(names)}] {name} done in {time.monotonic() - started:.0f}s",
+              file=log, flush=True)
         result.setdefault("benchmark", name)
         result["machine"] = machine_description()
         results.append(result)

@@ -42,7 +42,9 @@ def register(commands: Any) -> None:
                         help="'all' or a comma-separated list of: "
                         + (", ".join(available_benchmarks()) or "(none installed)"))
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per variant")
-    parser.add_argument("--world-size", type=int, default=2, help="local ranks to spawn")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="local ranks to spawn (default: each benchmark's own: 2, and "
+                        "2 -> 4 for the checkpoint reshard)")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the figures")
     parser.add_argument("--json", action="store_true", help="machine-readable output")

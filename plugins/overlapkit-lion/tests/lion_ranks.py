@@ -36,6 +36,10 @@ def _train(rank: int, overlapped: bool, **lion: Any) -> tuple[torch.Tensor, Any,
         opt.step()
         opt.zero_grad(set_to_none=True)
     params = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]).clone()
+    if overlapped:  # how many buffers hold the momenta: fewer than tensors when flat
+        storages = {opt.state[p]["exp_avg"].untyped_storage().data_ptr()
+                    for p in ddp.parameters()}
+        engine += f" ({len(storages)} momentum buffers)"
     return params, opt.state_dict(), engine
 
 

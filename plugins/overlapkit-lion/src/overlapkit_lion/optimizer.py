@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Lion", "lion_update"]
+__all__ = ["Lion", "lion_update", "lion_update_flat"]
 
 
 def lion_update(
@@ -36,7 +36,10 @@ def lion_update(
     """Apply one Lion step to ``params`` in place (and update ``exp_avgs``).
 
     With ``foreach`` the step is a handful of multi-tensor kernels for the whole list
-    instead of a handful per parameter; the arithmetic is element-wise and identical.
+    instead of a handful per parameter. Every product is rounded on its own (no
+    ``add_(x, alpha=...)``, which CPU kernels may fuse into a multiply-add in their
+    vector path and not in their scalar tail), so the per-parameter, foreach and
+    flat-buffer (:func:`lion_update_flat`) forms give the same bits.
     """
     if not params:
         return
@@ -44,18 +47,55 @@ def lion_update(
         if weight_decay != 0:
             torch._foreach_mul_(params, 1 - lr * weight_decay)
         update = torch._foreach_mul(exp_avgs, beta1)
-        torch._foreach_add_(update, grads, alpha=1 - beta1)
+        torch._foreach_add_(update, torch._foreach_mul(grads, 1 - beta1))
         torch._foreach_sign_(update)
-        torch._foreach_add_(params, update, alpha=-lr)
+        torch._foreach_mul_(update, lr)
+        torch._foreach_sub_(params, update)
         torch._foreach_mul_(exp_avgs, beta2)
-        torch._foreach_add_(exp_avgs, grads, alpha=1 - beta2)
+        torch._foreach_add_(exp_avgs, torch._foreach_mul(grads, 1 - beta2))
         return
     for param, grad, exp_avg in zip(params, grads, exp_avgs, strict=True):
         if weight_decay != 0:
             param.mul_(1 - lr * weight_decay)
-        update = exp_avg.mul(beta1).add_(grad, alpha=1 - beta1).sign_()
-        param.add_(update, alpha=-lr)
-        exp_avg.mul_(beta2).add_(grad, alpha=1 - beta2)
+        update = exp_avg.mul(beta1).add_(grad.mul(1 - beta1)).sign_().mul_(lr)
+        param.sub_(update)
+        exp_avg.mul_(beta2).add_(grad.mul(1 - beta2))
+
+
+def lion_update_flat(
+    params: list[Tensor],
+    flat_grad: Tensor,
+    flat_exp_avg: Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    scratch: Tensor | None = None,
+) -> None:
+    """:func:`lion_update` for parameters whose gradients and momenta are each laid
+    out back to back in one flat buffer (a DDP gradient bucket): the momentum
+    arithmetic runs as single kernels over the buffer, and only the parameter update
+    touches the parameters one by one.
+
+    :param scratch: at least ``2 * flat_grad.numel()`` elements to compute in, kept
+        by the caller between calls: fresh multi-megabyte temporaries each step cost
+        page faults that made this slower than the per-tensor form for large buckets.
+    """
+    count = flat_grad.numel()
+    if scratch is None:
+        scratch = torch.empty(2 * count, dtype=flat_grad.dtype, device=flat_grad.device)
+    update, scaled_grad = scratch[:count], scratch[count:2 * count]
+    if weight_decay != 0:
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
+    torch.mul(flat_exp_avg, beta1, out=update)
+    torch.mul(flat_grad, 1 - beta1, out=scaled_grad)
+    update.add_(scaled_grad).sign_().mul_(lr)
+    sizes = [p.numel() for p in params]
+    torch._foreach_sub_(params, [u.view_as(p) for u, p in
+                                 zip(update.split(sizes), params, strict=True)])
+    torch.mul(flat_grad, 1 - beta2, out=scaled_grad)
+    flat_exp_avg.mul_(beta2).add_(scaled_grad)
 
 
 class Lion(torch.optim.Optimizer):
