@@ -1,0 +1,65 @@
+"""``overlapkit bench`` end to end: every benchmark, every variant, JSON and plot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from overlapkit.bench.runner import BENCHMARKS
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+#: per benchmark, the variants that must be present: ours, torch's own, plain
+EXPECTED_VARIANTS = {
+    "ddp_overlap": {"mlp/overlapkit", "mlp/torch_fused", "mlp/plain"},
+    "local_sgd": {"overlapkit_post_local_sgd", "torch_post_local_sgd", "ddp"},
+    "checkpoint": {"overlapkit", "torch"},
+}
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path, str]:
+    plot = tmp_path_factory.mktemp("bench") / "bench.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "overlapkit", "bench", "--quick", "--rounds", "1", "--json",
+         "--plot", str(plot)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout), plot, proc.stderr
+
+
+def test_bench_json_has_every_benchmark(bench: tuple[list[dict[str, Any]], Path, str]) -> None:
+    results, _, _ = bench
+    assert [r["benchmark"] for r in results] == list(BENCHMARKS)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_VARIANTS))
+def test_bench_json_has_every_variant_with_figures(
+    bench: tuple[list[dict[str, Any]], Path, str], name: str
+) -> None:
+    result = {r["benchmark"]: r for r in bench[0]}[name]
+    assert EXPECTED_VARIANTS[name] <= set(result["variants"])
+    for figures in result["variants"].values():
+        assert any(isinstance(v, (int, float)) and v > 0 for v in figures.values())
+    assert result["ratios"] and result["machine"] and result["command"]
+
+
+def test_bench_shows_progress_and_draws_a_png(
+    bench: tuple[list[dict[str, Any]], Path, str],
+) -> None:
+    _, plot, stderr = bench
+    assert f"[1/{len(BENCHMARKS)}] ddp_overlap" in stderr
+    assert plot.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_unknown_benchmark_is_a_clear_error() -> None:
+    proc = subprocess.run([sys.executable, "-m", "overlapkit", "bench", "--only", "warp"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "unknown benchmark 'warp'" in proc.stderr
