@@ -15,10 +15,17 @@ are available in any project that has overlapkit installed:
 ``run_distributed``
     :func:`overlapkit.distributed.run_distributed`: run a module-level function on
     several local gloo ranks and get each rank's result.
+
+And one function, :func:`installed_plugins`, for the test that a plugin package is
+installed and listed (``overlapkit plugins --json`` in a fresh interpreter).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,7 +34,7 @@ import pytest
 from overlapkit.distributed import run_distributed as _run_distributed
 from overlapkit.plugins import OverlapkitPluginManager, create_plugin_manager, set_plugin_manager
 
-__all__ = ["overlapkit_plugin_manager", "run_distributed"]
+__all__ = ["installed_plugins", "overlapkit_plugin_manager", "run_distributed"]
 
 
 @pytest.fixture
@@ -46,3 +53,16 @@ def overlapkit_plugin_manager() -> Iterator[OverlapkitPluginManager]:
 def run_distributed() -> Callable[..., list[Any]]:
     """:func:`overlapkit.distributed.run_distributed`, as a fixture."""
     return _run_distributed
+
+
+def installed_plugins(**env: str) -> dict[str, dict[str, Any]]:
+    """What ``overlapkit plugins --json`` lists, by plugin name, run in a fresh
+    interpreter with ``env`` added to the environment (e.g.
+    ``OVERLAPKIT_DISABLE_PLUGINS="lion"``): the path a user's installation takes."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "overlapkit", "plugins", "--json"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, **env},
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"overlapkit plugins --json failed:\n{proc.stderr}")
+    return {plugin["name"]: plugin for plugin in json.loads(proc.stdout)}

@@ -19,6 +19,7 @@ import torch
 
 from overlapkit.errors import ConfigurationError
 from overlapkit.launch import check_world_size
+from overlapkit.textui import format_table, parse_names, pyplot
 
 __all__ = ["BENCHMARKS", "format_result", "machine_description", "plot_results", "run_benchmarks"]
 
@@ -58,16 +59,7 @@ def parse_benchmarks(text: str) -> list[str]:
     available = available_benchmarks()
     if not available:
         raise ConfigurationError("no benchmark modules are installed; reinstall overlapkit.")
-    if text.strip() == "all":
-        return available
-    names = [n.strip().replace("-", "_") for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in available]
-    if unknown or not names:
-        raise ConfigurationError(
-            f"unknown benchmark {', '.join(map(repr, unknown)) or repr(text)}; choose 'all' "
-            f"or a comma-separated list of: {', '.join(available)}."
-        )
-    return names
+    return parse_names(text, available, "benchmark")
 
 
 def run_benchmarks(names: Sequence[str], *, rounds: int, world_size: int | None,
@@ -117,10 +109,8 @@ def format_result(result: dict[str, Any]) -> str:
     lines = [["variant", *metrics]]
     lines += [[name, *(_cell(figures.get(m, "-")) for m in metrics)]
               for name, figures in variants.items()]
-    widths = [max(len(line[c]) for line in lines) for c in range(len(lines[0]))]
-    text = [f"== {result.get('benchmark')} ({result.get('machine', '')})"]
-    text += ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
-             for line in lines]
+    text = [f"== {result.get('benchmark')} ({result.get('machine', '')})",
+            format_table(lines)]
     for name, value in result.get("ratios", {}).items():
         text.append(f"  {name}: {_cell(value)}")
     if result.get("notes"):
@@ -130,16 +120,7 @@ def format_result(result: dict[str, Any]) -> str:
 
 def plot_results(results: list[dict[str, Any]], path: Path) -> None:
     """A bar chart per benchmark of its first metric per variant, into a PNG."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ConfigurationError(
-            "--plot needs matplotlib, which is not installed; run "
-            "`pip install 'overlapkit[plot]'` or leave out --plot."
-        ) from None
+    plt = pyplot()
     figure, axes = plt.subplots(1, max(len(results), 1), figsize=(5 * max(len(results), 1), 4),
                                 squeeze=False)
     for ax, result in zip(axes[0], results, strict=False):

@@ -11,6 +11,8 @@ import json
 import sys
 from typing import Any
 
+from overlapkit.textui import format_table
+
 
 def _human(size: int) -> str:
     value = float(size)
@@ -52,10 +54,7 @@ def inspect_command(args: argparse.Namespace) -> int:
                          _sharding(e.chunks)))
         else:
             rows.append((e.key, "-", "value", _human(e.stored_bytes), "-"))
-    widths = [max(len(row[c]) for row in rows) for c in range(4)]
-    for row in rows:
-        cells = [cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True)]
-        print("  ".join([*cells, row[4]]).rstrip())
+    print(format_table(rows))
     return 0
 
 

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from overlapkit.plugins import PluginInfo, list_plugins
+from overlapkit.textui import format_table
 
 
 def _format_provides(info: PluginInfo) -> str:
@@ -26,10 +27,7 @@ def run(args: argparse.Namespace) -> int:
     rows += [
         (i.name, i.version or "-", i.status, i.source, _format_provides(i)) for i in infos
     ]
-    widths = [max(len(row[c]) for row in rows) for c in range(4)]
-    for row in rows:
-        cells = [cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True)]
-        print("  ".join([*cells, row[4]]).rstrip())
+    print(format_table(rows))
     return 0
 
 

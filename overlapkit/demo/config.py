@@ -7,6 +7,7 @@ import attrs
 from overlapkit.demo.model import MODEL_SIZES, ModelSize
 from overlapkit.errors import ConfigurationError
 from overlapkit.launch import check_port_free, check_world_size, under_torchrun
+from overlapkit.textui import parse_names
 
 __all__ = ["TECHNIQUES", "DemoConfig", "parse_techniques"]
 
@@ -23,16 +24,7 @@ TECHNIQUES: dict[str, str] = {
 
 def parse_techniques(text: str) -> tuple[str, ...]:
     """``"all"`` or a comma-separated list of technique names, validated."""
-    if text.strip() == "all":
-        return tuple(TECHNIQUES)
-    names = tuple(part.strip().replace("-", "_") for part in text.split(",") if part.strip())
-    unknown = [n for n in names if n not in TECHNIQUES]
-    if unknown or not names:
-        raise ConfigurationError(
-            f"unknown technique {', '.join(map(repr, unknown)) or repr(text)}; choose "
-            f"'all' or a comma-separated list of: {', '.join(TECHNIQUES)}."
-        )
-    return names
+    return tuple(parse_names(text, list(TECHNIQUES), "technique"))
 
 
 @attrs.frozen(kw_only=True)

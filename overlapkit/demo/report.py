@@ -8,7 +8,8 @@ from typing import Any
 
 import attrs
 
-from overlapkit.errors import ConfigurationError
+from overlapkit.textui import format_table as format_text_table
+from overlapkit.textui import pyplot
 
 __all__ = ["TechniqueRow", "format_table", "plot"]
 
@@ -52,26 +53,14 @@ def format_table(rows: list[TechniqueRow]) -> str:
         loss = "-" if r.final_loss is None else f"{r.final_loss:.5f}"
         rss = "/".join(f"{m:.0f}" for m in r.peak_rss_mb)
         lines.append((r.technique, f"{r.step_ms:.2f}", ratio, rss, loss, diff))
-    widths = [max(len(line[c]) for line in lines) for c in range(len(header))]
-    text = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
-            for line in lines]
-    text.insert(1, "  ".join("-" * w for w in widths))
     notes = [f"  {r.technique}: {r.note}" for r in rows if r.note]
-    return "\n".join(text + (["", "notes:", *notes] if notes else []))
+    table = format_text_table(lines, rule=True)
+    return "\n".join([table, "", "notes:", *notes]) if notes else table
 
 
 def plot(rows: list[TechniqueRow], path: Path) -> None:
     """Draw loss curves and step times of every technique into a PNG at ``path``."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ConfigurationError(
-            "--plot needs matplotlib, which is not installed; run "
-            "`pip install 'overlapkit[plot]'` or leave out --plot."
-        ) from None
+    plt = pyplot()
     trained = [r for r in rows if r.losses]
     figure, (losses_ax, times_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
     for r in trained:

@@ -2,37 +2,24 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import overlapkit
 import overlapkit_diloco.plugin
 from overlapkit.plugins import OverlapkitPluginManager
+from overlapkit.testing import installed_plugins
 from overlapkit_diloco import DiLoCoAverager
 
 
-def _plugins_json(**env: str) -> dict[str, dict[str, object]]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "overlapkit", "plugins", "--json"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, **env},
-    )
-    assert proc.returncode == 0, proc.stderr
-    return {p["name"]: p for p in json.loads(proc.stdout)}
-
-
 def test_installed_plugin_is_listed_with_its_version() -> None:
-    listed = _plugins_json()["diloco"]
+    listed = installed_plugins()["diloco"]
     assert (listed["distribution"], listed["version"]) == ("overlapkit-diloco", "0.1.0")
     assert listed["provides"] == {"averagers": ["diloco"]}
 
 
 def test_blocking_the_plugin_by_name_removes_it() -> None:
-    listed = _plugins_json(OVERLAPKIT_DISABLE_PLUGINS="diloco")
+    listed = installed_plugins(OVERLAPKIT_DISABLE_PLUGINS="diloco")
     assert listed["diloco"]["status"] == "blocked"
     assert listed["diloco"]["provides"] == {}
 
