@@ -134,6 +134,34 @@ class BucketStepper:
     def note_used(self, param: torch.Tensor) -> None:
         self.used.add(param)
 
+    def free_local_grads_once_bucketed(self, model: DistributedDataParallel) -> None:
+        """With ``gradient_as_bucket_view=False``: set each parameter's local ``.grad``
+        to None as soon as DDP has copied it into its bucket, instead of when the
+        bucket is stepped, so at most one local gradient is alive at a time.
+
+        A post hook on the parameter's ``AccumulateGrad`` node, registered after the
+        one DDP's reducer registered when the model was built, runs right after that
+        copy (post hooks run in registration order). Not in backwards DDP does not
+        reduce (``no_sync()``: DDP copies nothing and the gradients accumulate), and
+        not with ``static_graph`` (its first backward copies every gradient into the
+        buckets only at the end).
+        """
+
+        def make_hook(param: torch.Tensor) -> Any:
+            def free_after_ddp_copied(grad_inputs: Any, grad_outputs: Any) -> None:
+                if model.require_forward_param_sync and not model.static_graph:
+                    param.grad = None
+
+            return free_after_ddp_copied
+
+        for param in self.engine.parameters():
+            # the node autograd accumulates into, the one DDP's reducer holds
+            view_node = param.view_as(param).grad_fn
+            assert view_node is not None  # DDP manages only parameters that need grad
+            accumulator = view_node.next_functions[0][0]
+            assert accumulator is not None
+            accumulator.register_hook(make_hook(param))
+
     # -- on the autograd thread or a gloo worker thread ------------------------
 
     def _step(self, params: list[torch.Tensor]) -> None:
@@ -286,6 +314,8 @@ def register_bucket_stepper(
     if track_usage:
         for param in engine.parameters():
             param.register_post_accumulate_grad_hook(stepper.note_used)
+    if stepper.free_grads and not model.gradient_as_bucket_view:
+        stepper.free_local_grads_once_bucketed(model)
     try:
         model.register_comm_hook(stepper, overlapped_comm_hook)
     except RuntimeError as exc:

@@ -154,6 +154,8 @@ def ddp_scenarios(rank: int) -> dict[str, Any]:
     out["ddp unused"] = _ddp_parity(
         rank, torch.optim.Adam, {"lr": 0.01},
         ddp_options={"find_unused_parameters": True}, use_branch=rank == 0)
+    out["ddp static_graph"] = _ddp_parity(rank, torch.optim.Adam, {"lr": 0.01},
+                                          ddp_options={"static_graph": True})
     out["ddp fp16_compress"] = _ddp_parity(
         rank, torch.optim.Adam, {"lr": 0.01}, oib_options={"comm_hook": "fp16_compress"},
         plain_hook=default_hooks.fp16_compress_hook)

@@ -365,7 +365,7 @@ def test_ddp_bitwise_parity_grads_freed_and_scheduler(
     _check_parity(two_ranks, f"ddp {name} bucket_view={as_view}", OPTIMIZERS[name][1]["lr"])
 
 
-@pytest.mark.parametrize("scenario", ["unused", "fp16_compress", "no_step"])
+@pytest.mark.parametrize("scenario", ["unused", "static_graph", "fp16_compress", "no_step"])
 def test_ddp_parity_with_unused_parameters_a_comm_hook_and_accumulation(
     two_ranks: list[dict[str, Any]], scenario: str
 ) -> None:
