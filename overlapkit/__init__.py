@@ -6,6 +6,7 @@ Public API::
     overlapkit.list_plugins()                 # what is installed, and what it provides
     overlapkit.build_comm_hook("allreduce")   # a registered DDP comm hook, by name
     opt = overlapkit.overlap_ddp(ddp_model, torch.optim.AdamW, lr=1e-3)  # step per bucket
+    opt = overlapkit.optimizer_in_backward(model, torch.optim.AdamW, lr=1e-3)  # DDP/FSDP2/plain
     opt = overlapkit.post_local_sgd(ddp_model, torch.optim.SGD(params, lr=0.1),
                                     period=4, warmup_steps=100)   # post-local SGD
     @overlapkit.hookimpl                      # the marker for plugin hook functions
@@ -33,6 +34,7 @@ from overlapkit.errors import (
 )
 from overlapkit.hookspecs import hookimpl
 from overlapkit.local_sgd import PostLocalSGDOptimizer, create_averager, post_local_sgd
+from overlapkit.optimizer_in_backward import OptimizerInBackward, optimizer_in_backward
 from overlapkit.overlapped import OverlappedOptimizer
 from overlapkit.plugins import (
     PluginInfo,
@@ -50,6 +52,7 @@ __all__ = [
     "ConfigurationError",
     "DDPOverlapOptimizer",
     "LoadPlannerSpec",
+    "OptimizerInBackward",
     "OptimizerSpec",
     "OverlapkitError",
     "OverlappedOptimizer",
@@ -69,6 +72,7 @@ __all__ = [
     "get_plugin_manager",
     "hookimpl",
     "list_plugins",
+    "optimizer_in_backward",
     "overlap_ddp",
     "post_local_sgd",
     "set_plugin_manager",

@@ -1,0 +1,328 @@
+"""The DDP comm hook that steps each gradient bucket once its reduction completes.
+
+Shared by :func:`overlapkit.overlap_ddp` and :func:`overlapkit.optimizer_in_backward`
+(for a DDP model): :func:`register_bucket_stepper` checks the model, builds the
+registered comm hook to run first, and registers one DDP comm hook whose state is a
+:class:`BucketStepper`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+from torch.nn.parallel import DistributedDataParallel
+
+from overlapkit.engine_setup import flatten_params
+from overlapkit.errors import ConfigurationError, UnsupportedModelError
+from overlapkit.grad_clipping import GradClipping
+from overlapkit.overlapped import OverlappedOptimizer
+from overlapkit.records import CommHookSpec
+from overlapkit.side_stream import SideStream
+
+__all__ = ["STEP_THREADS", "BucketStepper", "check_ddp_model", "check_params_in_ddp_model",
+           "check_comm_hook_options", "ddp_params", "overlapped_comm_hook",
+           "register_bucket_stepper"]
+
+#: where bucket steps run: see overlap_ddp(step_thread=...)
+STEP_THREADS = ("backward", "comm")
+# set on a DDP model to the technique whose comm hook it carries
+_MARKER = "_overlapkit_comm_hook_technique"
+
+
+class BucketStepper:
+    """The state of the registered comm hook: runs the inner hook, then steps.
+
+    ``step_thread="backward"``: a bucket whose reduction has completed is stepped on
+    the thread running backward, at the next bucket's hook or, at the latest, just
+    before DDP finalises backward. ``"comm"``: in the future's callback, which runs
+    on a gloo worker thread concurrently with autograd (measured on torch 2.13).
+    Either way the stepping goes through the engine's lock, and every bucket has
+    been stepped when ``backward()`` returns.
+
+    ``free_grads``: the stepped parameters' ``.grad`` are set to None once DDP has
+    finalised backward (see :meth:`_step_bucket` for what that frees, and when).
+    """
+
+    def __init__(
+        self,
+        engine: OverlappedOptimizer,
+        inner_state: Any,
+        inner_hook: Any,
+        *,
+        track_usage: bool,
+        step_thread: str,
+        grads_are_bucket_views: bool,
+        clipping: GradClipping,
+        free_grads: bool = False,
+        side_stream: SideStream | None = None,
+    ) -> None:
+        self.engine = engine
+        self.inner_state = inner_state
+        self.inner_hook = inner_hook
+        self.track_usage = track_usage
+        self.step_thread = step_thread
+        self.grads_are_bucket_views = grads_are_bucket_views
+        self.clipping = clipping
+        self.free_grads = free_grads
+        self.side_stream = side_stream
+        #: set on the autograd thread when a synchronised backward starts stepping
+        self.stepped_since_step = False
+        #: bucket index -> the owned parameters stepped with it, last backward
+        self.last_buckets: dict[int, list[torch.Tensor]] = {}
+        #: parameters that got a gradient on this rank since the last synced backward
+        self.used: set[torch.Tensor] = set()
+        self._in_backward = False
+        self._pending: deque[tuple[dist.GradBucket, torch.futures.Future[Any]]] = deque()
+
+    # -- on the autograd thread -------------------------------------------------
+
+    def run(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if not self._in_backward:
+            self._in_backward = True
+            self.stepped_since_step = True
+            # DDP queues its own finalize after the last bucket's hook; a callback
+            # queued from ours (queued now, so it runs first) lands after it.
+            Variable._execution_engine.queue_callback(self._before_finalize)
+        future = self.inner_hook(self.inner_state, bucket)
+        if self.step_thread == "comm":
+            return future.then(lambda fut: self._step_bucket(bucket, fut))
+        self._pending.append((bucket, future))
+        self._drain(wait=False)
+        return future
+
+    def _drain(self, wait: bool) -> None:
+        pending = self._pending
+        while pending:
+            bucket, future = pending[0]
+            if not wait and not future.done():
+                return
+            pending.popleft()
+            future.wait()
+            self._step_bucket(bucket, future)
+
+    def _before_finalize(self) -> None:
+        self._drain(wait=True)
+        Variable._execution_engine.queue_callback(self._after_backward)
+
+    def _after_backward(self) -> None:
+        self._in_backward = False
+        if self.track_usage:
+            # find_unused_parameters: DDP knows which parameters were used on any rank
+            # only in its finalize; the ones unused here were left for now and get
+            # the gradient DDP finalised (None: unused everywhere, not stepped).
+            unused = [
+                p for p in self.engine.parameters() if p not in self.used
+                and p.grad is not None
+            ]
+            self.used.clear()
+            if unused:
+                self._step(unused)
+        if self.side_stream is not None:
+            self.side_stream.join()
+        if self.free_grads:
+            # After DDP's finalize, which would otherwise give a None .grad a fresh
+            # copy of the bucket (gradient_as_bucket_view=False; measured).
+            for param in self.engine.parameters():
+                param.grad = None
+
+    def note_used(self, param: torch.Tensor) -> None:
+        self.used.add(param)
+
+    def free_local_grads_once_bucketed(self, model: DistributedDataParallel) -> None:
+        """With ``gradient_as_bucket_view=False``: set each parameter's local ``.grad``
+        to None as soon as DDP has copied it into its bucket, instead of when the
+        bucket is stepped, so at most one local gradient is alive at a time.
+
+        A post hook on the parameter's ``AccumulateGrad`` node, registered after the
+        one DDP's reducer registered when the model was built, runs right after that
+        copy (post hooks run in registration order). Not in backwards DDP does not
+        reduce (``no_sync()``: DDP copies nothing and the gradients accumulate), and
+        not with ``static_graph`` (its first backward copies every gradient into the
+        buckets only at the end).
+        """
+
+        def make_hook(param: torch.Tensor) -> Any:
+            def free_after_ddp_copied(grad_inputs: Any, grad_outputs: Any) -> None:
+                if model.require_forward_param_sync and not model.static_graph:
+                    param.grad = None
+
+            return free_after_ddp_copied
+
+        for param in self.engine.parameters():
+            # the node autograd accumulates into, the one DDP's reducer holds
+            view_node = param.view_as(param).grad_fn
+            assert view_node is not None  # DDP manages only parameters that need grad
+            accumulator = view_node.next_functions[0][0]
+            assert accumulator is not None
+            accumulator.register_hook(make_hook(param))
+
+    # -- on the autograd thread or a gloo worker thread ------------------------
+
+    def _step(self, params: list[torch.Tensor]) -> None:
+        stream = self.side_stream
+        with stream.running() if stream is not None else nullcontext():
+            if self.clipping.enabled:
+                self.clipping.apply(params)
+            self.engine.step_params(params)
+
+    def _step_bucket(
+        self, bucket: dist.GradBucket, future: torch.futures.Future[Any]
+    ) -> torch.Tensor:
+        result = future.value()
+        if isinstance(result, (list, tuple)):
+            result = result[0]
+        buffer = bucket.buffer()
+        if result.data_ptr() != buffer.data_ptr():
+            buffer.copy_(result)
+        engine = self.engine
+        used = self.used
+        track_usage = self.track_usage
+        # gradient_as_bucket_view=True: DDP has made each used .grad a view of the
+        # bucket. False: .grad is still the local gradient (DDP copies the reduced
+        # one into it after backward), so the reduced view is lent for the step.
+        # With free_grads the view stays: the local gradient is freed now, and
+        # DDP's copy after backward is a copy of the bucket onto itself.
+        lend = not self.grads_are_bucket_views
+        keep_view = self.free_grads
+        chosen: list[torch.Tensor] = []
+        restore: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+            if not engine.owns(param) or (track_usage and param not in used):
+                continue
+            if lend:
+                if not keep_view:
+                    restore.append((param, param.grad))
+                param.grad = grad
+            chosen.append(param)
+        self.last_buckets[bucket.index()] = chosen
+        try:
+            if chosen:
+                self._step(chosen)
+        finally:
+            for param, local_grad in restore:
+                param.grad = local_grad
+        return buffer
+
+
+def overlapped_comm_hook(state, bucket):  # type: ignore[no-untyped-def]
+    """The function registered with ``register_comm_hook``; ``state`` is a
+    :class:`BucketStepper`."""
+    # Left unannotated on purpose: DDP compares the annotation of `bucket` with
+    # dist.GradBucket, and `from __future__ import annotations` makes it a string.
+    return state.run(bucket)
+
+
+# -- checks and registration ----------------------------------------------------------
+
+
+def ddp_params(model: DistributedDataParallel) -> list[torch.nn.Parameter]:
+    """The parameters DDP reduces (requires_grad, not in its parameters to ignore)."""
+    return [p for p in DistributedDataParallel._get_data_parallel_params(model.module)
+            if p.requires_grad]
+
+
+def check_params_in_ddp_model(model: DistributedDataParallel, params: Iterable[Any]) -> None:
+    """:raises ConfigurationError: an item of ``params`` is not a parameter DDP reduces."""
+    managed = {id(p) for p in ddp_params(model)}
+    in_model = {id(p) for p in model.module.parameters()}
+    for param in flatten_params(params):
+        if not isinstance(param, torch.Tensor):
+            raise ConfigurationError(
+                f"params must hold parameters of the DDP model (tensors or param-group "
+                f"dicts), got {type(param).__name__}; pass e.g. ddp_model.parameters()."
+            )
+        if id(param) not in in_model:
+            raise ConfigurationError(
+                f"a parameter of shape {tuple(param.shape)} in params is not a parameter "
+                "of the DDP model, so no bucket ever holds its gradient; pass only the "
+                "model's parameters (ddp_model.parameters()), and step others with a "
+                "plain optimizer."
+            )
+        if id(param) not in managed:
+            raise ConfigurationError(
+                f"a parameter of shape {tuple(param.shape)} in params is not managed by "
+                "DDP (requires_grad=False, or in DDP's parameters to ignore), so it "
+                "never gets a reduced gradient; leave it out of params."
+            )
+
+
+def check_ddp_model(ddp_model: Any, technique: str) -> DistributedDataParallel:
+    """:raises UnsupportedModelError: not DDP. :raises ConfigurationError: it already
+    has a comm hook (overlapkit's or another)."""
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise UnsupportedModelError(
+            f"{technique} needs a torch.nn.parallel.DistributedDataParallel model, got "
+            f"{type(ddp_model).__name__}; wrap it first: DistributedDataParallel(model)."
+        )
+    done = getattr(ddp_model, _MARKER, None)
+    if done == technique:
+        raise ConfigurationError(
+            f"{technique} was already called on this DDP model, and a DDP model takes one "
+            f"comm hook; make one {technique} call per model (pass params= to leave "
+            "parameters to a plain optimizer stepped after backward)."
+        )
+    if done is not None:
+        raise ConfigurationError(
+            f"{done} was already called on this DDP model, and a DDP model takes one comm "
+            f"hook, so {technique} cannot add its own; choose one of overlap_ddp and "
+            "optimizer_in_backward per model."
+        )
+    if getattr(ddp_model, "_comm_hooks", None):
+        raise ConfigurationError(
+            "this DDP model already has a comm hook registered, and a DDP model takes "
+            f"one; do not register it yourself: pass its name as {technique}(..., "
+            "comm_hook=NAME) and overlapkit runs it before stepping."
+        )
+    return ddp_model
+
+
+def check_comm_hook_options(options: Any) -> dict[str, Any]:
+    """:raises ConfigurationError: ``options`` is not a mapping."""
+    if options is not None and not isinstance(options, Mapping):
+        raise ConfigurationError(
+            f"comm_hook_options must be a dict of the hook's options, got "
+            f"{type(options).__name__}."
+        )
+    return dict(options or {})
+
+
+def register_bucket_stepper(
+    model: DistributedDataParallel,
+    engine: OverlappedOptimizer,
+    hook_spec: CommHookSpec,
+    hook_options: dict[str, Any],
+    technique: str,
+    **stepper_options: Any,
+) -> BucketStepper:
+    """Build the comm hook of ``hook_spec`` and register a :class:`BucketStepper`
+    running it, then stepping ``engine``, on ``model``. ``stepper_options`` are
+    :class:`BucketStepper`'s keyword arguments but ``track_usage`` and
+    ``grads_are_bucket_views``, which are read from the model."""
+    inner_state, inner_hook = hook_spec.build(process_group=model.process_group,
+                                              **hook_options)
+    track_usage = bool(model.find_unused_parameters or model.static_graph)
+    stepper = BucketStepper(
+        engine, inner_state, inner_hook, track_usage=track_usage,
+        grads_are_bucket_views=bool(model.gradient_as_bucket_view), **stepper_options,
+    )
+    if track_usage:
+        for param in engine.parameters():
+            param.register_post_accumulate_grad_hook(stepper.note_used)
+    if stepper.free_grads and not model.gradient_as_bucket_view:
+        stepper.free_local_grads_once_bucketed(model)
+    try:
+        model.register_comm_hook(stepper, overlapped_comm_hook)
+    except RuntimeError as exc:
+        raise ConfigurationError(
+            f"DDP refused the comm hook: {exc}. A DDP model takes one comm hook; if you "
+            "registered one (or a builtin one) yourself, remove it and pass its name as "
+            "comm_hook=."
+        ) from exc
+    setattr(model, _MARKER, technique)
+    return stepper
