@@ -17,6 +17,9 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 #: per benchmark, the variants that must be present: ours, torch's own, plain
 EXPECTED_VARIANTS = {
     "ddp_overlap": {"mlp/overlapkit", "mlp/torch_fused", "mlp/plain"},
+    "optimizer_in_backward": {"ddp/optimizer_in_backward", "ddp/plain",
+                              "module/optimizer_in_backward", "module/plain",
+                              "module/torch_apply_optimizer_in_backward"},
     "local_sgd": {"overlapkit_post_local_sgd", "torch_post_local_sgd", "ddp"},
     "checkpoint": {"overlapkit", "torch"},
 }
