@@ -55,6 +55,8 @@ def format_table(rows: list[TechniqueRow]) -> str:
         lines.append((r.technique, f"{r.step_ms:.2f}", ratio, rss, loss, diff))
     notes = [f"  {r.technique}: {r.note}" for r in rows if r.note]
     table = format_text_table(lines, rule=True)
+    notes.append("  step times: on CPU, with every rank on its own core, communication cannot "
+                 "overlap computation; docs/benchmarks.md has the comparisons with torch's own.")
     return "\n".join([table, "", "notes:", *notes]) if notes else table
 
 
@@ -63,8 +65,11 @@ def plot(rows: list[TechniqueRow], path: Path) -> None:
     plt = pyplot()
     trained = [r for r in rows if r.losses]
     figure, (losses_ax, times_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for r in trained:
-        losses_ax.plot(range(1, len(r.losses) + 1), r.losses, label=r.technique)
+    # Bitwise-identical curves lie on top of each other: vary the dashes so each shows.
+    styles = ["-", "--", ":", "-.", (0, (5, 1))]
+    for index, r in enumerate(trained):
+        losses_ax.plot(range(1, len(r.losses) + 1), r.losses, label=r.technique,
+                       linestyle=styles[index % len(styles)], linewidth=2.2 - 0.3 * index)
     losses_ax.set(title="training loss (mean over ranks)", xlabel="step", ylabel="MSE loss",
                   yscale="log")
     losses_ax.legend()
