@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import queue as queue_module
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -61,6 +62,16 @@ def _loads(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
+def _exit_when_orphaned(parent: int) -> None:
+    """Exit this rank once the process that spawned it is gone (killed with SIGKILL or
+    SIGTERM, which skip the parent's clean-up): an orphaned rank would otherwise wait
+    in a collective until gloo's timeout."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
 def _rank_main(
     fn: Callable[..., Any],
     rank: int,
@@ -71,6 +82,7 @@ def _rank_main(
     timeout: float,
     results: Any,
 ) -> None:
+    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -89,3 +92,46 @@ def test_demo_port_in_use_is_a_clear_error() -> None:
         proc = _overlapkit("demo", "--port", str(port))
     assert proc.returncode == 2
     assert f"port {port} is in use" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _group_members(pgid: int) -> list[str]:
+    found = subprocess.run(["ps", "-o", "pid=", "-g", str(pgid)], capture_output=True, text=True)
+    return found.stdout.split()
+
+
+def test_ctrl_c_stops_every_rank() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "overlapkit", "demo", "--steps", "100000", "--technique",
+         "plain"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert proc.stderr is not None
+    deadline = time.monotonic() + 120
+    while "plain [" not in proc.stderr.readline():  # training has started on the ranks
+        assert time.monotonic() < deadline and proc.poll() is None
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground group
+    assert proc.wait(timeout=60) == 130
+    assert "overlapkit: interrupted" in proc.stderr.read()
+    deadline = time.monotonic() + 30
+    while _group_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _group_members(proc.pid) == []
+
+
+def test_a_killed_demo_leaves_no_rank_behind() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "overlapkit", "demo", "--steps", "100000", "--technique",
+         "plain"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    assert proc.stderr is not None
+    while "plain [" not in proc.stderr.readline():
+        assert proc.poll() is None
+    os.kill(proc.pid, signal.SIGKILL)  # no clean-up runs in the parent
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while _group_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _group_members(proc.pid) == []

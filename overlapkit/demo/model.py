@@ -7,6 +7,8 @@ same numbers.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import attrs
 import torch
 from torch import nn
@@ -50,13 +52,12 @@ def build_model(size: ModelSize, seed: int) -> nn.Module:
 
 def make_batches(
     size: ModelSize, steps: int, seed: int, rank: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``steps`` batches of (input, target) for ``rank``: targets from a fixed teacher."""
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` batches of (input, target) for ``rank``, made as they are needed:
+    targets from a fixed random teacher."""
     generator = torch.Generator().manual_seed(seed)
     teacher = torch.randn(size.features, size.features, generator=generator) / size.features**0.5
     generator.manual_seed(seed + 1 + rank)
-    batches = []
     for _ in range(steps):
         x = torch.randn(size.batch, size.features, generator=generator)
-        batches.append((x, torch.tanh(x @ teacher)))
-    return batches
+        yield x, torch.tanh(x @ teacher)
