@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner
 from overlapkit.checkpoint._state import (
     MODEL_KEY,
     OPTIMIZER_KEY,
+    allocate_optimizer_state,
     converted_dcp_errors,
     load_into,
     state_dicts,
@@ -45,6 +46,10 @@ def load(
     :class:`~overlapkit.errors.CheckpointError` on every rank rather than a traceback from
     inside DCP.
 
+    A fresh optimizer's state tensors are created empty, with the layout its own step
+    gives them, and the load writes each byte once; if the load fails, that state is
+    removed again, so the optimizer is left as it was.
+
     :param planner: a DCP ``LoadPlanner``, the name of a registered load planner, or
         ``None`` to choose one from the model state dict's layout.
     :raises CheckpointError: no checkpoint at ``path``; truncated or corrupt metadata;
@@ -53,12 +58,19 @@ def load(
     """
     path = Path(path)
     metadata = read_metadata(path)
-    state = state_dicts(model, optimizer)
-    flat, _ = flatten_state_dict(state)
-    check_against_metadata(flat, metadata, path=path, model_key=MODEL_KEY,
-                           optimizer_key=OPTIMIZER_KEY if optimizer is not None else None)
-    _, chosen = resolve_load_planner(planner, state[MODEL_KEY])
-    reader = SafeFileSystemReader(path, metadata=metadata)
-    converted_dcp_errors("loading the checkpoint at", path,
-                         lambda: dcp.load(state, storage_reader=reader, planner=chosen))
-    load_into(model, optimizer, state)
+    created = optimizer is not None and allocate_optimizer_state(optimizer)
+    try:
+        state = state_dicts(model, optimizer)
+        flat, _ = flatten_state_dict(state)
+        check_against_metadata(flat, metadata, path=path, model_key=MODEL_KEY,
+                               optimizer_key=OPTIMIZER_KEY if optimizer is not None else None)
+        _, chosen = resolve_load_planner(planner, state[MODEL_KEY])
+        reader = SafeFileSystemReader(path, metadata=metadata)
+        converted_dcp_errors("loading the checkpoint at", path,
+                             lambda: dcp.load(state, storage_reader=reader, planner=chosen))
+        load_into(model, optimizer, state)
+    except BaseException:
+        if created:
+            assert optimizer is not None
+            optimizer.state.clear()  # its state was created here, uninitialised
+        raise

@@ -7,11 +7,14 @@ of (listed in :data:`ALLOWED_GLOBALS`, found by reading
 ``torch/distributed/checkpoint/metadata.py`` and real ``.metadata`` files) and refuses
 anything else with a :class:`~overlapkit.errors.CheckpointError`.
 :class:`SafeFileSystemReader` is a ``FileSystemReader`` that reads its metadata this way,
-so ``dcp.load`` itself never unpickles the file unsafely.
+so ``dcp.load`` itself never unpickles the file unsafely, and reads tensor data
+straight into the destination tensors where it can (see
+:mod:`overlapkit.checkpoint.reading`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -21,6 +24,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
 from overlapkit.errors import CheckpointError
 
@@ -132,7 +137,10 @@ def _unpickle_metadata(data: bytes, file: Path) -> Metadata:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """A DCP ``FileSystemReader`` whose metadata is read with :class:`SafeUnpickler`.
+    """A DCP ``FileSystemReader`` whose metadata is read with :class:`SafeUnpickler`,
+    and which reads each tensor's bytes straight into its destination where the
+    layouts allow (:func:`~overlapkit.checkpoint.reading.read_into`), the rest as DCP
+    does.
 
     Pass ``metadata`` when it was already read (and validated), so the file is not
     read twice.
@@ -157,3 +165,30 @@ class SafeFileSystemReader(FileSystemReader):
         assert metadata.storage_meta is not None
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        from overlapkit.checkpoint.reading import native_byte_order, read_into
+
+        per_file: dict[str, list[ReadItem]] = {}
+        for request in plan.items:
+            info = self.storage_data[request.storage_index]
+            if request.type == LoadItemType.TENSOR and not info.transform_descriptors:
+                per_file.setdefault(info.relative_path, []).append(request)
+        direct: set[int] = set()
+        for relative_path, requests in per_file.items():
+            with self.fs.create_stream(self.fs.concat_path(self.path, relative_path),
+                                       "rb") as stream:
+                native: bool | None = None
+                for request in requests:
+                    info = self.storage_data[request.storage_index]
+                    if native is None:  # one writing process per file, one byte order
+                        native = native_byte_order(self._slice_file(stream, info))
+                    if native and read_into(stream, self._slice_file(stream, info),
+                                            info.offset, info.length, request, planner):
+                        direct.add(id(request))
+        rest = [request for request in plan.items if id(request) not in direct]
+        if rest:
+            return super().read_data(dataclasses.replace(plan, items=rest), planner)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
