@@ -14,6 +14,7 @@ settings:
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -98,17 +99,23 @@ def launch(
 
 def _launch_here(fn: Callable[..., Any], args: Sequence[Any], timeout: float) -> list[Any] | None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    owns_group = not dist.is_initialized()
-    if owns_group:
+    if not dist.is_initialized():
+        # One process group for the whole command: torchrun's store keeps the keys of
+        # a destroyed group, and a second init_process_group on it fails to connect.
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(
-        os.environ.get("LOCAL_WORLD_SIZE", world_size))))
-    try:
-        result = fn(rank, world_size, *args)
-        gathered: list[Any] | None = [None] * world_size if rank == 0 else None
-        dist.gather_object(result, gathered, dst=0)
-        return gathered
-    finally:
-        if owns_group:
-            dist.barrier()
-            dist.destroy_process_group()
+        atexit.register(_leave_group)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(
+            os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+    result = fn(rank, world_size, *args)
+    gathered: list[Any] | None = [None] * world_size if rank == 0 else None
+    dist.gather_object(result, gathered, dst=0)
+    dist.barrier()
+    return gathered
+
+
+def _leave_group() -> None:
+    """Leave the process group cleanly at exit (gloo may abort at interpreter exit
+    otherwise)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -135,3 +135,23 @@ def test_a_killed_demo_leaves_no_rank_behind() -> None:
     while _group_members(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _group_members(proc.pid) == []
+
+
+def test_demo_under_torchrun_uses_its_ranks() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(_free_port()), "-m", "overlapkit", "demo", "--model-size",
+         "tiny", "--steps", "4", "--technique", "overlap_ddp,checkpoint", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {row["technique"]: row for row in json.loads(proc.stdout)}  # rank 0 reports alone
+    assert rows["overlap_ddp"]["max_param_diff"] == 0.0
+    assert len(rows["overlap_ddp"]["peak_rss_mb"]) == 2
+    assert rows["checkpoint"]["max_param_diff"] == 0.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -18,6 +18,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = DemoConfig(
         techniques=parse_techniques(args.technique), steps=args.steps,
         world_size=args.world_size, model_size=args.model_size, port=args.port,
+        checkpoint_dir=args.checkpoint_dir,
         progress=not args.json,
     )
     if not args.json and not under_torchrun():
@@ -35,6 +36,9 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         print(format_table(rows))
+        if under_torchrun():
+            print("  under torchrun every technique runs in the same processes: peak RSS "
+                  "is each rank's high-water mark so far.")
         if args.plot:
             print(f"\nplot: {args.plot}")
     return 0
@@ -57,6 +61,9 @@ def register(commands: Any) -> None:
                         help=f"'all' or a comma-separated list of: {techniques}")
     parser.add_argument("--port", type=int, default=None,
                         help="rendezvous port on 127.0.0.1 (default: a free one)")
+    parser.add_argument("--checkpoint-dir", metavar="DIR", default=None,
+                        help="where the checkpoint technique saves (default: a temporary "
+                        "directory; on several nodes, pass one they all share)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw loss curves and step times")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.set_defaults(func=run)

@@ -8,7 +8,11 @@ technique's parameters are from plain DDP's.
 
 from __future__ import annotations
 
+import os
+import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +21,7 @@ import torch
 from overlapkit.demo.config import TECHNIQUES, DemoConfig, parse_techniques
 from overlapkit.demo.report import TechniqueRow, format_table, median_ms, plot
 from overlapkit.demo.worker import reload_checkpoint, save_checkpoint, train_technique
-from overlapkit.launch import launch
+from overlapkit.launch import launch, under_torchrun
 
 __all__ = ["TECHNIQUES", "DemoConfig", "TechniqueRow", "format_table", "parse_techniques",
            "plot", "run_demo"]
@@ -61,28 +65,51 @@ def _train_row(cfg: DemoConfig, technique: str, plain_params: torch.Tensor | Non
     return row, params
 
 
+@contextmanager
+def _checkpoint_path(cfg: DemoConfig) -> Iterator[str]:
+    """Where the demo's checkpoint goes: the same path on every rank, removed after."""
+    if cfg.checkpoint_dir is not None:
+        yield str(Path(cfg.checkpoint_dir) / "overlapkit-demo-checkpoint")
+        return
+    if not under_torchrun():
+        with tempfile.TemporaryDirectory(prefix="overlapkit-demo-") as tmp:
+            yield str(Path(tmp) / "checkpoint")
+        return
+    # Under torchrun each rank is its own process: derive one name from the run.
+    run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{os.environ['MASTER_PORT']}"
+    directory = Path(tempfile.gettempdir()) / f"overlapkit-demo-{run}"
+    try:
+        yield str(directory / "checkpoint")
+    finally:
+        if os.environ.get("RANK") == "0":  # launch() ends with a barrier: all are done
+            shutil.rmtree(directory, ignore_errors=True)
+
+
 def _checkpoint_row(cfg: DemoConfig) -> TechniqueRow | None:
-    with tempfile.TemporaryDirectory(prefix="overlapkit-demo-") as tmp:
-        path = str(Path(tmp) / "checkpoint")
+    # torchrun fixes the world size: there the checkpoint is reloaded at the same one.
+    reload_world_size = cfg.world_size if under_torchrun() else cfg.reload_world_size
+    with _checkpoint_path(cfg) as path:
         saved = launch(save_checkpoint, cfg.world_size, args=(cfg, path), port=cfg.port)
-        loaded = launch(reload_checkpoint, cfg.reload_world_size, args=(cfg, path),
+        loaded = launch(reload_checkpoint, reload_world_size, args=(cfg, path),
                         port=cfg.port)
-    if saved is None or loaded is None:
+    if saved is None or loaded is None:  # a non-zero torchrun rank
         return None
+    saved_at = len(saved)
     return TechniqueRow(
         technique="checkpoint",
         step_ms=1000 * max(r["load_seconds"] for r in loaded),
         peak_rss_mb=[r["peak_rss_mb"] for r in loaded],
         final_loss=saved[0]["losses"][-1],
         max_param_diff=_max_state_diff(saved[0]["saved"], loaded[0]["loaded"]),
-        note=(f"saved at world size {cfg.world_size}, reloaded at {cfg.reload_world_size}; "
+        note=(f"saved at world size {saved_at}, reloaded at {len(loaded)}; "
               "the time is the load, the difference is saved vs reloaded state "
               "(parameters and every optimizer-state tensor)"),
     )
 
 
 def run_demo(cfg: DemoConfig) -> list[TechniqueRow] | None:
-    """Run the demo; returns the rows of its table (``None`` on non-zero torchrun ranks)."""
+    """Run the demo; returns the rows of its table (``None`` on non-zero torchrun ranks,
+    which take part in every run but leave the report to rank 0)."""
     rows: list[TechniqueRow] = []
     plain_params = None
     techniques = list(cfg.techniques)
@@ -91,15 +118,16 @@ def run_demo(cfg: DemoConfig) -> list[TechniqueRow] | None:
     for technique in techniques:
         if technique == "checkpoint":
             row = _checkpoint_row(cfg)
-            if row is None:
-                return None
-            rows.append(row)
+            if row is not None:
+                rows.append(row)
             continue
         trained = _train_row(cfg, technique, plain_params)
         if trained is None:
-            return None
+            continue
         row, params = trained
         if technique == "plain":
             plain_params = params
         rows.append(row)
+    if under_torchrun() and os.environ.get("RANK") != "0":
+        return None
     return rows

@@ -43,6 +43,9 @@ class DemoConfig:
     #: DDP bucket size: small enough that the small model has several buckets
     bucket_cap_mb: float = 1.0
     port: int | None = None
+    #: where the checkpoint technique writes (default: a temporary directory); under
+    #: torchrun on several nodes, a directory every node shares
+    checkpoint_dir: str | None = None
     progress: bool = True
 
     def __attrs_post_init__(self) -> None:
