@@ -117,8 +117,6 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         self.optim = optim
         self.averager = averager
         self.comm_hook_state = comm_hook_state
-        self.defaults = optim.defaults
-        self.param_groups = optim.param_groups
         self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict[int, Any] = OrderedDict()
         self._optimizer_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
@@ -131,6 +129,27 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
     def state(self) -> Any:  # type: ignore[override]
         """The local optimizer's per-parameter state."""
         return self.optim.state
+
+    # Read through to the local optimizer every time: its load_state_dict() replaces
+    # its param_groups list, and a copy held here would go stale (an LR scheduler on
+    # this wrapper would then change groups the local optimizer no longer uses).
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The local optimizer's live ``param_groups``."""
+        return self.optim.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optim.param_groups = groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The local optimizer's ``defaults``."""
+        return self.optim.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict[str, Any]) -> None:
+        self.optim.defaults = defaults
 
     def __repr__(self) -> str:
         return f"PostLocalSGDOptimizer({self.optim!r}, averager={self.averager!r})"

@@ -120,6 +120,17 @@ def test_wrapper_is_an_optimizer_that_lr_schedulers_and_hooks_accept() -> None:
     assert opt.step(lambda: 1.5) == 1.5  # closures return the loss
 
 
+def test_lr_scheduler_still_drives_the_local_optimizer_after_load_state_dict() -> None:
+    opt = _optimizer()
+    _step(opt)
+    opt.load_state_dict(opt.state_dict())  # torch replaces the local param_groups list
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    _step(opt)
+    scheduler.step()
+    assert opt.optim.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert opt.param_groups is opt.optim.param_groups
+
+
 def test_state_dict_round_trips_the_averager_and_the_optimizer() -> None:
     opt = _optimizer()
     for _ in range(3):
