@@ -113,6 +113,12 @@ def _load(rank: int, world_size: int, path: str, variant: str, layers: int, dim:
             "local_shard_mb": local / 2**20, "checksum": checksum}
 
 
+def _ratio(ours: float, theirs: float) -> float | None:
+    """``ours / theirs``, or ``None`` where ``theirs`` measured nothing (a peak that
+    stayed under the baseline's high-water mark)."""
+    return round(ours / theirs, 3) if theirs > 0 else None
+
+
 def run_benchmark(
     *,
     rounds: int = 5,
@@ -166,11 +172,11 @@ def run_benchmark(
         "resharding": f"{save_ws} -> {world_size} ranks",
         "variants": variants,
         "ratios": {
-            "load_time_overlapkit_over_torch": round(
-                variants["overlapkit"]["load_s"] / variants["torch"]["load_s"], 3),
-            "peak_rss_overlapkit_over_torch": round(
-                variants["overlapkit"]["peak_rss_above_baseline_mb"]
-                / variants["torch"]["peak_rss_above_baseline_mb"], 3),
+            "load_time_overlapkit_over_torch": _ratio(
+                variants["overlapkit"]["load_s"], variants["torch"]["load_s"]),
+            "peak_rss_overlapkit_over_torch": _ratio(
+                variants["overlapkit"]["peak_rss_above_baseline_mb"],
+                variants["torch"]["peak_rss_above_baseline_mb"]),
         },
         "notes": "FSDP2 model of bias-free Linear layers with AdamW state, saved on "
                  f"{save_ws} ranks, loaded on {world_size} gloo ranks (1 thread each); "

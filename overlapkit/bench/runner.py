@@ -83,7 +83,14 @@ def run_benchmarks(names: Sequence[str], *, rounds: int, world_size: int | None,
         print(f"[{index}/{len(names)}] {name} ({rounds} rounds"
               f"{', quick' if quick else ''}) ...", file=log, flush=True)
         started = time.monotonic()
-        result = module.run_benchmark(**options)
+        try:
+            result = module.run_benchmark(**options)
+        except Exception as exc:  # the others still run; the command then exits 1
+            print(f"[{index}/{len(names)}] {name} FAILED: {type(exc).__name__}: {exc}",
+                  file=log, flush=True)
+            results.append({"benchmark": name, "error": f"{type(exc).__name__}: {exc}",
+                            "machine": machine_description()})
+            continue
         print(f"[{index}/{len(names)}] {name} done in {time.monotonic() - started:.0f}s",
               file=log, flush=True)
         result.setdefault("benchmark", name)
@@ -102,6 +109,8 @@ def _cell(value: Any) -> str:
 
 def format_result(result: dict[str, Any]) -> str:
     """One benchmark's result as a text table: a row per variant, then the ratios."""
+    if "error" in result:
+        return f"== {result['benchmark']}: FAILED: {result['error']}"
     variants: dict[str, dict[str, Any]] = result.get("variants", {})
     metrics: list[str] = []
     for figures in variants.values():

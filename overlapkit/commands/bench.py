@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         print("\n\n".join(format_result(r) for r in results))
-    return 0
+    return 1 if any("error" in r for r in results) else 0
 
 
 def register(commands: Any) -> None:

@@ -105,6 +105,7 @@ class DiLoCoAverager(PeriodicAverager):
             self._start_round(params)
             return
         self._check_layout(params)
+        self._follow_devices(params)
         assert self.outer is not None
         with torch.no_grad():
             for param, start, displacement in zip(
@@ -117,6 +118,18 @@ class DiLoCoAverager(PeriodicAverager):
                 param.add_(displacement)
                 displacement.grad = None
         self._start_round(params)
+
+    def _follow_devices(self, params: list[torch.Tensor]) -> None:
+        """Move the round start and displacements to the parameters' devices: a state
+        loaded with ``map_location="cpu"`` into a GPU run lands on the CPU."""
+        assert self.round_start is not None and self.outer is not None
+        if all(s.device == p.device for s, p in zip(self.round_start, params, strict=True)):
+            return
+        self.round_start = [s.to(p.device) for s, p in zip(self.round_start, params,
+                                                           strict=True)]
+        state = self.outer.state_dict()
+        self._make_outer([s for s in self.round_start])
+        self.outer.load_state_dict(state)  # moves the momentum to the new tensors' devices
 
     def _start_round(self, params: list[torch.Tensor]) -> None:
         with torch.no_grad():

@@ -99,6 +99,9 @@ class LionOverlapped(OverlappedOptimizer):
         """Move these momenta into one flat buffer, in this order; the optimizer's
         state then holds views of it (same values, same ``state_dict()``)."""
         flat = torch.cat([m.reshape(-1) for m in exp_avgs])
+        for old in exp_avgs:
+            if old.is_cuda:  # read on this (possibly side) stream: keep it until done
+                old.record_stream(torch.cuda.current_stream(old.device))
         offset = 0
         for param, exp_avg in zip(params, exp_avgs, strict=True):
             count = exp_avg.numel()
