@@ -19,7 +19,6 @@ rank), and their ratio; both variants must load identical values (checked).
 
 from __future__ import annotations
 
-import resource
 import shutil
 import statistics
 import tempfile
@@ -32,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from overlapkit.distributed import run_distributed
+from overlapkit.memory import peak_rss_mib
 
 __all__ = ["run_benchmark"]
 
@@ -39,7 +39,7 @@ VARIANTS = ("overlapkit", "torch")
 
 
 def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return peak_rss_mib()
 
 
 def _model(layers: int, dim: int, *, meta: bool) -> nn.Module:
@@ -181,6 +181,6 @@ def run_benchmark(
         "notes": "FSDP2 model of bias-free Linear layers with AdamW state, saved on "
                  f"{save_ws} ranks, loaded on {world_size} gloo ranks (1 thread each); "
                  "medians over interleaved rounds, fresh processes per load; peak RSS is "
-                 "ru_maxrss above the RSS before the model is built; both variants load "
+                 "VmHWM above the peak before the model is built; both variants load "
                  "identical values (checked).",
     }

@@ -5,7 +5,7 @@ Same model, same initial weights, same data, in the same spawned run; the varian
 take turns in every round (the order rotates), and each round's figure is the median
 step time (forward + backward + step + zero_grad) over its timed steps; the result is
 the median over rounds, slowest rank. Peak RSS is measured in a fresh run per variant
-(``ru_maxrss`` only grows, so variants sharing a process would share a peak).
+(the peak, ``VmHWM``, only grows, so variants sharing a process would share it).
 
 Two models: ``mlp`` (a few large parameters, several buckets) and ``many_small``
 (hundreds of small parameters, where torch's per-parameter ``step_param`` pays per
@@ -14,7 +14,6 @@ call). Optimizer: Adam, the one all three variants support.
 
 from __future__ import annotations
 
-import resource
 import statistics
 import time
 import warnings
@@ -26,6 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from overlapkit.distributed import run_distributed
+from overlapkit.memory import peak_rss_mib
 
 __all__ = ["MODELS", "VARIANTS", "run_benchmark"]
 
@@ -107,13 +107,13 @@ def _timing_rank(rank: int, world_size: int, model_name: str, rounds: int, steps
 
 def _memory_rank(rank: int, world_size: int, variant_name: str, model_name: str,
                  steps: int, quick: bool) -> dict[str, float]:
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    baseline = peak_rss_mib()
     variant = _Variant(variant_name, model_name, quick)
     batch = torch.randn(32, variant.features)
     for _ in range(steps):
         variant.train_step(batch)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"peak_rss_mib": peak / 1024, "over_baseline_mib": (peak - baseline) / 1024}
+    peak = peak_rss_mib()
+    return {"peak_rss_mib": peak, "over_baseline_mib": peak - baseline}
 
 
 def run_benchmark(*, rounds: int = 5, world_size: int = 2, quick: bool = False,

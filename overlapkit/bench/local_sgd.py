@@ -19,7 +19,6 @@ and ``PostLocalSGDOptimizer``) and ``overlapkit_post_local_sgd``. The goal is
 
 from __future__ import annotations
 
-import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from overlapkit.comm_hooks import build_comm_hook
 from overlapkit.distributed import run_distributed
 from overlapkit.local_sgd import PostLocalSGDOptimizer, create_averager
 from overlapkit.local_sgd_hook import resolved_annotations
+from overlapkit.memory import peak_rss_mib
 
 __all__ = ["ByteCounter", "run_benchmark"]
 
@@ -186,7 +186,7 @@ def _rank_benchmark(rank: int, world_size: int, config: dict[str, Any]) -> dict[
         "warmup_bytes_per_step": {v: {s: n / max(1, config["warmup_steps"])
                                       for s, n in b.items()}
                                   for v, b in warmup_bytes.items()},
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mib": peak_rss_mib(),
         "parameters": params,
     }
 

@@ -2,7 +2,7 @@
 torch's ``_apply_optimizer_in_backward`` on a plain module.
 
 Every variant trains the same MLP (same initial weights, same data) with AdamW in
-fresh processes of its own, so each rank's ``ru_maxrss`` (a process high-water mark)
+fresh processes of its own, so each rank's peak RSS (``VmHWM``, a high-water mark)
 belongs to that variant alone; a variant's peak is reported above a baseline taken
 after imports and process-group set-up, before the model is built. Rounds run every
 variant once, in a rotating order; figures are medians over rounds, largest (peak
@@ -17,7 +17,6 @@ optimizer_in_backward, torch's ``_apply_optimizer_in_backward``. torch's DDP pat
 
 from __future__ import annotations
 
-import resource
 import statistics
 import time
 import warnings
@@ -28,6 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from overlapkit.distributed import RankFailedError, run_distributed
+from overlapkit.memory import peak_rss_mib
 
 __all__ = ["VARIANTS", "run_benchmark"]
 
@@ -75,7 +75,7 @@ def fix_mmap_threshold() -> bool:
 
 
 def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return peak_rss_mib()
 
 
 def _build(width: int, depth: int) -> nn.Module:
@@ -209,7 +209,7 @@ def run_benchmark(*, rounds: int = 5, world_size: int = 2, quick: bool = False,
             f"{width}) = {n_params / 1e6:.2f} M parameters, {grad_mib:.1f} MiB of fp32 "
             f"gradients per rank; AdamW lr={LR}, batch {BATCH}; {steps} steps per run "
             f"(the first untimed); medians of {rounds} rounds, fresh processes per "
-            "variant per round; peak RSS = ru_maxrss, largest rank; glibc mmap "
+            "variant per round; peak RSS = VmHWM, largest rank; glibc mmap "
             f"threshold {'pinned at 128 KiB' if pinned else 'dynamic (glibc default)'}. "
             "Goal: plain - ours "
             ">= 0.9 x gradient bytes. torch's DDP optimizer in backward on CPU: "

@@ -7,7 +7,6 @@ so the peak RSS a rank reports belongs to that technique alone.
 
 from __future__ import annotations
 
-import resource
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from overlapkit.demo.config import DemoConfig
 from overlapkit.demo.model import build_model, make_batches
+from overlapkit.memory import peak_rss_mib
 from overlapkit.progress import Progress
 
 __all__ = ["OPTIMIZER_SETUPS", "reload_checkpoint", "save_checkpoint", "train_technique"]
@@ -63,7 +63,7 @@ OPTIMIZER_SETUPS: dict[str, Callable[[DDP, DemoConfig], torch.optim.Optimizer]] 
 
 
 def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    return peak_rss_mib()
 
 
 def _train(rank: int, world_size: int, cfg: DemoConfig, technique: str,

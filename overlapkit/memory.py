@@ -1,0 +1,30 @@
+"""Peak resident memory of this process, measured so that spawned ranks are not
+credited with their parent's memory.
+
+``getrusage(RUSAGE_SELF).ru_maxrss`` survives ``exec``: Linux keeps the high-water
+mark of the process before it, so a rank started with ``spawn`` (fork, then exec)
+begins with its parent's RSS at fork time as its "peak". Measured here: after an
+``overlapkit bench`` parent had grown, a checkpoint rank's ``ru_maxrss`` never rose
+above its starting value, and a peak above baseline read 0. ``VmHWM`` in
+``/proc/self/status`` belongs to the process's current address space and starts
+afresh at ``exec``.
+"""
+
+from __future__ import annotations
+
+import resource
+
+__all__ = ["peak_rss_mib"]
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size, in MiB (``VmHWM``; ``ru_maxrss`` where
+    ``/proc`` is missing)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
