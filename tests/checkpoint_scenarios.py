@@ -249,3 +249,42 @@ def fsdp1_tp_regression(rank: int, ws: int, path: str) -> dict[str, Any]:
         "our_warnings": our_warnings,
         "torch_warnings": torch_warnings,
     }
+
+
+def overlap_and_failing_swap(rank: int, ws: int, root: str) -> dict[str, Any]:
+    """overlap_ddp with state-free SGD, saved after a stepping backward, against the
+    same run without the save; then a save whose swap on rank 0 fails for real (a file
+    stands where the old checkpoint would be moved)."""
+    from pathlib import Path
+
+    import overlapkit
+    from overlapkit import checkpoint
+    from overlapkit.errors import CheckpointError
+
+    finals = []
+    for save in (False, True):
+        torch.manual_seed(0)
+        model = nn.parallel.DistributedDataParallel(Net())
+        opt = overlapkit.overlap_ddp(model, torch.optim.SGD, lr=0.1)
+        batches = torch.Generator().manual_seed(1)
+        for step in range(3):
+            model(torch.randn(4, 8, generator=batches)).square().mean().backward()
+            if save and step == 1:
+                checkpoint.save(f"{root}/overlap", model, opt)
+            opt.step()  # the backward stepped: a no-op
+            opt.zero_grad()
+        finals.append([p.detach().clone() for p in model.parameters()])
+    results: dict[str, Any] = {"overlap_save_changes_nothing": all(
+        torch.equal(a, b) for a, b in zip(*finals, strict=True))}
+
+    path = Path(root) / "swap"
+    checkpoint.save(path, model)
+    if rank == 0:
+        (path.parent / ".swap.old").write_text("in the way")
+    try:
+        checkpoint.save(path, model)
+        results["swap_error"] = None
+    except CheckpointError as exc:
+        results["swap_error"] = str(exc)
+    results["previous_intact"] = (path / ".metadata").is_file()
+    return results

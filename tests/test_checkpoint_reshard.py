@@ -3,7 +3,8 @@
 One chain of four spawned runs shares its checkpoints (module-scoped): world size 2
 saves FSDP2, DDP and FSDP1 checkpoints; world size 4 loads them and saves a 2-D
 (dp 2 x tp 2) one; world size 2 loads that as 1-D, and DDP <-> FSDP2; world size 1
-loads again. Every rank trains on the same batches.
+loads again. Every rank trains on the same batches. A separate run on 2 ranks checks
+saves of an ``overlap_ddp`` optimizer and a swap that fails on rank 0.
 """
 
 from __future__ import annotations
@@ -30,6 +31,28 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     results["error/ranks"] = [r["error"] for r in at_two]
     results.update(run_distributed(scenarios.load_at_one, 1, args=(root,))[0])
     return results
+
+
+@pytest.fixture(scope="module")
+def overlap_and_swap(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    root = str(tmp_path_factory.mktemp("overlap-swap"))
+    return run_distributed(scenarios.overlap_and_failing_swap, 2, args=(root,), timeout=60)
+
+
+def test_save_after_an_overlap_ddp_backward_keeps_step_a_no_op(
+    overlap_and_swap: list[dict[str, Any]],
+) -> None:
+    assert all(r["overlap_save_changes_nothing"] for r in overlap_and_swap)
+
+
+def test_a_failed_swap_on_rank_zero_is_a_checkpoint_error_on_every_rank(
+    overlap_and_swap: list[dict[str, Any]],
+) -> None:
+    for r in overlap_and_swap:
+        assert r["swap_error"] is not None
+        assert "failed on rank 0 while moving it into place" in r["swap_error"]
+        assert "NotADirectoryError" in r["swap_error"]
+        assert r["previous_intact"]
 
 
 def _assert_equal(got: dict[str, Any], want: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -299,6 +300,100 @@ def test_a_save_interrupted_between_its_renames_is_recovered(tmp_path: Path) -> 
         checkpoint.load(path, model, opt)
     checkpoint.save(path, *make(seed=1))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+# -- a save leaves training as it was ----------------------------------------------------
+
+def _train_from_fresh(optim_cls: type, options: dict[str, Any], save_to: Path | None
+                      ) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = optim_cls(model.parameters(), lr=0.05, **options)
+    if save_to is not None:
+        checkpoint.save(save_to, model, opt)
+        assert not opt.state
+    batches = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        model(torch.randn(4, 8, generator=batches)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()] + [
+        value for p in model.parameters() for value in opt.state[p].values()]
+
+
+@pytest.mark.parametrize(("optim_cls", "options"), [
+    (torch.optim.Adam, {}),
+    (torch.optim.SGD, {"momentum": 0.9, "dampening": 0.5}),
+], ids=["Adam", "SGD-momentum"])
+def test_saving_a_fresh_optimizer_does_not_change_its_training(
+    tmp_path: Path, optim_cls: type, options: dict[str, Any]
+) -> None:
+    # The state a save creates (Adam step 1, SGD momentum buffer 0) would make the
+    # first real step a second one: bias correction of step 2, (1 - dampening) * grad.
+    without = _train_from_fresh(optim_cls, options, None)
+    with_save = _train_from_fresh(optim_cls, options, tmp_path / "fresh")
+    assert len(with_save) == len(without)
+    for a, b in zip(without, with_save, strict=True):
+        assert torch.equal(a, b)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = optim_cls(model.parameters(), lr=0.05, **options)
+    checkpoint.load(tmp_path / "fresh", model, opt)  # the checkpoint still has the state
+    assert all(opt.state[p] for p in model.parameters())
+
+
+def test_saving_a_state_free_optimizer_does_not_step_it_once_per_parameter(
+    tmp_path: Path,
+) -> None:
+    model, opt = make(optimizer=torch.optim.SGD)
+    devices: list[str] = []  # of the parameters stepped: meta for a layout-only step
+    opt.register_step_post_hook(
+        lambda o, *_: devices.append(o.param_groups[0]["params"][0].device.type))
+    checkpoint.save(tmp_path / "sgd", model, opt)
+    # torch's get_state_dict itself steps once (learning rate 0) when nothing has state
+    assert devices.count("cpu") <= 1 < len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("optim_cls", [torch.optim.SGD, torch.optim.Adam])
+def test_save_and_load_after_a_stepping_backward_keep_step_a_no_op(
+    tmp_path: Path, optim_cls: type
+) -> None:
+    def train(with_checkpoints: bool) -> tuple[list[torch.Tensor], list[int]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        opt = overlapkit.optimizer_in_backward(model, optim_cls, lr=0.05)
+        real_steps: list[int] = []
+        opt.register_step_post_hook(lambda *_: real_steps.append(1))
+        batches = torch.Generator().manual_seed(1)
+        steps_in_step = []
+        for i in range(3):
+            model(torch.randn(4, 8, generator=batches)).square().mean().backward()
+            if with_checkpoints and i == 0:
+                checkpoint.save(tmp_path / "oib", model, opt)
+            if with_checkpoints and i == 1:
+                checkpoint.load(tmp_path / "oib", model, opt)
+            before = len(real_steps)
+            opt.step()  # the backward stepped: nothing left to do
+            steps_in_step.append(len(real_steps) - before)
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()], steps_in_step
+
+    params, steps_in_step = train(with_checkpoints=False)
+    assert steps_in_step == [0, 0, 0]
+    _, steps_in_step = train(with_checkpoints=True)
+    assert steps_in_step == [0, 0, 0]
+    # without the load in between, the run with the save matches the plain run exactly
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = overlapkit.optimizer_in_backward(model, optim_cls, lr=0.05)
+    batches = torch.Generator().manual_seed(1)
+    for i in range(3):
+        model(torch.randn(4, 8, generator=batches)).square().mean().backward()
+        if i == 0:
+            checkpoint.save(tmp_path / "oib-2", model, opt)
+        opt.step()
+        opt.zero_grad()
+    for p, q in zip(params, model.parameters(), strict=True):
+        assert torch.equal(p, q)
 
 
 # -- planners ---------------------------------------------------------------------------

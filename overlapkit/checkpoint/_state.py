@@ -6,15 +6,20 @@ these exactly across world sizes 1, 2 and 4), and any ``torch.optim.Optimizer`` 
 ``state_dict()`` has the plain format.
 
 A fresh optimizer has no state tensors for a load to fill. ``save`` creates them with
-real values (:func:`init_optimizer_state`); ``load`` only needs their layout, and gets
-it from a step on the meta device (:func:`allocate_optimizer_state`), so the load
-itself is the first and only write to that memory.
+real values (:func:`init_optimizer_state`) and removes them again once written, so a
+save leaves training as it was; ``load`` only needs their layout, and gets it from a
+step on the meta device (:func:`allocate_optimizer_state`), so the load itself is the
+first and only write to that memory.
+
+Both work on the real optimizer behind overlapkit's wrappers (:func:`unwrapped`): a
+wrapper's ``step()`` is not a plain step.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any, TypeVar
 
 import torch
@@ -28,15 +33,49 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from overlapkit.errors import CheckpointError
+from overlapkit.local_sgd import PostLocalSGDOptimizer
+from overlapkit.overlapped_facade import OverlappedOptimizerFacade
 
 __all__ = ["MODEL_KEY", "OPTIMIZER_KEY", "allocate_optimizer_state", "converted_dcp_errors",
-           "init_optimizer_state", "load_into", "state_dicts"]
+           "init_optimizer_state", "load_into", "remove_state_except", "state_dicts",
+           "unwrapped"]
 
 #: the top-level keys of a checkpoint written by :func:`overlapkit.checkpoint.save`
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optimizer"
 
 T = TypeVar("T")
+
+
+@contextmanager
+def unwrapped(optimizer: torch.optim.Optimizer) -> Iterator[torch.optim.Optimizer]:
+    """The real optimizer behind overlapkit's wrappers, with every overlapped engine's
+    lock held meanwhile (backward may step it from comm-hook threads).
+
+    The facade that ``overlap_ddp`` and ``optimizer_in_backward`` return makes
+    ``step()`` a no-op after a backward that stepped, and clears its "stepped" flag:
+    the zero-learning-rate steps that create state would turn the user's next
+    ``step()`` into a second real step. ``PostLocalSGDOptimizer.step()`` also counts
+    an averager step and may average the parameters. The checkpoint holds the same
+    entries either way: DCP keeps only ``state`` and ``param_groups`` of
+    ``state_dict()``, which the wrappers take from the real optimizer.
+    """
+    with ExitStack() as locks:
+        while True:
+            if isinstance(optimizer, OverlappedOptimizerFacade):
+                locks.enter_context(optimizer.engine.lock)
+                optimizer = optimizer.optimizer
+            elif isinstance(optimizer, PostLocalSGDOptimizer):
+                optimizer = optimizer.optim
+            else:
+                break
+        yield optimizer
+
+
+def remove_state_except(optimizer: torch.optim.Optimizer, kept: set[int]) -> None:
+    """Remove the state of every parameter whose ``id`` is not in ``kept``."""
+    for param in [p for p in optimizer.state if id(p) not in kept]:
+        del optimizer.state[param]
 
 
 def state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
@@ -57,6 +96,10 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer's state tensors (the tensors a load then fills in place) by
     stepping each parameter alone with a zero gradient and a learning rate of 0.
 
+    Only the parameters that keep state are stepped: a step on the meta device (see
+    :func:`allocate_optimizer_state`) tells which, so an optimizer that keeps none
+    (SGD without momentum) is not stepped at all, rather than once per parameter.
+
     torch's ``get_state_dict`` does this with one step over all parameters at once: a
     zero gradient for every parameter plus the step's temporaries (foreach
     implementations allocate them for all parameters) raise the peak memory of a load
@@ -68,6 +111,14 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     if optimizer.state:
         return
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    try:
+        meta_state = _state_from_meta_step(optimizer)
+    except Exception:
+        meta_state = None
+    stepped = [p for p in params if p.requires_grad
+               and (meta_state is None or p in meta_state)]
+    if not stepped:
+        return
     grads = [p.grad for p in params]
     lrs = [group.get("lr") for group in optimizer.param_groups]
     for p in params:
@@ -77,11 +128,10 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             if "lr" in group:
                 group["lr"] = (torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor)
                                else 0.0)
-        for p in params:
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-                optimizer.step()
-                p.grad = None
+        for p in stepped:
+            p.grad = torch.zeros_like(p)
+            optimizer.step()
+            p.grad = None
     finally:
         for group, lr in zip(optimizer.param_groups, lrs, strict=True):
             if "lr" in group:
@@ -109,7 +159,10 @@ def allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:
     if optimizer.state:
         return False
     try:
-        state = _state_from_meta_step(optimizer)
+        meta_state = _state_from_meta_step(optimizer)
+        state = None if meta_state is None else {
+            param: {key: _materialised(value, param) for key, value in values.items()}
+            for param, values in meta_state.items()}
     except Exception:
         state = None
     if state is None:
@@ -122,6 +175,8 @@ def allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:
 
 def _state_from_meta_step(optimizer: torch.optim.Optimizer
                           ) -> dict[torch.Tensor, dict[str, Any]] | None:
+    """The state, as meta tensors, that one step would give each real parameter (keys);
+    ``None`` when the step kept state that is not per parameter."""
     groups = optimizer.param_groups
     originals = [group["params"] for group in groups]
     lrs = [group.get("lr") for group in groups]
@@ -155,9 +210,7 @@ def _state_from_meta_step(optimizer: torch.optim.Optimizer
     if optimizer.state:  # state the step kept under other keys: not per parameter
         optimizer.state.clear()
         return None
-    return {real_of[id(twin)]: {key: _materialised(value, real_of[id(twin)])
-                                for key, value in values.items()}
-            for twin, values in meta_state.items()}
+    return {real_of[id(twin)]: values for twin, values in meta_state.items()}
 
 
 def _materialised(value: Any, param: torch.Tensor) -> Any:

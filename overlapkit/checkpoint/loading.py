@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner
 
 from overlapkit.checkpoint._state import (
@@ -17,6 +19,7 @@ from overlapkit.checkpoint._state import (
     converted_dcp_errors,
     load_into,
     state_dicts,
+    unwrapped,
 )
 from overlapkit.checkpoint.metadata import SafeFileSystemReader, read_metadata
 from overlapkit.checkpoint.planners import resolve_load_planner
@@ -58,6 +61,13 @@ def load(
     """
     path = Path(path)
     metadata = read_metadata(path)
+    with unwrapped(optimizer) if optimizer is not None else nullcontext() as real:
+        _load_into_real(path, metadata, model, real, planner)
+
+
+def _load_into_real(path: Path, metadata: Metadata, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer | None,
+                    planner: LoadPlanner | str | None) -> None:
     created = optimizer is not None and allocate_optimizer_state(optimizer)
     try:
         state = state_dicts(model, optimizer)

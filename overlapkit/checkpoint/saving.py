@@ -7,19 +7,31 @@ a barrier then lets every rank return. A save killed at any point leaves the pre
 checkpoint loadable: before the swap it is untouched at the path (the partial
 ``.NAME.saving`` is removed by the next save); during the two renames it is intact at
 ``.NAME.old``, which the next save moves back and ``load`` points to.
+
+Rank 0 alone touches the directories; whether it succeeded is broadcast to every rank,
+so a failure there (a rename refused, a directory fsync a network file system rejects)
+is a :class:`~overlapkit.errors.CheckpointError` on every rank, not a hang of the others
+at the next collective.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from overlapkit.checkpoint._state import converted_dcp_errors, state_dicts
+from overlapkit.checkpoint._state import (
+    converted_dcp_errors,
+    remove_state_except,
+    state_dicts,
+    unwrapped,
+)
 from overlapkit.checkpoint.metadata import METADATA_FILE
 from overlapkit.errors import CheckpointError
 
@@ -34,9 +46,26 @@ def _is_rank_zero() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _barrier() -> None:
+def _on_rank_zero(what: str, path: Path, action: Callable[[], None]) -> None:
+    """Run ``action`` on rank 0 only; if it fails, raise a ``CheckpointError`` on every
+    rank (the outcome is broadcast, which also makes every rank wait for rank 0)."""
+    error: str | None = None
+    cause: Exception | None = None
+    if _is_rank_zero():
+        try:
+            action()
+        except Exception as exc:
+            error, cause = f"{type(exc).__name__}: {exc}", exc
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        outcome = [error]
+        dist.broadcast_object_list(outcome, src=0)
+        error = outcome[0]
+    if error is not None:
+        raise CheckpointError(
+            f"saving the checkpoint to {path} failed on rank 0 while {what}: {error}. "
+            "Check that the directory is writable and that nothing else uses the "
+            f"names {path.name}, .{path.name}.saving and .{path.name}.old there."
+        ) from cause
 
 
 def _check_destination(path: Path) -> None:
@@ -92,22 +121,34 @@ def save(
     The save is atomic: it is written aside and moved into place, so an interrupted
     save leaves the previous checkpoint at ``path`` intact.
 
+    The optimizer is left exactly as it was. A fresh optimizer (no state yet) has its
+    state created for the save, as a step with a learning rate of 0 and zero gradients
+    creates it (Adam: ``step`` 1 and zero moments), and removed again afterwards, so its
+    first real step is still a first step.
+
     :return: ``path`` as a ``Path``.
-    :raises CheckpointError: ``path`` exists and is not a checkpoint, or writing failed.
+    :raises CheckpointError: ``path`` exists and is not a checkpoint, or writing or
+        moving it into place failed (on every rank alike).
     """
     path = Path(path)
     saving, old = _siblings(path)
     _check_destination(path)
-    if _is_rank_zero():
+
+    def prepare() -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         _recover_and_clean(path, saving, old)
-    state = state_dicts(model, optimizer)
-    _barrier()
-    writer = dcp.FileSystemWriter(saving, sync_files=True)
-    converted_dcp_errors("saving the checkpoint to", path,
-                         lambda: dcp.save(state, storage_writer=writer))
+
+    _on_rank_zero("preparing its directory", path, prepare)
+    with unwrapped(optimizer) if optimizer is not None else nullcontext() as real:
+        had_state = set() if real is None else {id(p) for p in real.state}
+        try:
+            state = state_dicts(model, real)
+            writer = dcp.FileSystemWriter(saving, sync_files=True)
+            converted_dcp_errors("saving the checkpoint to", path,
+                                 lambda: dcp.save(state, storage_writer=writer))
+        finally:
+            if real is not None:
+                remove_state_except(real, had_state)
     # dcp.save returns on every rank only after rank 0 wrote the metadata.
-    if _is_rank_zero():
-        _swap_into_place(path, saving, old)
-    _barrier()
+    _on_rank_zero("moving it into place", path, lambda: _swap_into_place(path, saving, old))
     return path
