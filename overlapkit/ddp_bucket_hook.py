@@ -25,9 +25,9 @@ from overlapkit.overlapped import OverlappedOptimizer
 from overlapkit.records import CommHookSpec
 from overlapkit.side_stream import SideStream
 
-__all__ = ["STEP_THREADS", "BucketStepper", "check_ddp_model", "check_params_in_ddp_model",
-           "check_comm_hook_options", "ddp_params", "overlapped_comm_hook",
-           "register_bucket_stepper"]
+__all__ = ["STEP_THREADS", "BucketStepper", "check_clipping_for_model", "check_ddp_model",
+           "check_comm_hook_options", "check_params_in_ddp_model", "ddp_params",
+           "overlapped_comm_hook", "register_bucket_stepper"]
 
 #: where bucket steps run: see overlap_ddp(step_thread=...)
 STEP_THREADS = ("backward", "comm")
@@ -47,6 +47,10 @@ class BucketStepper:
 
     ``free_grads``: the stepped parameters' ``.grad`` are set to None once DDP has
     finalised backward (see :meth:`_step_bucket` for what that frees, and when).
+
+    Under ``ddp_model.join()`` (uneven inputs) a rank that has run out of inputs
+    only runs the inner hook on DDP's zero-filled shadow buckets, outside any
+    backward: it has no gradient to step.
     """
 
     def __init__(
@@ -77,15 +81,29 @@ class BucketStepper:
         self.last_buckets: dict[int, list[torch.Tensor]] = {}
         #: parameters that got a gradient on this rank since the last synced backward
         self.used: set[torch.Tensor] = set()
-        self._in_backward = False
+        # the autograd graph task whose end our callback is queued for; compared, not
+        # a bool, so a backward that raised before its end does not block the next
+        self._graph_task: int | None = None
+        #: set by register_bucket_stepper when parameters must free their local
+        #: gradient once DDP has copied it (free_local_grads_once_bucketed)
+        self.free_after_copy_model: DistributedDataParallel | None = None
         self._pending: deque[tuple[dist.GradBucket, torch.futures.Future[Any]]] = deque()
 
     # -- on the autograd thread -------------------------------------------------
 
     def run(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        if not self._in_backward:
-            self._in_backward = True
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            # No backward: a rank joined under DDP.join() shadows each bucket's
+            # reduction with zeros (DistributedDataParallel._match_all_reduce_for_bwd_pass
+            # in torch 2.13), where queue_callback would raise "Final callbacks can
+            # only be installed during backward pass". Reduce only, step nothing.
+            return self.inner_hook(self.inner_state, bucket)
+        if task != self._graph_task:
+            self._graph_task = task
             self.stepped_since_step = True
+            # buckets of a backward that raised before its end are not stepped
+            self._pending.clear()
             # DDP queues its own finalize after the last bucket's hook; a callback
             # queued from ours (queued now, so it runs first) lands after it.
             Variable._execution_engine.queue_callback(self._before_finalize)
@@ -111,15 +129,13 @@ class BucketStepper:
         Variable._execution_engine.queue_callback(self._after_backward)
 
     def _after_backward(self) -> None:
-        self._in_backward = False
+        self._graph_task = None
+        owned = self.engine.parameters() if self.track_usage or self.free_grads else []
         if self.track_usage:
             # find_unused_parameters: DDP knows which parameters were used on any rank
             # only in its finalize; the ones unused here were left for now and get
             # the gradient DDP finalised (None: unused everywhere, not stepped).
-            unused = [
-                p for p in self.engine.parameters() if p not in self.used
-                and p.grad is not None
-            ]
+            unused = [p for p in owned if p not in self.used and p.grad is not None]
             self.used.clear()
             if unused:
                 self._step(unused)
@@ -128,13 +144,25 @@ class BucketStepper:
         if self.free_grads:
             # After DDP's finalize, which would otherwise give a None .grad a fresh
             # copy of the bucket (gradient_as_bucket_view=False; measured).
-            for param in self.engine.parameters():
+            for param in owned:
                 param.grad = None
+
+    def register(self, params: Iterable[torch.Tensor]) -> None:
+        """Hook ``params`` (the engine's, at set-up or added later by
+        ``add_param_group``): usage tracking and the early freeing of local
+        gradients, where this stepper needs them."""
+        params = list(params)
+        if self.track_usage:
+            for param in params:
+                param.register_post_accumulate_grad_hook(self.note_used)
+        if self.free_after_copy_model is not None:
+            self.free_local_grads_once_bucketed(self.free_after_copy_model, params)
 
     def note_used(self, param: torch.Tensor) -> None:
         self.used.add(param)
 
-    def free_local_grads_once_bucketed(self, model: DistributedDataParallel) -> None:
+    def free_local_grads_once_bucketed(self, model: DistributedDataParallel,
+                                       params: Iterable[torch.Tensor]) -> None:
         """With ``gradient_as_bucket_view=False``: set each parameter's local ``.grad``
         to None as soon as DDP has copied it into its bucket, instead of when the
         bucket is stepped, so at most one local gradient is alive at a time.
@@ -154,7 +182,7 @@ class BucketStepper:
 
             return free_after_ddp_copied
 
-        for param in self.engine.parameters():
+        for param in params:
             # the node autograd accumulates into, the one DDP's reducer holds
             view_node = param.view_as(param).grad_fn
             assert view_node is not None  # DDP manages only parameters that need grad
@@ -282,6 +310,25 @@ def check_ddp_model(ddp_model: Any, technique: str) -> DistributedDataParallel:
     return ddp_model
 
 
+def check_clipping_for_model(model: DistributedDataParallel, clipping: GradClipping,
+                             technique: str) -> None:
+    """:raises ConfigurationError: norm clipping on a model whose buckets are stepped
+    according to each rank's own parameter usage (``find_unused_parameters`` or
+    ``static_graph``), where ranks would clip different sets of gradients together
+    and their replicas drift apart."""
+    if clipping.norm is None or not (model.find_unused_parameters or model.static_graph):
+        return
+    option = "find_unused_parameters" if model.find_unused_parameters else "static_graph"
+    raise ConfigurationError(
+        f"clip_grad_norm cannot be used with a DDP model built with {option}=True: "
+        "there each bucket steps only the parameters this rank used, and the others "
+        "after backward, so the gradients clipped together (and the clipped values) "
+        "would differ between ranks and the replicas would drift apart. Use "
+        "clip_grad_value (exact), or build the DDP model without "
+        f"{option}, or leave clip_grad_norm out and clip nothing in {technique}."
+    )
+
+
 def check_comm_hook_options(options: Any) -> dict[str, Any]:
     """:raises ConfigurationError: ``options`` is not a mapping."""
     if options is not None and not isinstance(options, Mapping):
@@ -311,11 +358,6 @@ def register_bucket_stepper(
         engine, inner_state, inner_hook, track_usage=track_usage,
         grads_are_bucket_views=bool(model.gradient_as_bucket_view), **stepper_options,
     )
-    if track_usage:
-        for param in engine.parameters():
-            param.register_post_accumulate_grad_hook(stepper.note_used)
-    if stepper.free_grads and not model.gradient_as_bucket_view:
-        stepper.free_local_grads_once_bucketed(model)
     try:
         model.register_comm_hook(stepper, overlapped_comm_hook)
     except RuntimeError as exc:
@@ -325,4 +367,9 @@ def register_bucket_stepper(
             "comm_hook=."
         ) from exc
     setattr(model, _MARKER, technique)
+    # Only now that the comm hook is in: hooks left on the parameters after a refused
+    # registration would keep freeing gradients nobody steps.
+    if stepper.free_grads and not model.gradient_as_bucket_view:
+        stepper.free_after_copy_model = model
+    stepper.register(engine.parameters())
     return stepper

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from overlapkit.ddp_bucket_hook import (
     STEP_THREADS,
     BucketStepper,
+    check_clipping_for_model,
     check_comm_hook_options,
     check_ddp_model,
     check_params_in_ddp_model,
@@ -30,6 +31,7 @@ from overlapkit.engine_setup import (
     build_engine,
     check_unclaimed,
     claim_params,
+    materialise_params,
     resolve_overlapped_cls,
 )
 from overlapkit.errors import ConfigurationError
@@ -109,7 +111,8 @@ def overlap_ddp(
     :param clip_grad_value: clamp each gradient to ``[-v, v]`` before its step
         (exactly ``clip_grad_value_`` after backward).
     :param clip_grad_norm: clip the norm of each *bucket's* gradients to this value
-        (per-bucket, not the global ``clip_grad_norm_``; see the docs).
+        (per-bucket, not the global ``clip_grad_norm_``; see the docs). Refused with
+        ``find_unused_parameters=True`` or ``static_graph=True``.
     :param clip_norm_type: the norm of ``clip_grad_norm``.
     :return: a ``torch.optim.Optimizer``; its ``step()`` is a no-op after a backward
         that already stepped.
@@ -118,7 +121,9 @@ def overlap_ddp(
         cannot step per bucket (LBFGS, SparseAdam).
     :raises UnknownNameError: no comm hook is called ``comm_hook``.
     :raises ConfigurationError: a second call on one model, a comm hook already
-        registered, ``params`` not managed by the model, bad optimizer arguments.
+        registered, ``params`` not managed by the model, bad optimizer arguments,
+        ``clip_grad_norm`` on a model with ``find_unused_parameters`` or
+        ``static_graph``.
     """
     model = check_ddp_model(ddp_model, TECHNIQUE)
     overlapped_cls = resolve_overlapped_cls(optim_cls)
@@ -131,10 +136,11 @@ def overlap_ddp(
         )
     clipping = GradClipping(value=clip_grad_value, norm=clip_grad_norm,
                             norm_type=clip_norm_type)
+    check_clipping_for_model(model, clipping, TECHNIQUE)
     if params is None:
         params = ddp_params(model)
     else:
-        params = list(params)
+        params = materialise_params(params)
         check_params_in_ddp_model(model, params)
     engine = build_engine(overlapped_cls, optim_cls, params, args, optim_kwargs, TECHNIQUE)
     check_unclaimed(engine.parameters(), TECHNIQUE)

@@ -9,7 +9,7 @@ registered.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from overlapkit.overlapped import OverlappedOptimizer
 from overlapkit.plugins import get_plugin_manager
 
 __all__ = ["build_engine", "check_unclaimed", "claim_params", "flatten_params",
-           "resolve_overlapped_cls"]
+           "materialise_params", "resolve_overlapped_cls"]
 
 # parameter -> the technique stepping it during backward. Weak keys: a parameter's
 # claim dies with it (and is never pickled with it, unlike a tensor attribute).
@@ -50,6 +50,22 @@ def resolve_overlapped_cls(optim_cls: Any) -> type[OverlappedOptimizer]:
         )
     overlapped_cls.check_supported(optim_cls)
     return overlapped_cls
+
+
+def materialise_params(params: Iterable[Any]) -> list[Any]:
+    """``params`` as a list whose group dicts are copies holding their ``"params"`` as a
+    list, when given as a one-shot iterator (``module.parameters()``).
+
+    Call it once, before any check reads the parameters: a check that iterates a
+    generator would leave the optimizer an empty group, whose parameters would then
+    silently never be trained.
+    """
+    out: list[Any] = []
+    for item in params:
+        if isinstance(item, Mapping) and isinstance(item.get("params"), Iterator):
+            item = {**item, "params": list(item["params"])}
+        out.append(item)
+    return out
 
 
 def flatten_params(params: Iterable[Any]) -> list[Any]:

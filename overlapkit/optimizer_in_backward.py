@@ -25,6 +25,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.ddp_bucket_hook import (
+    check_clipping_for_model,
     check_comm_hook_options,
     check_ddp_model,
     check_params_in_ddp_model,
@@ -36,6 +37,7 @@ from overlapkit.engine_setup import (
     check_unclaimed,
     claim_params,
     flatten_params,
+    materialise_params,
     resolve_overlapped_cls,
 )
 from overlapkit.errors import ConfigurationError, UnsupportedModelError
@@ -92,17 +94,6 @@ class OptimizerInBackward(OverlappedOptimizerFacade):
             assert isinstance(self._model, DistributedDataParallel)
             with self._model.no_sync():
                 yield
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group of the model's parameters (validated like ``params``); for a
-        plain or FSDP2 model they get their hooks now."""
-        params = flatten_params([param_group])
-        if isinstance(self._steps, ParamStepper):
-            check_unclaimed(params, TECHNIQUE)
-        super().add_param_group(param_group)
-        if isinstance(self._steps, ParamStepper):
-            self._steps.register(params)
-        claim_params(params, TECHNIQUE)
 
 
 # -- set-up ------------------------------------------------------------------------
@@ -200,7 +191,8 @@ def optimizer_in_backward(
         (exactly ``clip_grad_value_`` after backward).
     :param clip_grad_norm: clip the norm of each bucket's (DDP) or each parameter's
         (FSDP2, plain) gradient to this value; never the global ``clip_grad_norm_``,
-        which needs every gradient at once (see the docs).
+        which needs every gradient at once (see the docs). Refused for a DDP model
+        with ``find_unused_parameters=True`` or ``static_graph=True``.
     :param clip_norm_type: the norm of ``clip_grad_norm``.
     :return: a ``torch.optim.Optimizer``; its ``step()`` is a no-op after a backward
         that already stepped.
@@ -210,7 +202,9 @@ def optimizer_in_backward(
     :raises UnknownNameError: no comm hook is called ``comm_hook``.
     :raises ConfigurationError: no trainable parameters, a second call for the same
         parameters, mixing with ``overlap_ddp``, ``params`` not in the model, a comm
-        hook for a model that is not DDP, bad optimizer or clipping arguments.
+        hook for a model that is not DDP, bad optimizer or clipping arguments,
+        ``clip_grad_norm`` on a DDP model with ``find_unused_parameters`` or
+        ``static_graph``.
     """
     kind = _model_kind(module)
     ddp_model = check_ddp_model(module, TECHNIQUE) if kind == "ddp" else None
@@ -235,7 +229,7 @@ def optimizer_in_backward(
                 "parameters (or unfreeze some)."
             )
     else:
-        params = list(params)
+        params = materialise_params(params)
         _check_params_in_module(module, params)
         if not flatten_params(params):
             raise ConfigurationError(f"params is empty; pass the parameters {TECHNIQUE} "
@@ -263,10 +257,11 @@ def _on_ddp(
 ) -> OptimizerInBackward:
     hook_spec = get_plugin_manager().registry.comm_hook(comm_hook or "allreduce")
     hook_options = check_comm_hook_options(comm_hook_options)
+    check_clipping_for_model(model, clipping, TECHNIQUE)
     if params is None:
         params = ddp_params(model)
     else:
-        params = list(params)
+        params = materialise_params(params)
         check_params_in_ddp_model(model, params)
     engine = build_engine(overlapped_cls, optim_cls, params, args, optim_kwargs, TECHNIQUE)
     owned = engine.parameters()

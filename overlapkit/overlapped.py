@@ -72,13 +72,23 @@ class OverlappedOptimizer:
 
         Called once at set-up, before the optimizer is built. The default refuses
         optimizers that need a closure (``LBFGS``) or sparse gradients
-        (``SparseAdam``), which no gradient bucket provides.
+        (``SparseAdam``), which no gradient bucket provides, and the distributed
+        wrappers of ``torch.distributed.optim`` (``ZeroRedundancyOptimizer``,
+        ``PostLocalSGDOptimizer``), whose ``step()`` communicates across ranks.
         """
         if issubclass(optim_cls, torch.optim.LBFGS):
             raise UnsupportedOptimizerError(
                 f"{optim_cls.__qualname__} needs a closure that re-evaluates the whole "
                 "model, so it cannot step one bucket of parameters while backward runs; "
                 "use it without overlap, or choose a closure-free optimizer (e.g. AdamW)."
+            )
+        if optim_cls.__module__.startswith("torch.distributed.optim"):
+            raise UnsupportedOptimizerError(
+                f"{optim_cls.__qualname__} is a distributed wrapper (its step() shards, "
+                "averages or broadcasts across ranks itself), so stepping it one bucket "
+                "or parameter at a time from inside backward would give wrong values or "
+                "hang; pass the local optimizer class it wraps (e.g. torch.optim.AdamW) "
+                "instead, or use the wrapper without overlap."
             )
         if issubclass(optim_cls, torch.optim.SparseAdam):
             raise UnsupportedOptimizerError(

@@ -10,11 +10,17 @@ backward that already stepped, so existing training loops keep working.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
 
+from overlapkit.engine_setup import (
+    check_unclaimed,
+    claim_params,
+    flatten_params,
+    materialise_params,
+)
 from overlapkit.errors import ConfigurationError
 from overlapkit.overlapped import OverlappedOptimizer
 
@@ -23,9 +29,12 @@ __all__ = ["BackwardSteps", "OverlappedOptimizerFacade"]
 
 class BackwardSteps(Protocol):
     """What steps during backward: it sets ``stepped_since_step`` when a backward
-    has stepped, and the facade's ``step()`` clears it."""
+    has stepped, and the facade's ``step()`` clears it; ``register(params)`` hooks
+    parameters added later (``add_param_group``)."""
 
     stepped_since_step: bool
+
+    def register(self, params: Iterable[torch.Tensor]) -> None: ...
 
 
 class OverlappedOptimizerFacade(torch.optim.Optimizer):
@@ -118,10 +127,20 @@ class OverlappedOptimizerFacade(torch.optim.Optimizer):
         self._engine.load_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group of the model's parameters (validated like ``params``)."""
+        """Add a group of the model's parameters (validated like ``params``). They
+        are stepped during backward from the next backward on, exactly as the
+        parameters given at set-up (same hooks, same claim against a second
+        technique stepping them)."""
+        (group,) = materialise_params([param_group])
         if self._check_params is not None:
-            self._check_params([param_group])
-        self._engine.add_param_group(param_group)
+            self._check_params([group])
+        engine = self._engine
+        params = flatten_params([group])
+        # parameters the engine already owns are left to the optimizer's own error
+        check_unclaimed([p for p in params if not engine.owns(p)], self._technique)
+        engine.add_param_group(group)
+        self._steps.register(params)
+        claim_params(params, self._technique)
 
     def register_step_pre_hook(self, hook: Any) -> Any:
         """Register on the real optimizer: runs before each partial step."""

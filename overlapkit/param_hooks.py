@@ -48,7 +48,9 @@ class ParamStepper:
         #: while true, gradients accumulate and nothing is stepped (no_step())
         self.paused = False
         self.handles: list[RemovableHandle] = []
-        self._in_backward = False
+        # the autograd graph task whose end our callback is queued for; compared, not
+        # a bool, so a backward that raised before its end does not block the next
+        self._graph_task: int | None = None
 
     def register(self, params: Iterable[torch.Tensor]) -> None:
         """Add the hook to each of ``params``."""
@@ -63,9 +65,11 @@ class ParamStepper:
 
     def _on_grad(self, param: torch.Tensor) -> None:
         grad = param.grad
-        if self.paused or grad is None:
+        if self.paused or grad is None or not self.engine.owns(param):
+            # not owned: removed from the optimizer (load_state_dict, param_groups
+            # edited); its gradient is left alone
             return
-        queued = self._in_backward or self._start_backward()
+        queued = self._queue_end_of_backward()
         params = [param]
         with self.side_stream.running(freed=(grad,)):
             if self.clipping.enabled:
@@ -76,17 +80,21 @@ class ParamStepper:
         if not queued:
             self._after_backward()
 
-    def _start_backward(self) -> bool:
+    def _queue_end_of_backward(self) -> bool:
+        """Make sure :meth:`_after_backward` runs at the end of the current backward;
+        False when the hook was called outside autograd (then the caller finishes
+        this step on its own)."""
         self.stepped_since_step = True
-        try:
-            Variable._execution_engine.queue_callback(self._after_backward)
-        except RuntimeError:
-            # "Final callbacks can only be installed during backward pass": the hook
-            # was called outside autograd; finish this step on its own.
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            # outside autograd, where queue_callback raises "Final callbacks can
+            # only be installed during backward pass"
             return False
-        self._in_backward = True
+        if task != self._graph_task:
+            self._graph_task = task
+            Variable._execution_engine.queue_callback(self._after_backward)
         return True
 
     def _after_backward(self) -> None:
-        self._in_backward = False
+        self._graph_task = None
         self.side_stream.join()

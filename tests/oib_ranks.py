@@ -179,6 +179,24 @@ def ddp_scenarios(rank: int) -> dict[str, Any]:
         (p.grad is None) == n.endswith("weight") for n, p in ddp.module.named_parameters())
     opt.step()
 
+    # param groups given as generators are trained, not emptied by the checks
+    ddp = _ddp()
+    head = ddp.module.head
+    before = head.weight.detach().clone()
+    opt = overlapkit.optimizer_in_backward(
+        ddp, torch.optim.SGD, params=[{"params": head.parameters(), "lr": 0.1}], lr=0.1)
+    ddp(_batches(rank, 1)[0]).square().mean().backward()
+    out["ddp generator group"] = (not torch.equal(before, head.weight)
+                                  and head.weight.grad is None)
+
+    # a refused comm hook leaves no parameter hook behind (they would free the grads)
+    ddp = _ddp()
+    ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+    out["ddp refused hook"] = _error_of(
+        lambda: overlapkit.optimizer_in_backward(ddp, torch.optim.SGD, lr=0.1))
+    ddp(_batches(rank, 1)[0]).square().mean().backward()
+    out["ddp refused hook keeps grads"] = all(p.grad is not None for p in ddp.parameters())
+
     out["ddp state_dict"] = _ddp_state_dict_round_trip(rank)
     out.update(_ddp_errors())
     return out
@@ -219,6 +237,8 @@ def _ddp_errors() -> dict[str, Any]:
             _ddp(), torch.optim.SGD, params=[nn.Parameter(torch.zeros(2))], lr=0.1)),
         "ddp unknown comm hook": _error_of(lambda: overlapkit.optimizer_in_backward(
             _ddp(), torch.optim.SGD, lr=0.1, comm_hook="allreduse")),
+        "ddp clip norm with unused": _error_of(lambda: overlapkit.optimizer_in_backward(
+            _ddp(find_unused_parameters=True), torch.optim.SGD, lr=0.1, clip_grad_norm=1.0)),
     }
 
 

@@ -425,7 +425,74 @@ def _error_of(call: Callable[[], Any]) -> dict[str, Any] | None:
     return None
 
 
+def _generator_groups(rank: int) -> dict[str, Any]:
+    """Group dicts whose "params" are generators (module.parameters()) are trained."""
+    def run(overlap: bool) -> list[torch.Tensor]:
+        model = _model()
+        ddp = _ddp(model)
+        groups = [{"params": model.trunk.parameters()},
+                  {"params": model.head.parameters(), "lr": 0.02}]
+        opt: Any = (overlapkit.overlap_ddp(ddp, torch.optim.AdamW, params=groups, lr=0.01)
+                    if overlap else torch.optim.AdamW(groups, lr=0.01))
+        for x in _batches(rank, 3):
+            _loss(ddp, x).backward()
+            opt.step()
+            opt.zero_grad()
+        return _params(model)
+
+    initial = dict(_model().named_parameters())
+    ours = run(True)
+    names = [n for n, _ in _model().named_parameters()]
+    head = ours[names.index("head.weight")]
+    return {"generator groups": {"equal": _same(ours, run(False)),
+                                 "head_moved": not torch.equal(head, initial["head.weight"])}}
+
+
+def _join(rank: int) -> dict[str, Any]:
+    """DDP.join() with uneven inputs: rank 0 has 3 batches, rank 1 has 5."""
+    def run(overlap: bool) -> list[torch.Tensor]:
+        model = _model()
+        ddp = _ddp(model)
+        opt: Any = (overlapkit.overlap_ddp(ddp, torch.optim.SGD, lr=0.1, momentum=0.9)
+                    if overlap else torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9))
+        with ddp.join():
+            for x in _batches(rank, 3 + 2 * rank):
+                _loss(ddp, x).backward()
+                opt.step()
+                opt.zero_grad()
+        return _params(model)
+
+    return {"join": _same(run(True), run(False))}
+
+
+def _added_groups(rank: int) -> dict[str, Any]:
+    """add_param_group: the new parameters are tracked (find_unused_parameters) and
+    claimed, like those given at set-up."""
+    model = _model()
+    ddp = _ddp(model, find_unused_parameters=True)
+    opt = overlapkit.overlap_ddp(ddp, torch.optim.SGD, params=model.trunk.parameters(),
+                                 lr=0.1)
+    opt.add_param_group({"params": model.head.parameters(), "lr": 0.05})
+    _loss(ddp, _batches(rank, 1)[0]).backward()
+    opt.step()
+    stepped_in_buckets = {id(p) for bucket in opt.last_buckets() for p in bucket}
+    other = _model()
+    overlapkit.optimizer_in_backward(other, torch.optim.SGD, params=other.head.parameters(),
+                                     lr=0.1)
+    other_ddp = _ddp(other)
+    return {
+        "added in buckets": all(id(p) in stepped_in_buckets for p in model.head.parameters()),
+        "added claimed": _error_of(lambda: overlapkit.optimizer_in_backward(
+            model, torch.optim.SGD, params=[model.head.weight], lr=0.1)),
+        "add claimed elsewhere": _error_of(lambda: overlapkit.overlap_ddp(
+            other_ddp, torch.optim.SGD, params=other.trunk.parameters(), lr=0.1
+        ).add_param_group({"params": other.head.parameters()})),
+    }
+
+
 def _errors(rank: int) -> dict[str, Any]:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
     def fresh() -> DDP:
         return _ddp(_model())
 
@@ -459,13 +526,20 @@ def _errors(rank: int) -> dict[str, Any]:
         "bad step_thread": _error_of(lambda: overlapkit.overlap_ddp(
             fresh(), torch.optim.SGD, lr=0.1, step_thread="gloo")),
         "muon on a bias": _error_of(lambda: overlapkit.overlap_ddp(fresh(), torch.optim.Muon)),
+        "clip norm with unused": _error_of(lambda: overlapkit.overlap_ddp(
+            _ddp(_model(), find_unused_parameters=True), torch.optim.SGD, lr=0.1,
+            clip_grad_norm=1.0)),
+        "clip norm with static graph": _error_of(lambda: overlapkit.overlap_ddp(
+            _ddp(_model(), static_graph=True), torch.optim.SGD, lr=0.1, clip_grad_norm=1.0)),
+        "ZeroRedundancyOptimizer": _error_of(lambda: overlapkit.overlap_ddp(
+            fresh(), ZeroRedundancyOptimizer, optimizer_class=torch.optim.SGD, lr=0.1)),
     }
 
 
 def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for part in (_bucket_views_and_unused, _no_sync, _subset_and_groups, _compress,
-                 _clipping, _contract, _errors):
+                 _clipping, _contract, _generator_groups, _join, _added_groups, _errors):
         results.update(part(rank))
     dist.barrier()
     return results
@@ -564,6 +638,12 @@ ERRORS = {
     "closure": ("ConfigurationError", "takes no closure"),
     "bad step_thread": ("ConfigurationError", "step_thread must be one of"),
     "muon on a bias": ("ConfigurationError", "Muon only supports 2D"),
+    "clip norm with unused": ("ConfigurationError", "find_unused_parameters=True: there"),
+    "clip norm with static graph": ("ConfigurationError", "static_graph=True: there"),
+    "ZeroRedundancyOptimizer": ("UnsupportedOptimizerError", "distributed wrapper"),
+    "added claimed": ("ConfigurationError", "already stepped during backward by overlap_ddp"),
+    "add claimed elsewhere": ("ConfigurationError",
+                              "already stepped during backward by optimizer_in_backward"),
 }
 
 
@@ -580,6 +660,25 @@ def test_bad_input_gets_an_overlapkit_error_saying_what_to_do(
         assert expected_text in error["message"], error
 
 
+def test_param_groups_given_as_generators_are_trained(
+    scenarios: list[dict[str, Any]],
+) -> None:
+    for rank_results in scenarios:
+        assert rank_results["generator groups"] == {"equal": True, "head_moved": True}
+
+
+def test_join_with_uneven_inputs_matches_plain_ddp(scenarios: list[dict[str, Any]]) -> None:
+    assert all(r["join"] for r in scenarios)
+
+
+def test_added_param_groups_are_tracked_like_the_first(
+    scenarios: list[dict[str, Any]],
+) -> None:
+    # with find_unused_parameters, untracked parameters would be left to the end of
+    # backward instead of being stepped with their bucket
+    assert all(r["added in buckets"] for r in scenarios)
+
+
 def test_a_model_that_is_not_ddp_is_refused() -> None:
     with pytest.raises(overlapkit.UnsupportedModelError, match="wrap it first"):
         overlapkit.overlap_ddp(nn.Linear(2, 2), torch.optim.SGD, lr=0.1)
@@ -594,6 +693,28 @@ def test_the_generic_engine_serves_every_optimizer_and_plugins_can_override(
     assert registry.optimizer_spec(torch.optim.AdamW).overlapped_cls is (
         GenericOverlappedOptimizer)
     assert registry.optimizer_provider(torch.optim.SGD).plugin == "overlapkit.ddp_overlap"
+
+
+class _CountsInGroup(torch.optim.SGD):
+    """Writes into its param group during step(), as D-Adaptation's ``d`` does."""
+
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            group["steps_seen"] = group.get("steps_seen", 0) + 1
+        return super().step(closure)
+
+
+def test_values_the_optimizer_writes_into_its_group_are_kept() -> None:
+    from overlapkit.builtin.ddp_overlap import GenericOverlappedOptimizer
+
+    params = [nn.Parameter(torch.ones(2)) for _ in range(2)]
+    engine = GenericOverlappedOptimizer(_CountsInGroup(params, lr=0.1))
+    for p in params:
+        p.grad = torch.ones(2)
+    engine.step_params([params[0]])
+    engine.step_params([params[1]])
+    assert engine.param_groups[0]["steps_seen"] == 2
+    assert engine.param_groups[0]["params"] == params
 
 
 def test_engine_steps_exactly_the_given_parameters() -> None:

@@ -257,6 +257,67 @@ def test_same_result_as_torchs_apply_optimizer_in_backward() -> None:
     assert _same(ours, _values(model))
 
 
+def test_param_groups_given_as_generators_are_trained() -> None:
+    model, plain_model = _model(), _model()
+    opt = overlapkit.optimizer_in_backward(
+        model, torch.optim.SGD, params=[{"params": model.mid.parameters(), "lr": 0.2}],
+        lr=0.1)
+    opt.add_param_group({"params": model.inp.parameters()})
+    plain = torch.optim.SGD([{"params": plain_model.mid.parameters(), "lr": 0.2},
+                             {"params": plain_model.inp.parameters()}], lr=0.1)
+    for x in _batches(3):
+        for m, o in ((model, opt), (plain_model, plain)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    assert _same(_values(model), _values(plain_model))
+    assert model.mid.weight.grad is None and model.inp.bias.grad is None
+    assert model.out.bias.grad is not None  # not in the optimizer: left alone
+
+
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("out of memory (simulated)")
+
+
+def test_a_backward_that_raised_does_not_break_the_next_ones() -> None:
+    """After a backward that raised once some parameters had stepped, the next
+    backwards still step with plain results, and step() after them is still a no-op
+    (not a second, full step of the real optimizer)."""
+    model, plain_model = _model(), _model()
+    opt = overlapkit.optimizer_in_backward(model, torch.optim.SGD, lr=0.1)
+    plain = torch.optim.SGD(plain_model.parameters(), lr=0.1)
+    x = _batches(1)[0]
+    # out and mid have stepped when the function below them raises
+    hidden = _FailsInBackward.apply(torch.tanh(model.inp(x)))
+    with pytest.raises(RuntimeError, match="simulated"):
+        model.out(torch.tanh(model.mid(hidden))).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        for p, q in zip(plain_model.parameters(), model.parameters(), strict=True):
+            p.copy_(q)
+    calls: list[int] = []
+    opt.register_step_pre_hook(lambda *_: calls.append(1))
+    full_steps_by_step = []
+    for batch in _batches(3, seed=2):
+        model(batch).square().mean().backward()
+        before = len(calls)
+        opt.step()
+        full_steps_by_step.append(len(calls) - before)
+        opt.zero_grad()
+        plain_model(batch).square().mean().backward()
+        plain.step()
+        plain.zero_grad()
+    assert full_steps_by_step == [0, 0, 0]
+    assert _same(_values(model), _values(plain_model))
+
+
 # -- errors ----------------------------------------------------------------------------
 
 
@@ -328,7 +389,16 @@ ERRORS: dict[str, tuple[Callable[[], Any], type[Exception], str]] = {
         lambda: overlapkit.optimizer_in_backward(nn.Linear(2, 2), torch.optim.SGD, lr=-1.0),
         overlapkit.ConfigurationError, "Fix the optimizer arguments"),
     "closure": (_closure, overlapkit.ConfigurationError, "takes no closure"),
+    "ZeroRedundancyOptimizer": (
+        lambda: overlapkit.optimizer_in_backward(nn.Linear(2, 2), _zero_redundancy()),
+        overlapkit.UnsupportedOptimizerError, "distributed wrapper"),
 }
+
+
+def _zero_redundancy() -> type[torch.optim.Optimizer]:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer
 
 
 @pytest.mark.parametrize("case", sorted(ERRORS))
@@ -370,6 +440,18 @@ def test_ddp_parity_with_unused_parameters_a_comm_hook_and_accumulation(
     two_ranks: list[dict[str, Any]], scenario: str
 ) -> None:
     _check_parity(two_ranks, f"ddp {scenario}")
+
+
+def test_ddp_param_groups_given_as_generators_are_trained(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    assert all(r["ddp generator group"] for r in two_ranks)
+
+
+def test_ddp_a_refused_comm_hook_leaves_no_parameter_hooks(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    assert all(r["ddp refused hook keeps grads"] for r in two_ranks)
 
 
 def test_ddp_value_clipping_is_exact(two_ranks: list[dict[str, Any]]) -> None:
@@ -419,6 +501,8 @@ DISTRIBUTED_ERRORS = {
     "overlap_ddp over a module in backward": ("ConfigurationError", "already stepped during"),
     "ddp params not in model": ("ConfigurationError", "not a parameter of the DDP model"),
     "ddp unknown comm hook": ("UnknownNameError", "'allreduce', 'bf16_compress'"),
+    "ddp clip norm with unused": ("ConfigurationError", "Use clip_grad_value"),
+    "ddp refused hook": ("ConfigurationError", "DDP refused the comm hook"),
     "fsdp2 twice": ("ConfigurationError", "already stepped during backward"),
     "fsdp2 comm_hook": ("ConfigurationError", "DistributedDataParallel models only"),
 }

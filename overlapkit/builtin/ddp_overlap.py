@@ -25,9 +25,12 @@ class GenericOverlappedOptimizer(OverlappedOptimizer):
     its ``param_groups`` swapped, for the duration of the call, for copies that hold
     only the subset.
 
-    The live group dicts are never edited, so a thread reading ``param_groups``
-    while a bucket steps sees them whole; the copies are made at step time, so an
-    LR scheduler's latest ``lr`` is the one used. Per-parameter state is keyed by the
+    During the call ``optimizer.param_groups`` *is* the list of copies (the attribute
+    is rebound, then restored), so read ``param_groups`` from another thread only
+    while holding the engine's ``lock``. The copies are made at step time, so an LR
+    scheduler's latest ``lr`` is the one used; a value the optimizer writes into its
+    group during ``step()`` (D-Adaptation's or Prodigy's ``d``, for example) is
+    copied back into the live group afterwards. Per-parameter state is keyed by the
     parameter, so it is shared with full steps and ``state_dict()``.
 
     Optimizer step hooks (``register_step_pre_hook``) run once per subset stepped.
@@ -36,9 +39,10 @@ class GenericOverlappedOptimizer(OverlappedOptimizer):
     def step_groups(self, groups: Sequence[tuple[ParamGroup, list[torch.Tensor]]]) -> None:
         optimizer = self.optimizer
         live = optimizer.param_groups
+        before = [dict(group) for group, _ in groups]
         subset = []
-        for group, params in groups:
-            copy = dict(group)
+        for values, (_, params) in zip(before, groups, strict=True):
+            copy = dict(values)
             copy["params"] = params
             subset.append(copy)
         optimizer.param_groups = subset
@@ -46,6 +50,11 @@ class GenericOverlappedOptimizer(OverlappedOptimizer):
             optimizer.step()
         finally:
             optimizer.param_groups = live
+        # only what step() itself wrote: not a value set on the live group meanwhile
+        for (group, _), values, copy in zip(groups, before, subset, strict=True):
+            for key, value in copy.items():
+                if key != "params" and (key not in values or values[key] is not value):
+                    group[key] = value
 
 
 @hookimpl
