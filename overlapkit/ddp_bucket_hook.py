@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
-from overlapkit.engine_setup import flatten_params
+from overlapkit.engine_setup import check_params_belong
 from overlapkit.errors import ConfigurationError, UnsupportedModelError
 from overlapkit.grad_clipping import GradClipping
 from overlapkit.overlapped import OverlappedOptimizer
@@ -259,19 +259,11 @@ def check_params_in_ddp_model(model: DistributedDataParallel, params: Iterable[A
     """:raises ConfigurationError: an item of ``params`` is not a parameter DDP reduces."""
     managed = {id(p) for p in ddp_params(model)}
     in_model = {id(p) for p in model.module.parameters()}
-    for param in flatten_params(params):
-        if not isinstance(param, torch.Tensor):
-            raise ConfigurationError(
-                f"params must hold parameters of the DDP model (tensors or param-group "
-                f"dicts), got {type(param).__name__}; pass e.g. ddp_model.parameters()."
-            )
-        if id(param) not in in_model:
-            raise ConfigurationError(
-                f"a parameter of shape {tuple(param.shape)} in params is not a parameter "
-                "of the DDP model, so no bucket ever holds its gradient; pass only the "
-                "model's parameters (ddp_model.parameters()), and step others with a "
-                "plain optimizer."
-            )
+    for param in check_params_belong(
+        params, in_model, owner="the DDP model", example="ddp_model.parameters()",
+        unknown="so no bucket ever holds its gradient; pass only the model's parameters "
+        "(ddp_model.parameters()), and step others with a plain optimizer.",
+    ):
         if id(param) not in managed:
             raise ConfigurationError(
                 f"a parameter of shape {tuple(param.shape)} in params is not managed by "

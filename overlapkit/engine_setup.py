@@ -80,6 +80,33 @@ def flatten_params(params: Iterable[Any]) -> list[Any]:
     return flat
 
 
+def check_params_belong(
+    params: Iterable[Any], members: set[int], *, owner: str, example: str, unknown: str
+) -> list[torch.Tensor]:
+    """Every item of ``params`` (group dicts opened) is a tensor whose ``id`` is in
+    ``members``; returns them.
+
+    :param owner: what they must belong to, for messages ("the DDP model").
+    :param example: what to pass instead ("ddp_model.parameters()").
+    :param unknown: the end of the message for a tensor that does not belong.
+    :raises ConfigurationError: naming the offending item.
+    """
+    tensors = []
+    for param in flatten_params(params):
+        if not isinstance(param, torch.Tensor):
+            raise ConfigurationError(
+                f"params must hold parameters of {owner} (tensors or param-group "
+                f"dicts), got {type(param).__name__}; pass e.g. {example}."
+            )
+        if id(param) not in members:
+            raise ConfigurationError(
+                f"a parameter of shape {tuple(param.shape)} in params is not a parameter "
+                f"of {owner}, {unknown}"
+            )
+        tensors.append(param)
+    return tensors
+
+
 def build_engine(
     overlapped_cls: type[OverlappedOptimizer],
     optim_cls: type[torch.optim.Optimizer],

@@ -34,6 +34,7 @@ from overlapkit.ddp_bucket_hook import (
 )
 from overlapkit.engine_setup import (
     build_engine,
+    check_params_belong,
     check_unclaimed,
     claim_params,
     flatten_params,
@@ -128,20 +129,13 @@ def _model_kind(module: Any) -> str:
 
 
 def _check_params_in_module(module: torch.nn.Module, params: Iterable[Any]) -> None:
-    in_module = {id(p): p for p in module.parameters()}
-    for param in flatten_params(params):
-        if not isinstance(param, torch.Tensor):
-            raise ConfigurationError(
-                f"params must hold parameters of the module (tensors or param-group "
-                f"dicts), got {type(param).__name__}; pass e.g. module.parameters()."
-            )
-        if id(param) not in in_module:
-            raise ConfigurationError(
-                f"a parameter of shape {tuple(param.shape)} in params is not a parameter "
-                f"of the module, so {TECHNIQUE} has no hook on it; pass only the module's "
-                "parameters (for FSDP2: the sharded ones, module.parameters() after "
-                "fully_shard), and step others with a plain optimizer."
-            )
+    in_module = {id(p) for p in module.parameters()}
+    for param in check_params_belong(
+        params, in_module, owner="the module", example="module.parameters()",
+        unknown=f"so {TECHNIQUE} has no hook on it; pass only the module's parameters "
+        "(for FSDP2: the sharded ones, module.parameters() after fully_shard), and step "
+        "others with a plain optimizer.",
+    ):
         if not param.requires_grad:
             raise ConfigurationError(
                 f"a parameter of shape {tuple(param.shape)} in params has "
