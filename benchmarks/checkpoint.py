@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from overlapkit.bench.checkpoint import run_benchmark
+from overlapkit.cli.bench.checkpoint import run_benchmark
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from overlapkit.bench.local_sgd import run_benchmark
+from overlapkit.cli.bench.local_sgd import run_benchmark
 
 
 def main() -> None:

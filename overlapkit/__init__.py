@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Any
 
 from overlapkit.comm_hooks import build_comm_hook
-from overlapkit.ddp_overlap import DDPOverlapOptimizer, overlap_ddp
 from overlapkit.errors import (
     CheckpointError,
     ConfigurationError,
@@ -32,18 +31,19 @@ from overlapkit.errors import (
     UnsupportedModelError,
     UnsupportedOptimizerError,
 )
-from overlapkit.hookspecs import hookimpl
-from overlapkit.local_sgd import PostLocalSGDOptimizer, create_averager, post_local_sgd
-from overlapkit.optimizer_in_backward import OptimizerInBackward, optimizer_in_backward
-from overlapkit.overlapped import OverlappedOptimizer
-from overlapkit.plugins import (
+from overlapkit.local_sgd.optimizer import PostLocalSGDOptimizer, create_averager, post_local_sgd
+from overlapkit.overlap.ddp import DDPOverlapOptimizer, overlap_ddp
+from overlapkit.overlap.engine import OverlappedOptimizer
+from overlapkit.overlap.in_backward import OptimizerInBackward, optimizer_in_backward
+from overlapkit.plugin.hookspecs import hookimpl
+from overlapkit.plugin.manager import (
     PluginInfo,
     create_plugin_manager,
     get_plugin_manager,
     list_plugins,
     set_plugin_manager,
 )
-from overlapkit.records import AveragerSpec, CommHookSpec, LoadPlannerSpec, OptimizerSpec
+from overlapkit.plugin.records import AveragerSpec, CommHookSpec, LoadPlannerSpec, OptimizerSpec
 
 __all__ = [
     "AveragerSpec",

@@ -1,13 +1,25 @@
-"""Build a registered DDP comm hook by name."""
+"""DDP comm hooks by name: :func:`build_comm_hook`, and the built-in plugin
+``overlapkit.comm_hooks`` that registers the standard ones.
+
+``allreduce`` (DDP's default: average over the group), ``fp16_compress`` and
+``bf16_compress`` (cast to half precision for the allreduce, cast back after). They wrap
+torch's own hooks, so results match DDP with the same hook registered by hand. Other
+packages register more (``post_local_sgd`` comes from :mod:`overlapkit.local_sgd`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from overlapkit.plugins import get_plugin_manager
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-__all__ = ["build_comm_hook"]
+from overlapkit.errors import ConfigurationError
+from overlapkit.plugin.hookspecs import hookimpl
+from overlapkit.plugin.manager import get_plugin_manager
+from overlapkit.plugin.records import CommHookSpec
+
+__all__ = ["build_comm_hook", "overlapkit_register_comm_hooks"]
 
 
 def build_comm_hook(
@@ -22,3 +34,38 @@ def build_comm_hook(
     """
     spec = get_plugin_manager().registry.comm_hook(name)
     return spec.build(process_group=process_group, **options)
+
+
+def _stateless(name: str, hook: Callable[..., Any]) -> Callable[..., tuple[Any, Any]]:
+    def build(*, process_group: Any = None, **options: Any) -> tuple[Any, Any]:
+        if options:
+            raise ConfigurationError(
+                f"comm hook {name!r} takes no options, got {sorted(options)}; "
+                "remove them from comm_hook_options."
+            )
+        return process_group, hook
+
+    build.__name__ = f"build_{name}"
+    build.__doc__ = f"Build torch's ``{hook.__name__}`` as ``(process_group, hook)``."
+    return build
+
+
+@hookimpl
+def overlapkit_register_comm_hooks() -> list[CommHookSpec]:
+    return [
+        CommHookSpec(
+            name="allreduce",
+            build=_stateless("allreduce", default_hooks.allreduce_hook),
+            description="average gradients over the group (DDP's default)",
+        ),
+        CommHookSpec(
+            name="fp16_compress",
+            build=_stateless("fp16_compress", default_hooks.fp16_compress_hook),
+            description="allreduce in float16, then cast back",
+        ),
+        CommHookSpec(
+            name="bf16_compress",
+            build=_stateless("bf16_compress", default_hooks.bf16_compress_hook),
+            description="allreduce in bfloat16, then cast back",
+        ),
+    ]

@@ -32,7 +32,11 @@ from typing import Any
 import pytest
 
 from overlapkit.distributed import run_distributed as _run_distributed
-from overlapkit.plugins import OverlapkitPluginManager, create_plugin_manager, set_plugin_manager
+from overlapkit.plugin.manager import (
+    OverlapkitPluginManager,
+    create_plugin_manager,
+    set_plugin_manager,
+)
 
 __all__ = ["installed_plugins", "overlapkit_plugin_manager", "run_distributed"]
 

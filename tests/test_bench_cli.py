@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from overlapkit.bench.runner import BENCHMARKS
+from overlapkit.cli.bench.runner import BENCHMARKS
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

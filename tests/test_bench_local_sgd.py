@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from overlapkit.bench.local_sgd import run_benchmark
+from overlapkit.cli.bench.local_sgd import run_benchmark
 
 
 def test_quick_benchmark_reports_one_global_averaging_per_period() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from overlapkit import hookspecs
+from overlapkit.plugin import hookspecs
 
 DOCS = Path(__file__).parent.parent / "docs"
 HOOKS = sorted(name for name in dir(hookspecs) if name.startswith("overlapkit_"))
@@ -32,4 +32,4 @@ def test_hook_docstring_says_when_and_what_it_returns(hook: str) -> None:
 @pytest.mark.parametrize("hook", HOOKS)
 def test_hook_is_in_the_hook_reference(hook: str) -> None:
     reference = (DOCS / "hooks.rst").read_text()
-    assert f".. autofunction:: overlapkit.hookspecs.{hook}" in reference
+    assert f".. autofunction:: overlapkit.plugin.hookspecs.{hook}" in reference

@@ -8,8 +8,12 @@ import pytest
 import torch
 
 import overlapkit
-from overlapkit.averagers import HierarchicalAverager, PeriodicAverager, parameters_to_average
-from overlapkit.plugins import OverlapkitPluginManager
+from overlapkit.local_sgd.averagers import (
+    HierarchicalAverager,
+    PeriodicAverager,
+    parameters_to_average,
+)
+from overlapkit.plugin.manager import OverlapkitPluginManager
 
 
 def _optimizer(warmup_steps: int = 100) -> overlapkit.PostLocalSGDOptimizer:

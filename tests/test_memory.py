@@ -6,12 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from overlapkit.memory import peak_rss_mib
+from overlapkit.cli.memory import peak_rss_mib
 
 GROW_THEN_SPAWN = """
 import multiprocessing as mp
 import sys
-from overlapkit.memory import peak_rss_mib
+from overlapkit.cli.memory import peak_rss_mib
 
 def report(queue):
     import resource

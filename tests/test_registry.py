@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import overlapkit
-from overlapkit.plugins import OverlapkitPluginManager
+from overlapkit.plugin.manager import OverlapkitPluginManager
 
 
 class GenericOverlap:

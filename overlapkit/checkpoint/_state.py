@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from overlapkit.errors import CheckpointError
-from overlapkit.local_sgd import PostLocalSGDOptimizer
-from overlapkit.overlapped_facade import OverlappedOptimizerFacade
+from overlapkit.local_sgd.optimizer import PostLocalSGDOptimizer
+from overlapkit.overlap.facade import OverlappedOptimizerFacade
 
 __all__ = ["MODEL_KEY", "OPTIMIZER_KEY", "allocate_optimizer_state", "converted_dcp_errors",
            "init_optimizer_state", "load_into", "remove_state_except", "state_dicts",

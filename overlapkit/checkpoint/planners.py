@@ -150,7 +150,7 @@ def resolve_load_planner(
     """
     if isinstance(planner, LoadPlanner):
         return "custom", planner
-    from overlapkit.plugins import get_plugin_manager
+    from overlapkit.plugin.manager import get_plugin_manager
 
     registry = get_plugin_manager().registry
     if planner is not None:

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from overlapkit.builtin.ddp_overlap import GenericOverlappedOptimizer
+from overlapkit.overlap.generic import GenericOverlappedOptimizer
 from overlapkit_lion import Lion, LionOverlapped
 
 

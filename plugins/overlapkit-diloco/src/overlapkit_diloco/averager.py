@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from overlapkit import CheckpointError, ConfigurationError
-from overlapkit.averagers import PeriodicAverager, average_in_place
+from overlapkit.local_sgd.averagers import PeriodicAverager, average_in_place
 
 __all__ = ["DiLoCoAverager", "nesterov_sgd"]
 
@@ -58,7 +58,7 @@ def nesterov_sgd(lr: float = 0.7, momentum: float = 0.9) -> OuterOptimizerFactor
 class DiLoCoAverager(PeriodicAverager):
     """Periodic averaging whose averaging step is an outer optimizer step (DiLoCo).
 
-    Same schedule as :class:`~overlapkit.averagers.PeriodicAverager` (first averaging at
+    Same schedule as :class:`~overlapkit.local_sgd.averagers.PeriodicAverager` (first averaging at
     step ``warmup_steps``, then every ``period`` steps). A round starts at the end of
     warm-up; a run without warm-up starts its first round at its first averaging,
     which is then a plain average.
@@ -93,7 +93,7 @@ class DiLoCoAverager(PeriodicAverager):
         parameters as the first round's start."""
         averaged = super().average_parameters(params)
         if self.step == self.warmup_steps and self.warmup_steps > 0:
-            from overlapkit.averagers import parameters_to_average
+            from overlapkit.local_sgd.averagers import parameters_to_average
 
             self._start_round(parameters_to_average(params))
         return averaged

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from overlapkit import OverlappedOptimizer, UnsupportedOptimizerError
-from overlapkit.overlapped import ParamGroup
+from overlapkit.plugin import ParamGroup
 from overlapkit_lion.optimizer import Lion, lion_update, lion_update_flat
 
 __all__ = ["LionOverlapped", "as_flat_run"]

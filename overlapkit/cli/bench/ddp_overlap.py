@@ -1,0 +1,166 @@
+"""Benchmark: overlap_ddp (both step threads) vs torch's ``DDP._register_fused_optim`` vs plain
+DDP + step().
+
+Same model, same initial weights, same data, in the same spawned run; the variants
+take turns in every round (the order rotates), and each round's figure is the median
+step time (forward + backward + step + zero_grad) over its timed steps; the result is
+the median over rounds, slowest rank. Peak RSS is measured in a fresh run per variant
+(the peak, ``VmHWM``, only grows, so variants sharing a process would share it).
+
+Two models: ``mlp`` (a few large parameters, several buckets) and ``many_small``
+(hundreds of small parameters, where torch's per-parameter ``step_param`` pays per
+call). Optimizer: Adam, the one all three variants support.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from overlapkit.cli.memory import peak_rss_mib
+from overlapkit.distributed import run_distributed
+
+__all__ = ["MODELS", "VARIANTS", "run_benchmark"]
+
+VARIANTS = ("overlapkit", "overlapkit_comm_thread", "torch_fused", "plain")
+COMMAND = "python benchmarks/ddp_overlap.py"
+LR = 1e-3
+
+#: model name -> (input/width, depth, quick depth, DDP bucket_cap_mb)
+MODELS: dict[str, tuple[int, int, int, float]] = {
+    "mlp": (1024, 6, 3, 1.0),
+    "many_small": (16, 200, 60, 25.0),
+}
+
+
+def _build(model_name: str, quick: bool) -> tuple[nn.Module, int, float]:
+    """An MLP of ``depth`` Linear(width, width) + Tanh layers, the same on every call."""
+    width, depth, quick_depth, cap = MODELS[model_name]
+    if quick:
+        width, depth = min(width, 256), quick_depth
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers), width, cap
+
+
+class _Variant:
+    """One variant's DDP model and a ``train_step(x)``."""
+
+    def __init__(self, name: str, model_name: str, quick: bool) -> None:
+        import overlapkit
+
+        model, self.features, cap = _build(model_name, quick)
+        self.ddp = DDP(model, bucket_cap_mb=cap)
+        self.optimizer: Any = None
+        if name.startswith("overlapkit"):
+            thread = "comm" if name.endswith("comm_thread") else "backward"
+            self.optimizer = overlapkit.overlap_ddp(self.ddp, torch.optim.Adam, lr=LR,
+                                                    step_thread=thread)
+        elif name == "torch_fused":
+            with warnings.catch_warnings():  # torch warns on every construction
+                warnings.simplefilter("ignore")
+                self.ddp._register_fused_optim(torch.optim.Adam, lr=LR)
+        else:
+            self.optimizer = torch.optim.Adam(self.ddp.parameters(), lr=LR)
+
+    def train_step(self, x: torch.Tensor) -> None:
+        self.ddp(x).square().mean().backward()
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+        else:
+            self.ddp.zero_grad(set_to_none=True)
+
+
+def _timing_rank(rank: int, world_size: int, model_name: str, rounds: int, steps: int,
+                 warmup: int, quick: bool) -> dict[str, list[float]]:
+    variants = {name: _Variant(name, model_name, quick) for name in VARIANTS}
+    features = variants["plain"].features
+    generator = torch.Generator().manual_seed(rank)
+    batch = torch.randn(32, features, generator=generator)
+    for variant in variants.values():
+        for _ in range(warmup):
+            variant.train_step(batch)
+    per_round: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    for round_index in range(rounds):
+        shift = round_index % len(VARIANTS)
+        order = VARIANTS[shift:] + VARIANTS[:shift]
+        for name in order:
+            times = []
+            for _ in range(steps):
+                dist.barrier()
+                started = time.perf_counter()
+                variants[name].train_step(batch)
+                times.append(time.perf_counter() - started)
+            per_round[name].append(statistics.median(times))
+    return per_round
+
+
+def _memory_rank(rank: int, world_size: int, variant_name: str, model_name: str,
+                 steps: int, quick: bool) -> dict[str, float]:
+    baseline = peak_rss_mib()
+    variant = _Variant(variant_name, model_name, quick)
+    batch = torch.randn(32, variant.features)
+    for _ in range(steps):
+        variant.train_step(batch)
+    peak = peak_rss_mib()
+    return {"peak_rss_mib": peak, "over_baseline_mib": peak - baseline}
+
+
+def run_benchmark(*, rounds: int = 5, world_size: int = 2, quick: bool = False,
+                  **options: Any) -> dict[str, Any]:
+    """Run the benchmark; return a JSON-serialisable dict of medians and ratios.
+
+    :param rounds: interleaved rounds (each variant runs ``steps`` timed steps per round).
+    :param quick: small models and few steps, to check that it runs.
+    :param options: ``models`` (names from :data:`MODELS`), ``steps``, ``warmup``.
+    """
+    # quick: one model, so `overlapkit bench --quick` stays a smoke test of every variant
+    models = list(options.get("models", ["mlp"] if quick else MODELS))
+    steps = int(options.get("steps", 5 if quick else 20))
+    warmup = int(options.get("warmup", 2 if quick else 5))
+    if quick:
+        rounds = min(rounds, 2)
+    variants: dict[str, dict[str, float]] = {}
+    ratios: dict[str, float] = {}
+    for model_name in models:
+        per_rank = run_distributed(
+            _timing_rank, world_size,
+            args=(model_name, rounds, steps, warmup, quick), timeout=600,
+        )
+        for name in VARIANTS:
+            # the slowest rank's median per round, then the median over rounds
+            slowest = [max(r[name][i] for r in per_rank) for i in range(rounds)]
+            memory = run_distributed(_memory_rank, world_size,
+                                     args=(name, model_name, warmup + steps, quick))
+            variants[f"{model_name}/{name}"] = {
+                "step_ms": 1000 * statistics.median(slowest),
+                "peak_rss_mib_per_rank": max(m["peak_rss_mib"] for m in memory),
+                "rss_over_baseline_mib": max(m["over_baseline_mib"] for m in memory),
+            }
+        ours = variants[f"{model_name}/overlapkit"]["step_ms"]
+        ratios[f"{model_name}: overlapkit / torch_fused step time"] = (
+            ours / variants[f"{model_name}/torch_fused"]["step_ms"])
+        ratios[f"{model_name}: overlapkit / plain step time"] = (
+            ours / variants[f"{model_name}/plain"]["step_ms"])
+    return {
+        "benchmark": "ddp_overlap",
+        "command": COMMAND + (" --quick" if quick else ""),
+        "variants": variants,
+        "ratios": ratios,
+        "notes": (
+            f"{world_size} gloo ranks on CPU, Adam lr={LR}, batch 32; step = forward + "
+            f"backward + step + zero_grad; median of {rounds} interleaved rounds of "
+            f"{steps} steps (slowest rank); peak RSS from a fresh run per variant. "
+            "Goal: <= 0.95x torch_fused and <= 1.00x plain."
+        ),
+    }

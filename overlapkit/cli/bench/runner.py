@@ -1,0 +1,148 @@
+"""``overlapkit bench``: run the technique benchmarks and report medians and ratios.
+
+Each benchmark interleaves its variants (ours, torch's own, plain) in one run, so
+their figures are comparable; this module only runs them in turn and presents what
+they return.
+"""
+
+from __future__ import annotations
+
+import importlib
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from overlapkit.cli.textui import format_table, parse_names, pyplot
+from overlapkit.errors import ConfigurationError
+from overlapkit.launch import check_world_size
+
+__all__ = ["BENCHMARKS", "format_result", "machine_description", "plot_results", "run_benchmarks"]
+
+#: benchmark name -> module under overlapkit.cli.bench, in the order they run
+BENCHMARKS: dict[str, str] = {
+    "ddp_overlap": "overlapkit.cli.bench.ddp_overlap",
+    "optimizer_in_backward": "overlapkit.cli.bench.optimizer_in_backward",
+    "local_sgd": "overlapkit.cli.bench.local_sgd",
+    "checkpoint": "overlapkit.cli.bench.checkpoint",
+}
+
+
+def machine_description() -> str:
+    """One line naming the machine the figures come from."""
+    import os
+
+    return (f"{platform.machine()}, {os.cpu_count()} cores, Python "
+            f"{platform.python_version()}, torch {torch.__version__}")
+
+
+def available_benchmarks() -> list[str]:
+    """The benchmarks whose modules are present."""
+    names = []
+    for name, module in BENCHMARKS.items():
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+            continue
+        names.append(name)
+    return names
+
+
+def parse_benchmarks(text: str) -> list[str]:
+    """``"all"`` or a comma-separated list of benchmark names, validated."""
+    available = available_benchmarks()
+    if not available:
+        raise ConfigurationError("no benchmark modules are installed; reinstall overlapkit.")
+    return parse_names(text, available, "benchmark")
+
+
+def run_benchmarks(names: Sequence[str], *, rounds: int, world_size: int | None,
+                   quick: bool, log: TextIO | None = None) -> list[dict[str, Any]]:
+    """Run each named benchmark and return their results in order.
+
+    ``world_size=None`` lets each benchmark use its own default (the checkpoint one
+    reshards 2 -> 4 ranks, the others run on 2). Progress goes to ``log`` (stderr).
+    """
+    if rounds < 1:
+        raise ConfigurationError(f"--rounds must be at least 1, got {rounds}.")
+    if world_size is not None:
+        check_world_size(world_size)
+    log = sys.stderr if log is None else log
+    results = []
+    for index, name in enumerate(names, 1):
+        module = importlib.import_module(BENCHMARKS[name])
+        options: dict[str, Any] = {"rounds": rounds, "quick": quick}
+        if world_size is not None:
+            options["world_size"] = world_size
+        print(f"[{index}/{len(names)}] {name} ({rounds} rounds"
+              f"{', quick' if quick else ''}) ...", file=log, flush=True)
+        started = time.monotonic()
+        try:
+            result = module.run_benchmark(**options)
+        except Exception as exc:  # the others still run; the command then exits 1
+            print(f"[{index}/{len(names)}] {name} FAILED: {type(exc).__name__}: {exc}",
+                  file=log, flush=True)
+            results.append({"benchmark": name, "error": f"{type(exc).__name__}: {exc}",
+                            "machine": machine_description()})
+            continue
+        print(f"[{index}/{len(names)}] {name} done in {time.monotonic() - started:.0f}s",
+              file=log, flush=True)
+        result.setdefault("benchmark", name)
+        result["machine"] = machine_description()
+        results.append(result)
+    return results
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return "/".join(_cell(v) for v in value)
+    return str(value)
+
+
+def format_result(result: dict[str, Any]) -> str:
+    """One benchmark's result as a text table: a row per variant, then the ratios."""
+    if "error" in result:
+        return f"== {result['benchmark']}: FAILED: {result['error']}"
+    variants: dict[str, dict[str, Any]] = result.get("variants", {})
+    metrics: list[str] = []
+    for figures in variants.values():
+        metrics += [m for m in figures if m not in metrics and not isinstance(figures[m], dict)]
+    lines = [["variant", *metrics]]
+    lines += [[name, *(_cell(figures.get(m, "-")) for m in metrics)]
+              for name, figures in variants.items()]
+    text = [f"== {result.get('benchmark')} ({result.get('machine', '')})",
+            format_table(lines)]
+    for name, value in result.get("ratios", {}).items():
+        text.append(f"  {name}: {_cell(value)}")
+    if result.get("notes"):
+        text.append(f"  notes: {result['notes']}")
+    return "\n".join(text)
+
+
+def plot_results(results: list[dict[str, Any]], path: Path) -> None:
+    """A bar chart per benchmark of its first metric per variant, into a PNG."""
+    plt = pyplot()
+    figure, axes = plt.subplots(1, max(len(results), 1), figsize=(5 * max(len(results), 1), 4),
+                                squeeze=False)
+    for ax, result in zip(axes[0], results, strict=False):
+        variants = result.get("variants", {})
+        metric = next((m for f in variants.values() for m, v in f.items()
+                       if isinstance(v, (int, float))), None)
+        if metric is None:
+            continue
+        names = list(variants)
+        ax.bar(names, [float(variants[n].get(metric, 0.0)) for n in names])
+        ax.set(title=result.get("benchmark", ""), ylabel=metric)
+        ax.tick_params(axis="x", rotation=20)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

@@ -1,0 +1,295 @@
+"""Post-local SGD: local optimizer steps with periodic model averaging, resumable.
+
+:func:`post_local_sgd` sets the technique up on a DDP model in one call: it registers
+the ``post_local_sgd`` comm hook (global gradient averaging during warm-up, within a
+subgroup after) and returns a :class:`PostLocalSGDOptimizer` that steps the local
+optimizer and then lets a model averager average the parameters every ``period``
+steps. Both counters, the hook's warm-up iterations and the averager's steps, live
+in the optimizer's ``state_dict()``, so a run resumed from a checkpoint continues
+exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from overlapkit.errors import (
+    ConfigurationError,
+    UnsupportedModelError,
+    UnsupportedOptimizerError,
+)
+from overlapkit.local_sgd.averagers import ModelAverager, check_period, check_warmup_steps
+from overlapkit.local_sgd.comm_hook import (
+    PostLocalSGDHookState,
+    check_subgroup_size,
+    default_subgroup_size,
+)
+from overlapkit.plugin.manager import get_plugin_manager
+
+__all__ = ["PostLocalSGDOptimizer", "create_averager", "post_local_sgd"]
+
+
+def create_averager(name: str, **options: Any) -> Any:
+    """Build the model averager registered as ``name`` (``"periodic"``,
+    ``"hierarchical"``, or a plugin's).
+
+    :param options: the averager's own options, e.g. ``period=4, warmup_steps=100``
+        for ``periodic``; ``period_group_size_dict={4: 2, 16: 8}`` for
+        ``hierarchical``; every averager also takes ``process_group``.
+    :raises UnknownNameError: no plugin provides ``name``; the message lists the valid
+        names.
+    :raises ConfigurationError: an unknown or invalid option.
+    """
+    spec = get_plugin_manager().registry.averager(name)
+    _check_options(f"averager {spec.name!r}", spec.build, options)
+    return spec.build(**options)
+
+
+def _check_options(what: str, build: Callable[..., Any], options: Mapping[str, Any]) -> None:
+    """Reject options ``build`` does not take, before it runs (and creates groups)."""
+    try:
+        signature = inspect.signature(build)
+    except (TypeError, ValueError):  # a builtin or C callable: let it check
+        return
+    params = signature.parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return
+    accepted = [p.name for p in params
+                if p.kind in (inspect.Parameter.KEYWORD_ONLY,
+                              inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ConfigurationError(
+            f"{what} takes no options {unknown}; its options are {accepted}."
+        )
+    missing = [p.name for p in params if p.default is inspect.Parameter.empty
+               and p.kind is not inspect.Parameter.VAR_POSITIONAL and p.name not in options]
+    if missing:
+        raise ConfigurationError(f"{what} needs the options {missing}; pass them.")
+
+
+class PostLocalSGDOptimizer(torch.optim.Optimizer):
+    """Step a local optimizer, then let a model averager average the parameters.
+
+    torch's ``PostLocalSGDOptimizer``, fixed: it is a full ``torch.optim.Optimizer``
+    (LR schedulers and step hooks work; ``param_groups`` and ``state`` are the local
+    optimizer's, live); ``step`` takes a closure; its ``state_dict()`` keeps the local
+    optimizer's format and adds the averager's whole state (not only its step) and,
+    when it knows the comm hook's state, the hook's warm-up counter.
+
+    :param optim: the local optimizer; it steps every iteration.
+    :param averager: a :class:`~overlapkit.local_sgd.averagers.ModelAverager` (or any object
+        with ``average_parameters(params)``, ``step``, ``state_dict()`` and
+        ``load_state_dict()``), e.g. from :func:`create_averager`.
+    :param comm_hook_state: the ``post_local_sgd`` comm hook's state when the hook was
+        registered by hand (``build_comm_hook("post_local_sgd", ...)``), so that its
+        counter is saved and restored too; :func:`post_local_sgd` passes it for you.
+    """
+
+    def __init__(
+        self,
+        optim: torch.optim.Optimizer,
+        averager: ModelAverager,
+        *,
+        comm_hook_state: PostLocalSGDHookState | None = None,
+    ) -> None:
+        if not isinstance(optim, torch.optim.Optimizer):
+            raise UnsupportedOptimizerError(
+                f"PostLocalSGDOptimizer wraps an optimizer instance, got "
+                f"{type(optim).__name__}; pass e.g. torch.optim.SGD(model.parameters(), lr=0.1)."
+            )
+        missing = [m for m in ("average_parameters", "state_dict", "load_state_dict")
+                   if not callable(getattr(averager, m, None))]
+        if missing or not hasattr(averager, "step"):
+            raise ConfigurationError(
+                f"{type(averager).__name__} is not a model averager (it lacks "
+                f"{missing or ['step']}); build one with overlapkit.create_averager(name, ...)."
+            )
+        # torch.optim.Optimizer.__init__ would rebuild param_groups from scratch; this
+        # wrapper shares the local optimizer's instead, and sets up only the hook tables.
+        self.optim = optim
+        self.averager = averager
+        self.comm_hook_state = comm_hook_state
+        self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._patch_step_function()
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        """The local optimizer's per-parameter state."""
+        return self.optim.state
+
+    # Read through to the local optimizer every time: its load_state_dict() replaces
+    # its param_groups list, and a copy held here would go stale (an LR scheduler on
+    # this wrapper would then change groups the local optimizer no longer uses).
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The local optimizer's live ``param_groups``."""
+        return self.optim.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optim.param_groups = groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The local optimizer's ``defaults``."""
+        return self.optim.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict[str, Any]) -> None:
+        self.optim.defaults = defaults
+
+    def __repr__(self) -> str:
+        return f"PostLocalSGDOptimizer({self.optim!r}, averager={self.averager!r})"
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
+        """Step the local optimizer, then count a step on the averager (which averages
+        all parameters on its averaging steps). Returns the closure's loss, if any."""
+        loss = self.optim.step(closure) if closure is not None else self.optim.step()
+        self.averager.average_parameters(self.param_groups)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The local optimizer's ``zero_grad``; averaging works either way."""
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the local optimizer (and so to this one's ``param_groups``)."""
+        self.optim.add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The local optimizer's ``state_dict()`` plus:
+
+        - ``"averager"``: the averager's whole ``state_dict()``;
+        - ``"step"``: the averager's step, the key torch's ``PostLocalSGDOptimizer``
+          reads, so checkpoints load into either;
+        - ``"comm_hook"``: the comm hook state's ``state_dict()``, when known.
+        """
+        state_dict = self.optim.state_dict()
+        state_dict["averager"] = self.averager.state_dict()
+        state_dict["step"] = self.averager.step
+        if self.comm_hook_state is not None:
+            state_dict["comm_hook"] = self.comm_hook_state.state_dict()
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the local optimizer, the averager and the comm hook counter.
+
+        A checkpoint of torch's ``PostLocalSGDOptimizer`` (only ``"step"``) restores the
+        averager's step. Without an averager entry a warning is raised and the averager
+        keeps its current state. Without a comm hook entry the hook's counter is
+        inferred from the averager's step (one backward per step), with a warning.
+        """
+        self.optim.load_state_dict(state_dict)
+        if "averager" in state_dict:
+            self.averager.load_state_dict(state_dict["averager"])
+        elif "step" in state_dict:
+            self.averager.load_state_dict({"step": state_dict["step"]})
+        else:
+            warnings.warn(
+                "the loaded state dict has no 'averager' (or 'step') entry, so the model "
+                f"averager keeps its current step {self.averager.step}; with fewer steps "
+                "than warm-up, warm-up runs again. Save with PostLocalSGDOptimizer."
+                "state_dict() to resume exactly.", UserWarning, stacklevel=2,
+            )
+        hook = self.comm_hook_state
+        if hook is None:
+            return
+        if "comm_hook" in state_dict:
+            hook.load_state_dict(state_dict["comm_hook"])
+        else:
+            hook.iter = min(int(self.averager.step), hook.start_localSGD_iter)
+            warnings.warn(
+                "the loaded state dict has no 'comm_hook' entry; the post-local-SGD comm "
+                f"hook's warm-up counter is set from the averager's step to {hook.iter} "
+                f"(of {hook.start_localSGD_iter}).", UserWarning, stacklevel=2,
+            )
+
+
+def post_local_sgd(
+    ddp_model: torch.nn.parallel.DistributedDataParallel,
+    optim: torch.optim.Optimizer,
+    *,
+    period: int,
+    warmup_steps: int,
+    averager: str = "periodic",
+    subgroup_size: int | None = None,
+    **averager_options: Any,
+) -> PostLocalSGDOptimizer:
+    """Set up post-local SGD on ``ddp_model`` and return the optimizer to step.
+
+    For ``warmup_steps`` steps DDP averages gradients over its whole process group;
+    then only within subgroups of ``subgroup_size`` consecutive ranks, and the
+    averager averages the parameters over the whole group every ``period`` steps.
+
+    A collective (it creates subgroups): call it on every rank, with the same
+    arguments, after ``init_process_group``.
+
+    :param ddp_model: a ``DistributedDataParallel`` model without a comm hook.
+    :param optim: the local optimizer over the model's parameters.
+    :param period: steps between two global averagings (for ``hierarchical``, the
+        largest period of ``period_group_size_dict``).
+    :param warmup_steps: steps of plain DDP before local SGD starts.
+    :param averager: a registered averager name.
+    :param subgroup_size: ranks per subgroup; default: the launcher's
+        ``LOCAL_WORLD_SIZE`` (one subgroup per node), else 1 with a warning.
+    :param averager_options: passed on to the averager, e.g.
+        ``period_group_size_dict`` for ``hierarchical``.
+    :raises UnsupportedModelError: ``ddp_model`` is not a DDP model.
+    :raises ConfigurationError: a bad period, warm-up, subgroup size or averager
+        option, or a comm hook already registered on the model.
+    :raises UnknownNameError: no plugin provides the averager.
+    """
+    if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+        raise UnsupportedModelError(
+            f"post_local_sgd needs a DistributedDataParallel model, got "
+            f"{type(ddp_model).__name__}; wrap it: DistributedDataParallel(model)."
+        )
+    if not isinstance(optim, torch.optim.Optimizer):
+        raise UnsupportedOptimizerError(
+            f"post_local_sgd needs an optimizer instance, got {type(optim).__name__}; pass "
+            "e.g. torch.optim.SGD(ddp_model.parameters(), lr=0.1)."
+        )
+    check_period(period)
+    check_warmup_steps(warmup_steps)
+    for reserved in ("warmup_steps", "process_group"):
+        if reserved in averager_options:
+            raise ConfigurationError(
+                f"post_local_sgd sets the averager's {reserved} itself; remove it from the "
+                "averager options."
+            )
+    registry = get_plugin_manager().registry
+    averager_spec = registry.averager(averager)
+    hook_spec = registry.comm_hook("post_local_sgd")
+    group: dist.ProcessGroup = ddp_model.process_group
+    size = (default_subgroup_size(group.size()) if subgroup_size is None
+            else check_subgroup_size(subgroup_size, group.size()))
+    options = {"period": period, "warmup_steps": warmup_steps, "process_group": group,
+               **averager_options}
+    _check_options(f"averager {averager_spec.name!r}", averager_spec.build, options)
+    model_averager = averager_spec.build(**options)
+    hook_state, hook = hook_spec.build(
+        process_group=group, start_localSGD_iter=warmup_steps, subgroup_size=size
+    )
+    try:
+        ddp_model.register_comm_hook(hook_state, hook)
+    except RuntimeError as exc:
+        raise ConfigurationError(
+            f"could not register the post_local_sgd comm hook: {str(exc).rstrip('.')}. "
+            "A DDP model takes one comm hook; build a fresh DistributedDataParallel for "
+            "post_local_sgd."
+        ) from exc
+    return PostLocalSGDOptimizer(optim, model_averager, comm_hook_state=hook_state)
+

@@ -1,0 +1,80 @@
+"""Built-in plugin ``overlapkit.local_sgd``: post-local SGD's averagers and comm hook.
+
+Averagers ``periodic`` (:class:`~overlapkit.local_sgd.averagers.PeriodicAverager`) and
+``hierarchical`` (:class:`~overlapkit.local_sgd.averagers.HierarchicalAverager`); comm hook
+``post_local_sgd`` (:func:`~overlapkit.local_sgd.comm_hook.post_local_sgd_hook`).
+
+Every averager build takes ``period``, ``warmup_steps`` and ``process_group``, the
+options :func:`overlapkit.post_local_sgd` passes; a plugin averager should too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch.distributed as dist
+
+from overlapkit.errors import ConfigurationError
+from overlapkit.local_sgd.averagers import (
+    HierarchicalAverager,
+    PeriodicAverager,
+    validate_period_group_sizes,
+)
+from overlapkit.local_sgd.comm_hook import build_post_local_sgd_hook
+from overlapkit.plugin.hookspecs import hookimpl
+from overlapkit.plugin.records import AveragerSpec, CommHookSpec
+
+__all__ = ["overlapkit_register_averagers", "overlapkit_register_comm_hooks"]
+
+
+def build_periodic(
+    *, period: int, warmup_steps: int = 0, process_group: dist.ProcessGroup | None = None
+) -> PeriodicAverager:
+    """A :class:`~overlapkit.local_sgd.averagers.PeriodicAverager`."""
+    return PeriodicAverager(period, warmup_steps, process_group)
+
+
+def build_hierarchical(
+    *,
+    period_group_size_dict: Mapping[int, int],
+    warmup_steps: int = 0,
+    process_group: dist.ProcessGroup | None = None,
+    period: int | None = None,
+) -> HierarchicalAverager:
+    """A :class:`~overlapkit.local_sgd.averagers.HierarchicalAverager`; ``period``, when given,
+    must be the largest period of the plan (how often all ranks average)."""
+    largest = max(validate_period_group_sizes(period_group_size_dict, None))
+    if period is not None and period != largest:
+        raise ConfigurationError(
+            f"period={period} but the largest period in period_group_size_dict is "
+            f"{largest}; for the hierarchical averager, period is how often all ranks "
+            f"average: pass period={largest} or change the plan."
+        )
+    return HierarchicalAverager(period_group_size_dict, warmup_steps, process_group)
+
+
+@hookimpl
+def overlapkit_register_averagers() -> list[AveragerSpec]:
+    return [
+        AveragerSpec(
+            name="periodic",
+            build=build_periodic,
+            description="average all parameters over the group every `period` steps",
+        ),
+        AveragerSpec(
+            name="hierarchical",
+            build=build_hierarchical,
+            description="average over groups of several sizes, each at its own period",
+        ),
+    ]
+
+
+@hookimpl
+def overlapkit_register_comm_hooks() -> list[CommHookSpec]:
+    return [
+        CommHookSpec(
+            name="post_local_sgd",
+            build=build_post_local_sgd_hook,
+            description="allreduce globally during warm-up, within the subgroup after",
+        ),
+    ]

@@ -1,0 +1,239 @@
+"""The DDP comm hook that steps each gradient bucket once its reduction completes.
+
+Shared by :func:`overlapkit.overlap_ddp` and :func:`overlapkit.optimizer_in_backward`
+(for a DDP model): :mod:`overlapkit.overlap.ddp_setup` checks the model and registers
+:func:`overlapped_comm_hook` with a :class:`BucketStepper` as its state. This module is
+what runs per bucket during backward; nothing here runs at set-up.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+from torch.nn.parallel import DistributedDataParallel
+
+from overlapkit.overlap.clipping import GradClipping
+from overlapkit.overlap.engine import OverlappedOptimizer
+from overlapkit.overlap.side_stream import SideStream
+
+__all__ = ["STEP_THREADS", "BucketStepper", "overlapped_comm_hook"]
+
+#: where bucket steps run: see overlap_ddp(step_thread=...)
+STEP_THREADS = ("backward", "comm")
+
+
+class BucketStepper:
+    """The state of the registered comm hook: runs the inner hook, then steps.
+
+    ``step_thread="backward"``: a bucket whose reduction has completed is stepped on
+    the thread running backward, at the next bucket's hook or, at the latest, just
+    before DDP finalises backward. ``"comm"``: in the future's callback, which runs
+    on a gloo worker thread concurrently with autograd (measured on torch 2.13).
+    Either way the stepping goes through the engine's lock, and every bucket has
+    been stepped when ``backward()`` returns.
+
+    ``free_grads``: the stepped parameters' ``.grad`` are set to None once DDP has
+    finalised backward (see :meth:`_step_bucket` for what that frees, and when).
+
+    Under ``ddp_model.join()`` (uneven inputs) a rank that has run out of inputs
+    only runs the inner hook on DDP's zero-filled shadow buckets, outside any
+    backward: it has no gradient to step.
+    """
+
+    def __init__(
+        self,
+        engine: OverlappedOptimizer,
+        inner_state: Any,
+        inner_hook: Any,
+        *,
+        track_usage: bool,
+        step_thread: str,
+        grads_are_bucket_views: bool,
+        clipping: GradClipping,
+        free_grads: bool = False,
+        side_stream: SideStream | None = None,
+    ) -> None:
+        self.engine = engine
+        self.inner_state = inner_state
+        self.inner_hook = inner_hook
+        self.track_usage = track_usage
+        self.step_thread = step_thread
+        self.grads_are_bucket_views = grads_are_bucket_views
+        self.clipping = clipping
+        self.free_grads = free_grads
+        self.side_stream = side_stream
+        #: set on the autograd thread when a synchronised backward starts stepping
+        self.stepped_since_step = False
+        #: bucket index -> the owned parameters stepped with it, last backward
+        self.last_buckets: dict[int, list[torch.Tensor]] = {}
+        #: parameters that got a gradient on this rank since the last synced backward
+        self.used: set[torch.Tensor] = set()
+        # the autograd graph task whose end our callback is queued for; compared, not
+        # a bool, so a backward that raised before its end does not block the next
+        self._graph_task: int | None = None
+        #: set by register_bucket_stepper when parameters must free their local
+        #: gradient once DDP has copied it (free_local_grads_once_bucketed)
+        self.free_after_copy_model: DistributedDataParallel | None = None
+        self._pending: deque[tuple[dist.GradBucket, torch.futures.Future[Any]]] = deque()
+
+    # -- on the autograd thread -------------------------------------------------
+
+    def run(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            # No backward: a rank joined under DDP.join() shadows each bucket's
+            # reduction with zeros (DistributedDataParallel._match_all_reduce_for_bwd_pass
+            # in torch 2.13), where queue_callback would raise "Final callbacks can
+            # only be installed during backward pass". Reduce only, step nothing.
+            return self.inner_hook(self.inner_state, bucket)
+        if task != self._graph_task:
+            self._graph_task = task
+            self.stepped_since_step = True
+            # buckets of a backward that raised before its end are not stepped
+            self._pending.clear()
+            # DDP queues its own finalize after the last bucket's hook; a callback
+            # queued from ours (queued now, so it runs first) lands after it.
+            Variable._execution_engine.queue_callback(self._before_finalize)
+        future = self.inner_hook(self.inner_state, bucket)
+        if self.step_thread == "comm":
+            return future.then(lambda fut: self._step_bucket(bucket, fut))
+        self._pending.append((bucket, future))
+        self._drain(wait=False)
+        return future
+
+    def _drain(self, wait: bool) -> None:
+        pending = self._pending
+        while pending:
+            bucket, future = pending[0]
+            if not wait and not future.done():
+                return
+            pending.popleft()
+            future.wait()
+            self._step_bucket(bucket, future)
+
+    def _before_finalize(self) -> None:
+        self._drain(wait=True)
+        Variable._execution_engine.queue_callback(self._after_backward)
+
+    def _after_backward(self) -> None:
+        self._graph_task = None
+        owned = self.engine.parameters() if self.track_usage or self.free_grads else []
+        if self.track_usage:
+            # find_unused_parameters: DDP knows which parameters were used on any rank
+            # only in its finalize; the ones unused here were left for now and get
+            # the gradient DDP finalised (None: unused everywhere, not stepped).
+            unused = [p for p in owned if p not in self.used and p.grad is not None]
+            self.used.clear()
+            if unused:
+                self._step(unused)
+        if self.side_stream is not None:
+            self.side_stream.join()
+        if self.free_grads:
+            # After DDP's finalize, which would otherwise give a None .grad a fresh
+            # copy of the bucket (gradient_as_bucket_view=False; measured).
+            for param in owned:
+                param.grad = None
+
+    def register(self, params: Iterable[torch.Tensor]) -> None:
+        """Hook ``params`` (the engine's, at set-up or added later by
+        ``add_param_group``): usage tracking and the early freeing of local
+        gradients, where this stepper needs them."""
+        params = list(params)
+        if self.track_usage:
+            for param in params:
+                param.register_post_accumulate_grad_hook(self.note_used)
+        if self.free_after_copy_model is not None:
+            self.free_local_grads_once_bucketed(self.free_after_copy_model, params)
+
+    def note_used(self, param: torch.Tensor) -> None:
+        self.used.add(param)
+
+    def free_local_grads_once_bucketed(self, model: DistributedDataParallel,
+                                       params: Iterable[torch.Tensor]) -> None:
+        """With ``gradient_as_bucket_view=False``: set each parameter's local ``.grad``
+        to None as soon as DDP has copied it into its bucket, instead of when the
+        bucket is stepped, so at most one local gradient is alive at a time.
+
+        A post hook on the parameter's ``AccumulateGrad`` node, registered after the
+        one DDP's reducer registered when the model was built, runs right after that
+        copy (post hooks run in registration order). Not in backwards DDP does not
+        reduce (``no_sync()``: DDP copies nothing and the gradients accumulate), and
+        not with ``static_graph`` (its first backward copies every gradient into the
+        buckets only at the end).
+        """
+
+        def make_hook(param: torch.Tensor) -> Any:
+            def free_after_ddp_copied(grad_inputs: Any, grad_outputs: Any) -> None:
+                if model.require_forward_param_sync and not model.static_graph:
+                    param.grad = None
+
+            return free_after_ddp_copied
+
+        for param in params:
+            # the node autograd accumulates into, the one DDP's reducer holds
+            view_node = param.view_as(param).grad_fn
+            assert view_node is not None  # DDP manages only parameters that need grad
+            accumulator = view_node.next_functions[0][0]
+            assert accumulator is not None
+            accumulator.register_hook(make_hook(param))
+
+    # -- on the autograd thread or a gloo worker thread ------------------------
+
+    def _step(self, params: list[torch.Tensor]) -> None:
+        stream = self.side_stream
+        with stream.running() if stream is not None else nullcontext():
+            if self.clipping.enabled:
+                self.clipping.apply(params)
+            self.engine.step_params(params)
+
+    def _step_bucket(
+        self, bucket: dist.GradBucket, future: torch.futures.Future[Any]
+    ) -> torch.Tensor:
+        result = future.value()
+        if isinstance(result, (list, tuple)):
+            result = result[0]
+        buffer = bucket.buffer()
+        if result.data_ptr() != buffer.data_ptr():
+            buffer.copy_(result)
+        engine = self.engine
+        used = self.used
+        track_usage = self.track_usage
+        # gradient_as_bucket_view=True: DDP has made each used .grad a view of the
+        # bucket. False: .grad is still the local gradient (DDP copies the reduced
+        # one into it after backward), so the reduced view is lent for the step.
+        # With free_grads the view stays: the local gradient is freed now, and
+        # DDP's copy after backward is a copy of the bucket onto itself.
+        lend = not self.grads_are_bucket_views
+        keep_view = self.free_grads
+        chosen: list[torch.Tensor] = []
+        restore: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+            if not engine.owns(param) or (track_usage and param not in used):
+                continue
+            if lend:
+                if not keep_view:
+                    restore.append((param, param.grad))
+                param.grad = grad
+            chosen.append(param)
+        self.last_buckets[bucket.index()] = chosen
+        try:
+            if chosen:
+                self._step(chosen)
+        finally:
+            for param, local_grad in restore:
+                param.grad = local_grad
+        return buffer
+
+
+def overlapped_comm_hook(state, bucket):  # type: ignore[no-untyped-def]
+    """The function registered with ``register_comm_hook``; ``state`` is a
+    :class:`BucketStepper`."""
+    # Left unannotated on purpose: DDP compares the annotation of `bucket` with
+    # dist.GradBucket, and `from __future__ import annotations` makes it a string.
+    return state.run(bucket)

@@ -1,0 +1,151 @@
+"""DDP allreduce-then-step: :func:`overlap_ddp` and the optimizer it returns.
+
+One DDP comm hook runs the chosen comm hook on each gradient bucket and, as soon as
+that bucket's future completes, steps the optimizer on exactly that bucket's
+parameters, while backward is still running for the other buckets. Everything is
+resolved once here, at set-up: the overlapped implementation of the optimizer class
+(registry, MRO) and the comm hook (registry, by name). The comm hook itself lives in
+:mod:`overlapkit.overlap.bucket_stepper`, the returned optimizer's behaviour in
+:mod:`overlapkit.overlap.facade`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from overlapkit.errors import ConfigurationError
+from overlapkit.overlap.bucket_stepper import STEP_THREADS, BucketStepper
+from overlapkit.overlap.clipping import GradClipping
+from overlapkit.overlap.ddp_setup import (
+    check_clipping_for_model,
+    check_comm_hook_options,
+    check_ddp_model,
+    check_params_in_ddp_model,
+    ddp_params,
+    register_bucket_stepper,
+)
+from overlapkit.overlap.engine import OverlappedOptimizer
+from overlapkit.overlap.facade import OverlappedOptimizerFacade
+from overlapkit.overlap.setup import (
+    build_engine,
+    check_unclaimed,
+    claim_params,
+    materialise_params,
+    resolve_overlapped_cls,
+)
+from overlapkit.plugin.manager import get_plugin_manager
+
+__all__ = ["STEP_THREADS", "DDPOverlapOptimizer", "overlap_ddp"]
+
+TECHNIQUE = "overlap_ddp"
+
+
+class DDPOverlapOptimizer(OverlappedOptimizerFacade):
+    """The optimizer :func:`overlap_ddp` returns: a ``torch.optim.Optimizer`` whose
+    steps happen during backward, one DDP bucket at a time.
+
+    ``param_groups``, ``state``, ``defaults``, ``state_dict()`` and
+    ``load_state_dict()`` are those of the real optimizer inside (see
+    :attr:`optimizer`), so LR schedulers drive it and checkpoints load into a plain
+    optimizer of the same class and back. :meth:`step` is a no-op after a backward
+    that already stepped.
+    """
+
+    def __init__(
+        self,
+        engine: OverlappedOptimizer,
+        stepper: BucketStepper,
+        model: DistributedDataParallel,
+    ) -> None:
+        super().__init__(engine, stepper, TECHNIQUE,
+                         lambda groups: check_params_in_ddp_model(model, groups))
+        self._stepper = stepper
+        self._model = model
+
+    def last_buckets(self) -> list[list[torch.Tensor]]:
+        """The owned parameters stepped together in each bucket of the last
+        synchronised backward, in bucket order (DDP rebuilds its buckets after the
+        first iteration). Norm clipping applies per entry."""
+        buckets = self._stepper.last_buckets
+        return [buckets[i] for i in sorted(buckets)]
+
+
+def overlap_ddp(
+    ddp_model: DistributedDataParallel,
+    optim_cls: type[torch.optim.Optimizer],
+    *args: Any,
+    params: Iterable[Any] | None = None,
+    comm_hook: str = "allreduce",
+    comm_hook_options: Mapping[str, Any] | None = None,
+    step_thread: str = "backward",
+    clip_grad_value: float | None = None,
+    clip_grad_norm: float | None = None,
+    clip_norm_type: float = 2.0,
+    **optim_kwargs: Any,
+) -> DDPOverlapOptimizer:
+    """Step ``optim_cls`` on each DDP gradient bucket as soon as its comm hook
+    completes, while backward still runs for the other buckets.
+
+    Registers one comm hook on ``ddp_model``: the comm hook named ``comm_hook``
+    (built with ``comm_hook_options``), then a step of exactly the bucket's
+    parameters. Call it once per model, before training, on every rank.
+
+    :param ddp_model: the ``DistributedDataParallel`` model.
+    :param optim_cls: any ``torch.optim.Optimizer`` subclass; ``*args`` and
+        ``**optim_kwargs`` are passed to it as to the plain optimizer.
+    :param params: the parameters (or param-group dicts) to optimise; default: every
+        parameter DDP manages. The others in a bucket are left alone, for another
+        optimizer stepped after backward.
+    :param comm_hook: a registered comm hook (``overlapkit plugins`` lists them).
+    :param comm_hook_options: keyword options for the comm hook's builder.
+    :param step_thread: ``"backward"`` (default): each bucket whose reduction has
+        completed is stepped on the thread running backward, at the next bucket's
+        hook or just before DDP finalises backward. ``"comm"``: in the comm future's
+        callback, on the communication worker thread, concurrently with autograd
+        (slower on CPU, where they compete for the same cores).
+    :param clip_grad_value: clamp each gradient to ``[-v, v]`` before its step
+        (exactly ``clip_grad_value_`` after backward).
+    :param clip_grad_norm: clip the norm of each *bucket's* gradients to this value
+        (per-bucket, not the global ``clip_grad_norm_``; see the docs). Refused with
+        ``find_unused_parameters=True`` or ``static_graph=True``.
+    :param clip_norm_type: the norm of ``clip_grad_norm``.
+    :return: a ``torch.optim.Optimizer``; its ``step()`` is a no-op after a backward
+        that already stepped.
+    :raises UnsupportedModelError: ``ddp_model`` is not DDP.
+    :raises UnsupportedOptimizerError: ``optim_cls`` is not an optimizer class, or
+        cannot step per bucket (LBFGS, SparseAdam).
+    :raises UnknownNameError: no comm hook is called ``comm_hook``.
+    :raises ConfigurationError: a second call on one model, a comm hook already
+        registered, ``params`` not managed by the model, bad optimizer arguments,
+        ``clip_grad_norm`` on a model with ``find_unused_parameters`` or
+        ``static_graph``.
+    """
+    model = check_ddp_model(ddp_model, TECHNIQUE)
+    overlapped_cls = resolve_overlapped_cls(optim_cls)
+    hook_spec = get_plugin_manager().registry.comm_hook(comm_hook)
+    hook_options = check_comm_hook_options(comm_hook_options)
+    if step_thread not in STEP_THREADS:
+        raise ConfigurationError(
+            f"step_thread must be one of {', '.join(map(repr, STEP_THREADS))}, got "
+            f"{step_thread!r}."
+        )
+    clipping = GradClipping(value=clip_grad_value, norm=clip_grad_norm,
+                            norm_type=clip_norm_type)
+    check_clipping_for_model(model, clipping, TECHNIQUE)
+    if params is None:
+        params = ddp_params(model)
+    else:
+        params = materialise_params(params)
+        check_params_in_ddp_model(model, params)
+    engine = build_engine(overlapped_cls, optim_cls, params, args, optim_kwargs, TECHNIQUE)
+    check_unclaimed(engine.parameters(), TECHNIQUE)
+    stepper = register_bucket_stepper(
+        model, engine, hook_spec, hook_options, TECHNIQUE,
+        step_thread=step_thread, clipping=clipping,
+    )
+    claim_params(engine.parameters(), TECHNIQUE)
+    return DDPOverlapOptimizer(engine, stepper, model)

@@ -1,0 +1,145 @@
+"""The DDP set-up shared by ``overlap_ddp`` and ``optimizer_in_backward``: checks of
+the model, its parameters and the clipping options, then the registration of one
+:class:`~overlapkit.overlap.bucket_stepper.BucketStepper` comm hook.
+
+Everything here runs once, at set-up, before any state changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from overlapkit.errors import ConfigurationError, UnsupportedModelError
+from overlapkit.overlap.bucket_stepper import BucketStepper, overlapped_comm_hook
+from overlapkit.overlap.clipping import GradClipping
+from overlapkit.overlap.engine import OverlappedOptimizer
+from overlapkit.overlap.setup import check_params_belong
+from overlapkit.plugin.records import CommHookSpec
+
+__all__ = ["check_clipping_for_model", "check_comm_hook_options", "check_ddp_model",
+           "check_params_in_ddp_model", "ddp_params", "register_bucket_stepper"]
+
+# set on a DDP model to the technique whose comm hook it carries
+_MARKER = "_overlapkit_comm_hook_technique"
+
+
+def ddp_params(model: DistributedDataParallel) -> list[torch.nn.Parameter]:
+    """The parameters DDP reduces (requires_grad, not in its parameters to ignore)."""
+    return [p for p in DistributedDataParallel._get_data_parallel_params(model.module)
+            if p.requires_grad]
+
+
+def check_params_in_ddp_model(model: DistributedDataParallel, params: Iterable[Any]) -> None:
+    """:raises ConfigurationError: an item of ``params`` is not a parameter DDP reduces."""
+    managed = {id(p) for p in ddp_params(model)}
+    in_model = {id(p) for p in model.module.parameters()}
+    for param in check_params_belong(
+        params, in_model, owner="the DDP model", example="ddp_model.parameters()",
+        unknown="so no bucket ever holds its gradient; pass only the model's parameters "
+        "(ddp_model.parameters()), and step others with a plain optimizer.",
+    ):
+        if id(param) not in managed:
+            raise ConfigurationError(
+                f"a parameter of shape {tuple(param.shape)} in params is not managed by "
+                "DDP (requires_grad=False, or in DDP's parameters to ignore), so it "
+                "never gets a reduced gradient; leave it out of params."
+            )
+
+
+def check_ddp_model(ddp_model: Any, technique: str) -> DistributedDataParallel:
+    """:raises UnsupportedModelError: not DDP. :raises ConfigurationError: it already
+    has a comm hook (overlapkit's or another)."""
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise UnsupportedModelError(
+            f"{technique} needs a torch.nn.parallel.DistributedDataParallel model, got "
+            f"{type(ddp_model).__name__}; wrap it first: DistributedDataParallel(model)."
+        )
+    done = getattr(ddp_model, _MARKER, None)
+    if done == technique:
+        raise ConfigurationError(
+            f"{technique} was already called on this DDP model, and a DDP model takes one "
+            f"comm hook; make one {technique} call per model (pass params= to leave "
+            "parameters to a plain optimizer stepped after backward)."
+        )
+    if done is not None:
+        raise ConfigurationError(
+            f"{done} was already called on this DDP model, and a DDP model takes one comm "
+            f"hook, so {technique} cannot add its own; choose one of overlap_ddp and "
+            "optimizer_in_backward per model."
+        )
+    if getattr(ddp_model, "_comm_hooks", None):
+        raise ConfigurationError(
+            "this DDP model already has a comm hook registered, and a DDP model takes "
+            f"one; do not register it yourself: pass its name as {technique}(..., "
+            "comm_hook=NAME) and overlapkit runs it before stepping."
+        )
+    return ddp_model
+
+
+def check_clipping_for_model(model: DistributedDataParallel, clipping: GradClipping,
+                             technique: str) -> None:
+    """:raises ConfigurationError: norm clipping on a model whose buckets are stepped
+    according to each rank's own parameter usage (``find_unused_parameters`` or
+    ``static_graph``), where ranks would clip different sets of gradients together
+    and their replicas drift apart."""
+    if clipping.norm is None or not (model.find_unused_parameters or model.static_graph):
+        return
+    option = "find_unused_parameters" if model.find_unused_parameters else "static_graph"
+    raise ConfigurationError(
+        f"clip_grad_norm cannot be used with a DDP model built with {option}=True: "
+        "there each bucket steps only the parameters this rank used, and the others "
+        "after backward, so the gradients clipped together (and the clipped values) "
+        "would differ between ranks and the replicas would drift apart. Use "
+        "clip_grad_value (exact), or build the DDP model without "
+        f"{option}, or leave clip_grad_norm out and clip nothing in {technique}."
+    )
+
+
+def check_comm_hook_options(options: Any) -> dict[str, Any]:
+    """:raises ConfigurationError: ``options`` is not a mapping."""
+    if options is not None and not isinstance(options, Mapping):
+        raise ConfigurationError(
+            f"comm_hook_options must be a dict of the hook's options, got "
+            f"{type(options).__name__}."
+        )
+    return dict(options or {})
+
+
+def register_bucket_stepper(
+    model: DistributedDataParallel,
+    engine: OverlappedOptimizer,
+    hook_spec: CommHookSpec,
+    hook_options: dict[str, Any],
+    technique: str,
+    **stepper_options: Any,
+) -> BucketStepper:
+    """Build the comm hook of ``hook_spec`` and register a :class:`BucketStepper`
+    running it, then stepping ``engine``, on ``model``. ``stepper_options`` are
+    :class:`BucketStepper`'s keyword arguments but ``track_usage`` and
+    ``grads_are_bucket_views``, which are read from the model."""
+    inner_state, inner_hook = hook_spec.build(process_group=model.process_group,
+                                              **hook_options)
+    track_usage = bool(model.find_unused_parameters or model.static_graph)
+    stepper = BucketStepper(
+        engine, inner_state, inner_hook, track_usage=track_usage,
+        grads_are_bucket_views=bool(model.gradient_as_bucket_view), **stepper_options,
+    )
+    try:
+        model.register_comm_hook(stepper, overlapped_comm_hook)
+    except RuntimeError as exc:
+        raise ConfigurationError(
+            f"DDP refused the comm hook: {exc}. A DDP model takes one comm hook; if you "
+            "registered one (or a builtin one) yourself, remove it and pass its name as "
+            "comm_hook=."
+        ) from exc
+    setattr(model, _MARKER, technique)
+    # Only now that the comm hook is in: hooks left on the parameters after a refused
+    # registration would keep freeing gradients nobody steps.
+    if stepper.free_grads and not model.gradient_as_bucket_view:
+        stepper.free_after_copy_model = model
+    stepper.register(engine.parameters())
+    return stepper

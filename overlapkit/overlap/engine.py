@@ -1,0 +1,186 @@
+"""The engine every overlapped technique steps through: :class:`OverlappedOptimizer`.
+
+An overlapped optimizer owns one *real* ``torch.optim.Optimizer`` instance and steps
+exactly a given subset of its parameters (one DDP gradient bucket, or one parameter
+during backward) whenever asked, from whichever thread asks. Everything that is not a
+step (``param_groups``, ``state``, ``state_dict()``, LR schedulers) stays the real
+optimizer's, so checkpoints have the plain optimizer's format.
+
+The generic implementation, registered by the built-in plugin ``overlapkit.overlap.ddp``
+for ``torch.optim.Optimizer``, serves every optimizer class. A plugin registers a faster
+one for its own optimizer class (most specific class in the MRO wins) by subclassing
+:class:`OverlappedOptimizer` and implementing :meth:`OverlappedOptimizer.step_groups`::
+
+    class LionOverlapped(overlapkit.OverlappedOptimizer):
+        def step_groups(self, groups):
+            for group, params in groups:
+                ...  # torch._foreach_* over params, reading group["lr"], self.state[p]
+
+    @overlapkit.hookimpl
+    def overlapkit_register_optimizers():
+        return overlapkit.OptimizerSpec(optim_cls=Lion, overlapped_cls=LionOverlapped)
+
+.. versionadded:: 0.1
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from overlapkit.errors import UnsupportedOptimizerError
+
+__all__ = ["OverlappedOptimizer", "ParamGroup"]
+
+#: one ``param_groups`` entry of a torch optimizer
+ParamGroup = dict[str, Any]
+
+
+class OverlappedOptimizer:
+    """Steps chosen subsets of one real optimizer's parameters, thread-safely.
+
+    Build it around an optimizer instance; call :meth:`step_params` with the
+    parameters whose ``.grad`` is ready (a bucket, or one parameter). Steps from
+    different threads are serialised by :attr:`lock` (DDP runs comm-hook callbacks on
+    gloo worker threads, two at a time by default).
+
+    Subclasses implement :meth:`step_groups`; they may override
+    :meth:`check_supported` to accept or refuse optimizer classes.
+
+    :param optimizer: the real optimizer; its ``param_groups`` and ``state`` are the
+        ones checkpoints save and LR schedulers drive.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.check_supported(type(optimizer))
+        self.optimizer = optimizer
+        #: held while a step, ``load_state_dict`` or ``zero_grad`` runs
+        self.lock = threading.RLock()
+        # keyed by id(): Tensor.__hash__ is a Python-level call, id() is not
+        self._group_of: dict[int, int] = {}
+        self.reindex()
+
+    # -- what subclasses implement ----------------------------------------------
+
+    @classmethod
+    def check_supported(cls, optim_cls: type[torch.optim.Optimizer]) -> None:
+        """Raise :class:`~overlapkit.errors.UnsupportedOptimizerError` when this
+        implementation cannot step ``optim_cls`` one subset of parameters at a time.
+
+        Called once at set-up, before the optimizer is built. The default refuses
+        optimizers that need a closure (``LBFGS``) or sparse gradients
+        (``SparseAdam``), which no gradient bucket provides, and the distributed
+        wrappers of ``torch.distributed.optim`` (``ZeroRedundancyOptimizer``,
+        ``PostLocalSGDOptimizer``), whose ``step()`` communicates across ranks.
+        """
+        if issubclass(optim_cls, torch.optim.LBFGS):
+            raise UnsupportedOptimizerError(
+                f"{optim_cls.__qualname__} needs a closure that re-evaluates the whole "
+                "model, so it cannot step one bucket of parameters while backward runs; "
+                "use it without overlap, or choose a closure-free optimizer (e.g. AdamW)."
+            )
+        if optim_cls.__module__.startswith("torch.distributed.optim"):
+            raise UnsupportedOptimizerError(
+                f"{optim_cls.__qualname__} is a distributed wrapper (its step() shards, "
+                "averages or broadcasts across ranks itself), so stepping it one bucket "
+                "or parameter at a time from inside backward would give wrong values or "
+                "hang; pass the local optimizer class it wraps (e.g. torch.optim.AdamW) "
+                "instead, or use the wrapper without overlap."
+            )
+        if issubclass(optim_cls, torch.optim.SparseAdam):
+            raise UnsupportedOptimizerError(
+                f"{optim_cls.__qualname__} needs sparse gradients, and DDP buckets hold "
+                "dense ones; use torch.optim.Adam (dense) with overlap, or SparseAdam "
+                "without it."
+            )
+
+    def step_groups(self, groups: Sequence[tuple[ParamGroup, list[torch.Tensor]]]) -> None:
+        """Step exactly these parameters: ``groups`` pairs each affected entry of
+        ``param_groups`` (the live dict: read hyperparameters from it) with the
+        parameters of that group to step (in the caller's order: bucket order for
+        DDP). Every parameter has its ``.grad`` set. Called with :attr:`lock` held.
+        """
+        raise NotImplementedError(
+            f"{type(self).__qualname__} must implement step_groups(groups)"
+        )
+
+    # -- the interface callers use ------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[ParamGroup]:
+        """The real optimizer's live ``param_groups``."""
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        """The real optimizer's per-parameter ``state``."""
+        return self.optimizer.state
+
+    def parameters(self) -> list[torch.Tensor]:
+        """Every parameter of the real optimizer, group by group."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def owns(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is one of the real optimizer's parameters."""
+        return id(param) in self._group_of
+
+    def step_params(self, params: Iterable[torch.Tensor]) -> None:
+        """Step exactly ``params`` (each must have ``.grad`` set); the ones this
+        optimizer does not own are skipped. Thread-safe."""
+        group_of = self._group_of
+        chosen: dict[int, list[torch.Tensor]] = {}
+        for param in params:
+            index = group_of.get(id(param))
+            if index is not None:
+                chosen.setdefault(index, []).append(param)
+        if not chosen:
+            return
+        with self.lock:
+            groups = self.optimizer.param_groups
+            self.step_groups([(groups[i], chosen[i]) for i in sorted(chosen)])
+
+    def step(self) -> None:
+        """One ordinary step of every parameter that has a gradient. Thread-safe."""
+        with self.lock:
+            self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The real optimizer's ``zero_grad``. Thread-safe."""
+        with self.lock:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The real optimizer's ``state_dict()``: the plain format. Thread-safe."""
+        with self.lock:
+            return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The real optimizer's ``load_state_dict``. Thread-safe."""
+        with self.lock:
+            self.optimizer.load_state_dict(state_dict)
+            self.reindex()
+
+    def add_param_group(self, param_group: ParamGroup) -> None:
+        """The real optimizer's ``add_param_group``. Thread-safe."""
+        with self.lock:
+            self.optimizer.add_param_group(param_group)
+            self.reindex()
+
+    def reindex(self) -> None:
+        """Rebuild the parameter -> group index after ``param_groups`` changed.
+
+        Called by :meth:`load_state_dict` and :meth:`add_param_group`; call it after
+        editing ``param_groups[i]["params"]`` by hand.
+        """
+        with self.lock:
+            self._group_of = {
+                id(param): index
+                for index, group in enumerate(self.optimizer.param_groups)
+                for param in group["params"]
+            }
+
+    def __repr__(self) -> str:
+        return f"{type(self).__qualname__}({type(self.optimizer).__qualname__})"

@@ -1,0 +1,172 @@
+"""The ``torch.optim.Optimizer`` that overlapped techniques return to the user.
+
+:class:`OverlappedOptimizerFacade` fronts an :class:`~overlapkit.OverlappedOptimizer`
+engine whose steps happen during backward. Its ``param_groups``, ``state``,
+``defaults``, ``state_dict()`` and ``load_state_dict()`` are those of the real
+optimizer inside, so LR schedulers drive it and checkpoints load into a plain optimizer
+of the same class and back; :meth:`~OverlappedOptimizerFacade.step` is a no-op after a
+backward that already stepped, so existing training loops keep working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+import torch
+
+from overlapkit.errors import ConfigurationError
+from overlapkit.overlap.engine import OverlappedOptimizer
+from overlapkit.overlap.setup import (
+    check_unclaimed,
+    claim_params,
+    flatten_params,
+    materialise_params,
+)
+
+__all__ = ["BackwardSteps", "OverlappedOptimizerFacade"]
+
+
+class BackwardSteps(Protocol):
+    """What steps during backward: it sets ``stepped_since_step`` when a backward
+    has stepped, and the facade's ``step()`` clears it; ``register(params)`` hooks
+    parameters added later (``add_param_group``)."""
+
+    stepped_since_step: bool
+
+    def register(self, params: Iterable[torch.Tensor]) -> None: ...
+
+
+class OverlappedOptimizerFacade(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` whose steps happen during backward.
+
+    :param engine: steps the parameters.
+    :param steps: tells whether a backward has stepped since the last ``step()``.
+    :param technique: the function that built it, for messages.
+    :param check_params: validates a param group given to :meth:`add_param_group`.
+    """
+
+    def __init__(
+        self,
+        engine: OverlappedOptimizer,
+        steps: BackwardSteps,
+        technique: str,
+        check_params: Callable[[list[Any]], None] | None = None,
+    ) -> None:
+        # Optimizer.__init__ is not called: groups and state are the real optimizer's.
+        self._engine = engine
+        self._steps = steps
+        self._technique = technique
+        self._check_params = check_params
+
+    # -- the real optimizer's data, live ----------------------------------------
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The real ``optim_cls`` instance that takes the steps."""
+        return self._engine.optimizer
+
+    @property
+    def engine(self) -> OverlappedOptimizer:
+        """The :class:`~overlapkit.OverlappedOptimizer` taking the steps."""
+        return self._engine
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._engine.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        with self._engine.lock:
+            self._engine.optimizer.param_groups = groups
+            self._engine.reindex()
+
+    @property
+    def state(self) -> Any:
+        return self._engine.optimizer.state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        self._engine.optimizer.state = state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self._engine.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict[str, Any]) -> None:
+        self._engine.optimizer.defaults = defaults
+
+    # -- the Optimizer API ------------------------------------------------------
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """Nothing to do after a backward that stepped: its parameters were stepped
+        as their gradients arrived. Otherwise (no stepping backward since the last
+        ``step()``) an ordinary step of every parameter with a gradient, as the
+        plain optimizer would take.
+
+        :raises ConfigurationError: a closure was passed.
+        """
+        if closure is not None:
+            raise ConfigurationError(
+                f"{self._technique} steps during backward, so step() takes no closure; "
+                "call loss.backward() yourself and then step() (or nothing)."
+            )
+        if self._steps.stepped_since_step:
+            self._steps.stepped_since_step = False
+            return
+        self._engine.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._engine.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._engine.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._engine.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group of the model's parameters (validated like ``params``). They
+        are stepped during backward from the next backward on, exactly as the
+        parameters given at set-up (same hooks, same claim against a second
+        technique stepping them)."""
+        (group,) = materialise_params([param_group])
+        if self._check_params is not None:
+            self._check_params([group])
+        engine = self._engine
+        params = flatten_params([group])
+        # parameters the engine already owns are left to the optimizer's own error
+        check_unclaimed([p for p in params if not engine.owns(p)], self._technique)
+        engine.add_param_group(group)
+        self._steps.register(params)
+        claim_params(params, self._technique)
+
+    def register_step_pre_hook(self, hook: Any) -> Any:
+        """Register on the real optimizer: runs before each partial step."""
+        return self._engine.optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Any) -> Any:
+        """Register on the real optimizer: runs after each partial step."""
+        return self._engine.optimizer.register_step_post_hook(hook)
+
+    def register_state_dict_pre_hook(self, hook: Any, prepend: bool = False) -> Any:
+        return self._engine.optimizer.register_state_dict_pre_hook(hook, prepend)
+
+    def register_state_dict_post_hook(self, hook: Any, prepend: bool = False) -> Any:
+        return self._engine.optimizer.register_state_dict_post_hook(hook, prepend)
+
+    def register_load_state_dict_pre_hook(self, hook: Any, prepend: bool = False) -> Any:
+        return self._engine.optimizer.register_load_state_dict_pre_hook(hook, prepend)
+
+    def register_load_state_dict_post_hook(self, hook: Any, prepend: bool = False) -> Any:
+        return self._engine.optimizer.register_load_state_dict_post_hook(hook, prepend)
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            f"a {type(self).__name__} is bound to a live model and cannot be pickled; "
+            "save optimizer.state_dict() instead."
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._engine.optimizer!r})"

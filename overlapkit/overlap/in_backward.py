@@ -1,0 +1,269 @@
+"""Optimizer in backward: :func:`optimizer_in_backward` and the optimizer it returns.
+
+The optimizer steps each part of the model during backward, as soon as that part's
+gradient is final, and frees the gradient, so the gradients of the whole model never
+exist at once. One real optimizer instance takes every step (through the
+:class:`~overlapkit.OverlappedOptimizer` engine registered for its class), so the
+returned object is a ``torch.optim.Optimizer``: LR schedulers, ``state_dict()`` and
+checkpoints work as with the plain optimizer. Three kinds of model:
+
+- a DDP model: a comm hook steps each bucket once its reduction completes
+  (:mod:`overlapkit.overlap.bucket_stepper`);
+- an FSDP2 (``fully_shard``) model or a plain module: a post-accumulate-grad hook per
+  parameter (:mod:`overlapkit.overlap.param_stepper`).
+
+On an accelerator the steps run on a side stream (:mod:`overlapkit.overlap.side_stream`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from overlapkit.errors import ConfigurationError, UnsupportedModelError
+from overlapkit.overlap.clipping import GradClipping
+from overlapkit.overlap.ddp_setup import (
+    check_clipping_for_model,
+    check_comm_hook_options,
+    check_ddp_model,
+    check_params_in_ddp_model,
+    ddp_params,
+    register_bucket_stepper,
+)
+from overlapkit.overlap.engine import OverlappedOptimizer
+from overlapkit.overlap.facade import BackwardSteps, OverlappedOptimizerFacade
+from overlapkit.overlap.param_stepper import ParamStepper
+from overlapkit.overlap.setup import (
+    build_engine,
+    check_params_belong,
+    check_unclaimed,
+    claim_params,
+    flatten_params,
+    materialise_params,
+    resolve_overlapped_cls,
+)
+from overlapkit.overlap.side_stream import SideStream
+from overlapkit.plugin.manager import get_plugin_manager
+
+__all__ = ["MODEL_KINDS", "OptimizerInBackward", "optimizer_in_backward"]
+
+TECHNIQUE = "optimizer_in_backward"
+#: what optimizer_in_backward recognises a model as
+MODEL_KINDS = ("ddp", "fsdp2", "module")
+
+
+class OptimizerInBackward(OverlappedOptimizerFacade):
+    """The optimizer :func:`optimizer_in_backward` returns: a ``torch.optim.Optimizer``
+    whose steps happen during backward, after which the gradients are None.
+
+    ``param_groups``, ``state``, ``defaults``, ``state_dict()`` and
+    ``load_state_dict()`` are those of the real optimizer inside (see
+    :attr:`optimizer`); :meth:`step` is a no-op after a backward that stepped.
+    """
+
+    def __init__(
+        self,
+        engine: OverlappedOptimizer,
+        steps: BackwardSteps,
+        model: torch.nn.Module,
+        kind: str,
+        check_params: Any,
+    ) -> None:
+        super().__init__(engine, steps, TECHNIQUE, check_params)
+        self._model = model
+        #: ``"ddp"``, ``"fsdp2"`` or ``"module"``: how the steps are hooked in
+        self.kind = kind
+
+    @contextmanager
+    def no_step(self) -> Iterator[None]:
+        """Backwards inside accumulate gradients and step nothing; the next backward
+        outside steps the accumulated gradients (then frees them), as the plain
+        optimizer's ``step()`` after accumulation would. For a DDP model this is
+        ``ddp_model.no_sync()``."""
+        if isinstance(self._steps, ParamStepper):
+            stepper = self._steps
+            stepper.paused = True
+            try:
+                yield
+            finally:
+                stepper.paused = False
+        else:
+            assert isinstance(self._model, DistributedDataParallel)
+            with self._model.no_sync():
+                yield
+
+
+# -- set-up ------------------------------------------------------------------------
+
+
+def _model_kind(module: Any) -> str:
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    if isinstance(module, DistributedDataParallel):
+        return "ddp"
+    if not isinstance(module, torch.nn.Module):
+        raise UnsupportedModelError(
+            f"{TECHNIQUE} needs a torch.nn.Module (plain, DistributedDataParallel or "
+            f"fully_shard), got {type(module).__name__}."
+        )
+    kind = "module"
+    for sub in module.modules():
+        if isinstance(sub, FullyShardedDataParallel):
+            raise UnsupportedModelError(
+                f"{TECHNIQUE} does not support FSDP1 (FullyShardedDataParallel), whose "
+                "flat parameters hide the per-parameter gradients; shard the model with "
+                "torch.distributed.fsdp.fully_shard (FSDP2) instead."
+            )
+        if isinstance(sub, DistributedDataParallel):
+            raise UnsupportedModelError(
+                f"this module contains a DistributedDataParallel submodule; pass the DDP "
+                f"model itself to {TECHNIQUE}, so that it steps after the allreduce."
+            )
+        if isinstance(sub, FSDPModule):
+            kind = "fsdp2"
+    return kind
+
+
+def _check_params_in_module(module: torch.nn.Module, params: Iterable[Any]) -> None:
+    in_module = {id(p) for p in module.parameters()}
+    for param in check_params_belong(
+        params, in_module, owner="the module", example="module.parameters()",
+        unknown=f"so {TECHNIQUE} has no hook on it; pass only the module's parameters "
+        "(for FSDP2: the sharded ones, module.parameters() after fully_shard), and step "
+        "others with a plain optimizer.",
+    ):
+        if not param.requires_grad:
+            raise ConfigurationError(
+                f"a parameter of shape {tuple(param.shape)} in params has "
+                "requires_grad=False, so it never gets a gradient; leave it out of params."
+            )
+
+
+def _side_stream(params: list[torch.Tensor]) -> SideStream:
+    return SideStream(params[0].device)
+
+
+def optimizer_in_backward(
+    module: torch.nn.Module,
+    optim_cls: type[torch.optim.Optimizer],
+    *args: Any,
+    params: Iterable[Any] | None = None,
+    comm_hook: str | None = None,
+    comm_hook_options: Mapping[str, Any] | None = None,
+    clip_grad_value: float | None = None,
+    clip_grad_norm: float | None = None,
+    clip_norm_type: float = 2.0,
+    **optim_kwargs: Any,
+) -> OptimizerInBackward:
+    """Step ``optim_cls`` during backward, part by part as gradients become final, and
+    free each gradient once stepped.
+
+    - ``module`` is a ``DistributedDataParallel`` model: one comm hook runs the comm
+      hook named ``comm_hook`` (default ``"allreduce"``) on each bucket, then steps the
+      bucket's parameters; their ``.grad`` are None once backward returns.
+    - ``module`` is an FSDP2 (``fully_shard``) model or a plain module: each parameter
+      is stepped, and its ``.grad`` set to None, as soon as its gradient is final (for
+      FSDP2: reduce-scattered, the sharded parameter and gradient).
+
+    On an accelerator the steps run on a side stream the current stream waits for at
+    the end of backward; on CPU inline. Call it once per model, before training, on
+    every rank.
+
+    :param module: a DDP model, an FSDP2 model, or a plain ``torch.nn.Module``.
+    :param optim_cls: any ``torch.optim.Optimizer`` subclass; ``*args`` and
+        ``**optim_kwargs`` are passed to it as to the plain optimizer.
+    :param params: the parameters (or param-group dicts) to optimise; default: every
+        trainable parameter (for DDP: every parameter DDP manages). Others keep
+        their gradients, for another optimizer stepped after backward.
+    :param comm_hook: DDP only: a registered comm hook, run before each bucket's step.
+    :param comm_hook_options: DDP only: keyword options for the comm hook's builder.
+    :param clip_grad_value: clamp each gradient to ``[-v, v]`` before its step
+        (exactly ``clip_grad_value_`` after backward).
+    :param clip_grad_norm: clip the norm of each bucket's (DDP) or each parameter's
+        (FSDP2, plain) gradient to this value; never the global ``clip_grad_norm_``,
+        which needs every gradient at once (see the docs). Refused for a DDP model
+        with ``find_unused_parameters=True`` or ``static_graph=True``.
+    :param clip_norm_type: the norm of ``clip_grad_norm``.
+    :return: a ``torch.optim.Optimizer``; its ``step()`` is a no-op after a backward
+        that already stepped.
+    :raises UnsupportedModelError: not a module, or an FSDP1 model.
+    :raises UnsupportedOptimizerError: ``optim_cls`` is not an optimizer class, or
+        cannot step part by part (LBFGS, SparseAdam).
+    :raises UnknownNameError: no comm hook is called ``comm_hook``.
+    :raises ConfigurationError: no trainable parameters, a second call for the same
+        parameters, mixing with ``overlap_ddp``, ``params`` not in the model, a comm
+        hook for a model that is not DDP, bad optimizer or clipping arguments,
+        ``clip_grad_norm`` on a DDP model with ``find_unused_parameters`` or
+        ``static_graph``.
+    """
+    kind = _model_kind(module)
+    ddp_model = check_ddp_model(module, TECHNIQUE) if kind == "ddp" else None
+    overlapped_cls = resolve_overlapped_cls(optim_cls)
+    clipping = GradClipping(value=clip_grad_value, norm=clip_grad_norm,
+                            norm_type=clip_norm_type)
+    if ddp_model is not None:
+        return _on_ddp(ddp_model, overlapped_cls, optim_cls, args, optim_kwargs, params,
+                       comm_hook, comm_hook_options, clipping)
+    if comm_hook is not None or comm_hook_options is not None:
+        raise ConfigurationError(
+            f"comm_hook applies to DistributedDataParallel models only, and this is "
+            f"{'an FSDP2' if kind == 'fsdp2' else 'a plain'} module; leave comm_hook and "
+            "comm_hook_options out."
+        )
+    if params is None:
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise ConfigurationError(
+                f"{type(module).__name__} has no parameter with requires_grad=True, so "
+                f"{TECHNIQUE} has nothing to step; pass a module with trainable "
+                "parameters (or unfreeze some)."
+            )
+    else:
+        params = materialise_params(params)
+        _check_params_in_module(module, params)
+        if not flatten_params(params):
+            raise ConfigurationError(f"params is empty; pass the parameters {TECHNIQUE} "
+                                     "should step, or leave params out for all of them.")
+    engine = build_engine(overlapped_cls, optim_cls, params, args, optim_kwargs, TECHNIQUE)
+    owned = engine.parameters()
+    check_unclaimed(owned, TECHNIQUE)
+    stepper = ParamStepper(engine, clipping=clipping, side_stream=_side_stream(owned))
+    stepper.register(owned)
+    claim_params(owned, TECHNIQUE)
+    return OptimizerInBackward(engine, stepper, module, kind,
+                               lambda groups: _check_params_in_module(module, groups))
+
+
+def _on_ddp(
+    model: DistributedDataParallel,
+    overlapped_cls: type[OverlappedOptimizer],
+    optim_cls: type[torch.optim.Optimizer],
+    args: tuple[Any, ...],
+    optim_kwargs: dict[str, Any],
+    params: Iterable[Any] | None,
+    comm_hook: str | None,
+    comm_hook_options: Mapping[str, Any] | None,
+    clipping: GradClipping,
+) -> OptimizerInBackward:
+    hook_spec = get_plugin_manager().registry.comm_hook(comm_hook or "allreduce")
+    hook_options = check_comm_hook_options(comm_hook_options)
+    check_clipping_for_model(model, clipping, TECHNIQUE)
+    if params is None:
+        params = ddp_params(model)
+    else:
+        params = materialise_params(params)
+        check_params_in_ddp_model(model, params)
+    engine = build_engine(overlapped_cls, optim_cls, params, args, optim_kwargs, TECHNIQUE)
+    owned = engine.parameters()
+    check_unclaimed(owned, TECHNIQUE)
+    stepper = register_bucket_stepper(
+        model, engine, hook_spec, hook_options, TECHNIQUE, step_thread="backward",
+        clipping=clipping, free_grads=True, side_stream=_side_stream(owned),
+    )
+    claim_params(owned, TECHNIQUE)
+    return OptimizerInBackward(engine, stepper, model, "ddp",
+                               lambda groups: check_params_in_ddp_model(model, groups))

@@ -1,0 +1,100 @@
+"""Per-parameter steps during backward: :class:`ParamStepper`, for plain modules and
+FSDP2 (``fully_shard``) models.
+
+Each parameter gets a post-accumulate-grad hook that clips and steps exactly that
+parameter as soon as its gradient is complete, then sets ``.grad`` to None, so the
+gradient's memory is free before backward ends. Where the hook fires (measured on
+torch 2.13):
+
+- a plain module: autograd calls it once the parameter's gradient has been accumulated
+  (every use of the parameter in the graph has contributed);
+- an FSDP2 model: the hooks are registered on the sharded (DTensor) parameters, which
+  autograd never sees; FSDP2 calls them itself right after the reduce-scatter of the
+  parameter's group has written the sharded gradient (``foreach_reduce`` in
+  ``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``), on an accelerator
+  with its post-reduce stream current. So the step sees the reduced, sharded gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch.autograd import Variable
+from torch.utils.hooks import RemovableHandle
+
+from overlapkit.overlap.clipping import GradClipping
+from overlapkit.overlap.engine import OverlappedOptimizer
+from overlapkit.overlap.side_stream import SideStream
+
+__all__ = ["ParamStepper"]
+
+
+class ParamStepper:
+    """Steps each parameter of ``engine`` from its post-accumulate-grad hook.
+
+    :param engine: steps the parameters.
+    :param clipping: applied to each parameter's gradient before its step.
+    :param side_stream: where the steps run (inline on CPU).
+    """
+
+    def __init__(self, engine: OverlappedOptimizer, *, clipping: GradClipping,
+                 side_stream: SideStream) -> None:
+        self.engine = engine
+        self.clipping = clipping
+        self.side_stream = side_stream
+        #: set when a backward has stepped; the optimizer's step() clears it
+        self.stepped_since_step = False
+        #: while true, gradients accumulate and nothing is stepped (no_step())
+        self.paused = False
+        self.handles: list[RemovableHandle] = []
+        # the autograd graph task whose end our callback is queued for; compared, not
+        # a bool, so a backward that raised before its end does not block the next
+        self._graph_task: int | None = None
+
+    def register(self, params: Iterable[torch.Tensor]) -> None:
+        """Add the hook to each of ``params``."""
+        for param in params:
+            self.handles.append(param.register_post_accumulate_grad_hook(self._on_grad))
+
+    def remove(self) -> None:
+        """Remove every hook: from now on, nothing steps during backward."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        if self.paused or grad is None or not self.engine.owns(param):
+            # not owned: removed from the optimizer (load_state_dict, param_groups
+            # edited); its gradient is left alone
+            return
+        queued = self._queue_end_of_backward()
+        params = [param]
+        with self.side_stream.running(freed=(grad,)):
+            if self.clipping.enabled:
+                self.clipping.apply(params)
+            self.engine.step_params(params)
+        param.grad = None
+        del grad
+        if not queued:
+            self._after_backward()
+
+    def _queue_end_of_backward(self) -> bool:
+        """Make sure :meth:`_after_backward` runs at the end of the current backward;
+        False when the hook was called outside autograd (then the caller finishes
+        this step on its own)."""
+        self.stepped_since_step = True
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            # outside autograd, where queue_callback raises "Final callbacks can
+            # only be installed during backward pass"
+            return False
+        if task != self._graph_task:
+            self._graph_task = task
+            Variable._execution_engine.queue_callback(self._after_backward)
+        return True
+
+    def _after_backward(self) -> None:
+        self._graph_task = None
+        self.side_stream.join()

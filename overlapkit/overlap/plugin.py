@@ -1,0 +1,26 @@
+"""Built-in plugin ``overlapkit.overlap``: the engine behind ``overlap_ddp`` and
+``optimizer_in_backward`` for every ``torch.optim`` optimizer.
+
+It registers :class:`~overlapkit.overlap.generic.GenericOverlappedOptimizer` for
+``torch.optim.Optimizer``, the root of the MRO walk, so it serves every optimizer class
+that no plugin serves more specifically.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from overlapkit.overlap.generic import GenericOverlappedOptimizer
+from overlapkit.plugin.hookspecs import hookimpl
+from overlapkit.plugin.records import OptimizerSpec
+
+__all__ = ["overlapkit_register_optimizers"]
+
+
+@hookimpl
+def overlapkit_register_optimizers() -> OptimizerSpec:
+    return OptimizerSpec(
+        optim_cls=torch.optim.Optimizer,
+        overlapped_cls=GenericOverlappedOptimizer,
+        description="any torch.optim optimizer, stepped one bucket at a time",
+    )

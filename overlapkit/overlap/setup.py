@@ -1,0 +1,160 @@
+"""Set-up shared by the overlapped techniques: resolve the engine class, build the real
+optimizer, and claim its parameters.
+
+Everything here runs once, when :func:`overlapkit.overlap_ddp` or
+:func:`overlapkit.optimizer_in_backward` is called, never per bucket or per step, and
+turns bad input into an :class:`~overlapkit.OverlapkitError` before any hook is
+registered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from overlapkit.errors import (
+    ConfigurationError,
+    PluginValidationError,
+    UnsupportedOptimizerError,
+)
+from overlapkit.overlap.engine import OverlappedOptimizer
+from overlapkit.plugin.manager import get_plugin_manager
+
+__all__ = ["build_engine", "check_unclaimed", "claim_params", "flatten_params",
+           "materialise_params", "resolve_overlapped_cls"]
+
+# parameter -> the technique stepping it during backward. Weak keys: a parameter's
+# claim dies with it (and is never pickled with it, unlike a tensor attribute).
+_CLAIMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def resolve_overlapped_cls(optim_cls: Any) -> type[OverlappedOptimizer]:
+    """The registered :class:`OverlappedOptimizer` subclass for ``optim_cls`` (most
+    specific class in its MRO wins), after its ``check_supported``.
+
+    :raises UnsupportedOptimizerError: not an optimizer class, or one the engine
+        cannot step part by part (LBFGS, SparseAdam).
+    :raises PluginValidationError: a plugin registered something that is not an engine.
+    """
+    provider = get_plugin_manager().registry.optimizer_provider(optim_cls)
+    overlapped_cls = provider.record.overlapped_cls
+    if not (isinstance(overlapped_cls, type)
+            and issubclass(overlapped_cls, OverlappedOptimizer)):
+        raise PluginValidationError(
+            provider.plugin,
+            f"its OptimizerSpec for {optim_cls.__qualname__} names {overlapped_cls!r}, "
+            "which is not an overlapkit.OverlappedOptimizer subclass; subclass it.",
+        )
+    overlapped_cls.check_supported(optim_cls)
+    return overlapped_cls
+
+
+def materialise_params(params: Iterable[Any]) -> list[Any]:
+    """``params`` as a list whose group dicts are copies holding their ``"params"`` as a
+    list, when given as a one-shot iterator (``module.parameters()``).
+
+    Call it once, before any check reads the parameters: a check that iterates a
+    generator would leave the optimizer an empty group, whose parameters would then
+    silently never be trained.
+    """
+    out: list[Any] = []
+    for item in params:
+        if isinstance(item, Mapping) and isinstance(item.get("params"), Iterator):
+            item = {**item, "params": list(item["params"])}
+        out.append(item)
+    return out
+
+
+def flatten_params(params: Iterable[Any]) -> list[Any]:
+    """The items of ``params`` (tensors or param-group dicts), group dicts opened."""
+    flat: list[Any] = []
+    for item in params:
+        if isinstance(item, Mapping):
+            inner = item.get("params", [])
+            flat.extend([inner] if isinstance(inner, torch.Tensor) else list(inner))
+        else:
+            flat.append(item)
+    return flat
+
+
+def check_params_belong(
+    params: Iterable[Any], members: set[int], *, owner: str, example: str, unknown: str
+) -> list[torch.Tensor]:
+    """Every item of ``params`` (group dicts opened) is a tensor whose ``id`` is in
+    ``members``; returns them.
+
+    :param owner: what they must belong to, for messages ("the DDP model").
+    :param example: what to pass instead ("ddp_model.parameters()").
+    :param unknown: the end of the message for a tensor that does not belong.
+    :raises ConfigurationError: naming the offending item.
+    """
+    tensors = []
+    for param in flatten_params(params):
+        if not isinstance(param, torch.Tensor):
+            raise ConfigurationError(
+                f"params must hold parameters of {owner} (tensors or param-group "
+                f"dicts), got {type(param).__name__}; pass e.g. {example}."
+            )
+        if id(param) not in members:
+            raise ConfigurationError(
+                f"a parameter of shape {tuple(param.shape)} in params is not a parameter "
+                f"of {owner}, {unknown}"
+            )
+        tensors.append(param)
+    return tensors
+
+
+def build_engine(
+    overlapped_cls: type[OverlappedOptimizer],
+    optim_cls: type[torch.optim.Optimizer],
+    params: Sequence[Any],
+    args: Sequence[Any],
+    optim_kwargs: Mapping[str, Any],
+    technique: str,
+) -> OverlappedOptimizer:
+    """``overlapped_cls(optim_cls(params, *args, **optim_kwargs))``.
+
+    :raises ConfigurationError: the optimizer rejected its arguments.
+    :raises UnsupportedOptimizerError: ``optim_cls(...)`` is not an optimizer.
+    """
+    try:
+        optimizer = optim_cls(params, *args, **optim_kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(
+            f"{optim_cls.__qualname__} rejected the arguments {technique} passed on: "
+            f"{exc}. Fix the optimizer arguments (they are the plain optimizer's)."
+        ) from exc
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UnsupportedOptimizerError(
+            f"{optim_cls.__qualname__}(...) did not return a torch.optim.Optimizer; "
+            "pass an optimizer class."
+        )
+    return overlapped_cls(optimizer)
+
+
+def check_unclaimed(params: Iterable[torch.Tensor], technique: str) -> None:
+    """Refuse parameters that another overlapkit technique, or torch's
+    ``_apply_optimizer_in_backward``, already steps during backward.
+
+    :raises ConfigurationError: naming who steps them.
+    """
+    for param in params:
+        owner = _CLAIMS.get(param)
+        if owner is None and hasattr(param, "_in_backward_optimizers"):
+            owner = "torch.distributed.optim._apply_optimizer_in_backward"
+        if owner is not None:
+            raise ConfigurationError(
+                f"a parameter of shape {tuple(param.shape)} is already stepped during "
+                f"backward by {owner}, so {technique} would step it a second time; make "
+                "one call per parameter (pass params= to split the parameters between "
+                "calls), and do not mix overlap_ddp and optimizer_in_backward on one model."
+            )
+
+
+def claim_params(params: Iterable[torch.Tensor], technique: str) -> None:
+    """Record that ``technique`` steps ``params`` during backward from now on."""
+    for param in params:
+        _CLAIMS[param] = technique
