@@ -33,7 +33,7 @@ from overlapkit.errors import (
 )
 from overlapkit.local_sgd.optimizer import PostLocalSGDOptimizer, create_averager, post_local_sgd
 from overlapkit.overlap.ddp import DDPOverlapOptimizer, overlap_ddp
-from overlapkit.overlap.engine import OverlappedOptimizer
+from overlapkit.overlap.engine import OverlapEngine, OverlappedOptimizer
 from overlapkit.overlap.in_backward import OptimizerInBackward, optimizer_in_backward
 from overlapkit.plugin.hookspecs import hookimpl
 from overlapkit.plugin.manager import (
@@ -43,19 +43,33 @@ from overlapkit.plugin.manager import (
     list_plugins,
     set_plugin_manager,
 )
-from overlapkit.plugin.records import AveragerSpec, CommHookSpec, LoadPlannerSpec, OptimizerSpec
+from overlapkit.plugin.records import (
+    AveragerRecord,
+    AveragerSpec,
+    CommHookRecord,
+    CommHookSpec,
+    LoadPlannerRecord,
+    LoadPlannerSpec,
+    OptimizerRecord,
+    OptimizerSpec,
+)
 
 __all__ = [
-    "AveragerSpec",
-    "CheckpointError",
+    "OverlappedOptimizer",
+    "OptimizerSpec",
+    "LoadPlannerSpec",
     "CommHookSpec",
+    "AveragerSpec",
+    "AveragerRecord",
+    "CheckpointError",
+    "CommHookRecord",
     "ConfigurationError",
     "DDPOverlapOptimizer",
-    "LoadPlannerSpec",
+    "LoadPlannerRecord",
     "OptimizerInBackward",
-    "OptimizerSpec",
+    "OptimizerRecord",
     "OverlapkitError",
-    "OverlappedOptimizer",
+    "OverlapEngine",
     "PluginConflictError",
     "PluginInfo",
     "PluginLoadError",

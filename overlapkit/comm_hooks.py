@@ -17,7 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from overlapkit.errors import ConfigurationError
 from overlapkit.plugin.hookspecs import hookimpl
 from overlapkit.plugin.manager import get_plugin_manager
-from overlapkit.plugin.records import CommHookSpec
+from overlapkit.plugin.records import CommHookRecord
 
 __all__ = ["build_comm_hook", "overlapkit_register_comm_hooks"]
 
@@ -51,19 +51,19 @@ def _stateless(name: str, hook: Callable[..., Any]) -> Callable[..., tuple[Any, 
 
 
 @hookimpl
-def overlapkit_register_comm_hooks() -> list[CommHookSpec]:
+def overlapkit_register_comm_hooks() -> list[CommHookRecord]:
     return [
-        CommHookSpec(
+        CommHookRecord(
             name="allreduce",
             build=_stateless("allreduce", default_hooks.allreduce_hook),
             description="average gradients over the group (DDP's default)",
         ),
-        CommHookSpec(
+        CommHookRecord(
             name="fp16_compress",
             build=_stateless("fp16_compress", default_hooks.fp16_compress_hook),
             description="allreduce in float16, then cast back",
         ),
-        CommHookSpec(
+        CommHookRecord(
             name="bf16_compress",
             build=_stateless("bf16_compress", default_hooks.bf16_compress_hook),
             description="allreduce in bfloat16, then cast back",

@@ -687,11 +687,11 @@ def test_a_model_that_is_not_ddp_is_refused() -> None:
 def test_the_generic_engine_serves_every_optimizer_and_plugins_can_override(
     overlapkit_plugin_manager: overlapkit.plugin.manager.OverlapkitPluginManager,
 ) -> None:
-    from overlapkit.overlap.generic import GenericOverlappedOptimizer
+    from overlapkit.overlap.generic import GenericOverlapEngine
 
     registry = overlapkit_plugin_manager.registry
     assert registry.optimizer_spec(torch.optim.AdamW).overlapped_cls is (
-        GenericOverlappedOptimizer)
+        GenericOverlapEngine)
     assert registry.optimizer_provider(torch.optim.SGD).plugin == "overlapkit.overlap"
 
 
@@ -705,10 +705,10 @@ class _CountsInGroup(torch.optim.SGD):
 
 
 def test_values_the_optimizer_writes_into_its_group_are_kept() -> None:
-    from overlapkit.overlap.generic import GenericOverlappedOptimizer
+    from overlapkit.overlap.generic import GenericOverlapEngine
 
     params = [nn.Parameter(torch.ones(2)) for _ in range(2)]
-    engine = GenericOverlappedOptimizer(_CountsInGroup(params, lr=0.1))
+    engine = GenericOverlapEngine(_CountsInGroup(params, lr=0.1))
     for p in params:
         p.grad = torch.ones(2)
     engine.step_params([params[0]])
@@ -718,11 +718,11 @@ def test_values_the_optimizer_writes_into_its_group_are_kept() -> None:
 
 
 def test_engine_steps_exactly_the_given_parameters() -> None:
-    from overlapkit.overlap.generic import GenericOverlappedOptimizer
+    from overlapkit.overlap.generic import GenericOverlapEngine
 
     params = [nn.Parameter(torch.ones(2)) for _ in range(3)]
     reference = [nn.Parameter(torch.ones(2)) for _ in range(3)]
-    engine = GenericOverlappedOptimizer(torch.optim.Adam(params, lr=0.1))
+    engine = GenericOverlapEngine(torch.optim.Adam(params, lr=0.1))
     plain = torch.optim.Adam(reference, lr=0.1)
     for p in params + reference:
         p.grad = torch.full((2,), 0.5)

@@ -8,14 +8,14 @@ import pytest
 from plugin_dists import make_plugin_dist, plugins_json, run_python
 
 HOOK_PLUGIN = """
-    from overlapkit import hookimpl, CommHookSpec
+    from overlapkit import hookimpl, CommHookRecord
 
     def build(*, process_group=None, **options):
         return process_group, lambda state, bucket: None
 
     @hookimpl
     def overlapkit_register_comm_hooks():
-        return CommHookSpec(name="{hook}", build=build, description="from {dist}")
+        return CommHookRecord(name="{hook}", build=build, description="from {dist}")
 """
 
 

@@ -41,8 +41,8 @@ def _manager(*plugins: types.ModuleType) -> OverlapkitPluginManager:
     return pm
 
 
-def _optimizers(*specs: tuple[type, type]) -> list[overlapkit.OptimizerSpec]:
-    return [overlapkit.OptimizerSpec(optim_cls=o, overlapped_cls=c) for o, c in specs]
+def _optimizers(*specs: tuple[type, type]) -> list[overlapkit.OptimizerRecord]:
+    return [overlapkit.OptimizerRecord(optim_cls=o, overlapped_cls=c) for o, c in specs]
 
 
 def test_most_specific_class_in_the_mro_wins() -> None:
@@ -104,20 +104,21 @@ def test_names_are_normalised(overlapkit_plugin_manager: OverlapkitPluginManager
 
 def test_hook_returning_a_non_record_names_the_plugin() -> None:
     pm = _manager(_plugin("sloppy", overlapkit_register_averagers=["periodic"]))
-    with pytest.raises(overlapkit.PluginValidationError, match=r"plugin 'sloppy'.*AveragerSpec"):
+    with pytest.raises(overlapkit.PluginValidationError, match=r"plugin 'sloppy'.*AveragerRecord"):
         pm.registry  # noqa: B018
 
 
 @pytest.mark.parametrize(
     ("make", "error", "match"),
     [
-        (lambda: overlapkit.CommHookSpec(name="2fast", build=print), ValueError, "lower-case"),
-        (lambda: overlapkit.CommHookSpec(name="ok", build="print"), TypeError, "callable"),
-        (lambda: overlapkit.OptimizerSpec(optim_cls=torch.nn.Linear, overlapped_cls=AdamOverlap),
+        (lambda: overlapkit.CommHookRecord(name="2fast", build=print), ValueError, "lower-case"),
+        (lambda: overlapkit.CommHookRecord(name="ok", build="print"), TypeError, "callable"),
+        (lambda: overlapkit.OptimizerRecord(optim_cls=torch.nn.Linear, overlapped_cls=AdamOverlap),
          TypeError, "torch.optim.Optimizer"),
-        (lambda: overlapkit.OptimizerSpec(optim_cls=torch.optim.Adam, overlapped_cls=AdamOverlap()),
+        (lambda: overlapkit.OptimizerRecord(optim_cls=torch.optim.Adam,
+                                            overlapped_cls=AdamOverlap()),
          TypeError, "must be a class"),
-        (lambda: overlapkit.LoadPlannerSpec(name="x", build=print, detect=3),
+        (lambda: overlapkit.LoadPlannerRecord(name="x", build=print, detect=3),
          TypeError, "callable"),
     ],
 )
@@ -131,7 +132,7 @@ def test_registering_a_plugin_refreshes_the_registry(
 ) -> None:
     before = set(overlapkit_plugin_manager.registry.comm_hooks)
     overlapkit_plugin_manager.register(_plugin("extra", overlapkit_register_comm_hooks=[
-        overlapkit.CommHookSpec(name="extra", build=lambda **kw: (None, None))]), name="extra")
+        overlapkit.CommHookRecord(name="extra", build=lambda **kw: (None, None))]), name="extra")
     assert set(overlapkit_plugin_manager.registry.comm_hooks) == before | {"extra"}
     info = {i.name: i for i in overlapkit.list_plugins()}["extra"]
     assert (info.source, info.provides) == ("registered", {"comm_hooks": ["extra"]})

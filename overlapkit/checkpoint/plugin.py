@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from overlapkit.plugin.hookspecs import hookimpl
-from overlapkit.plugin.records import LoadPlannerSpec
+from overlapkit.plugin.records import LoadPlannerRecord
 
 __all__ = ["overlapkit_register_load_planners"]
 
@@ -36,15 +36,15 @@ def _detect_nested_sharded_tensor(state_dict: Any) -> bool:
 
 
 @hookimpl
-def overlapkit_register_load_planners() -> list[LoadPlannerSpec]:
+def overlapkit_register_load_planners() -> list[LoadPlannerRecord]:
     return [
-        LoadPlannerSpec(
+        LoadPlannerRecord(
             name="default",
             build=_build_default,
             description="DCP's default planner; any layout whose tensors know their "
             "offsets (plain, DTensor 1-D/2-D, ShardedTensor)",
         ),
-        LoadPlannerSpec(
+        LoadPlannerRecord(
             name="offset_2d",
             build=_build_offset_2d,
             detect=_detect_nested_sharded_tensor,

@@ -22,7 +22,7 @@ from overlapkit.local_sgd.averagers import (
 )
 from overlapkit.local_sgd.comm_hook import build_post_local_sgd_hook
 from overlapkit.plugin.hookspecs import hookimpl
-from overlapkit.plugin.records import AveragerSpec, CommHookSpec
+from overlapkit.plugin.records import AveragerRecord, CommHookRecord
 
 __all__ = ["overlapkit_register_averagers", "overlapkit_register_comm_hooks"]
 
@@ -54,14 +54,14 @@ def build_hierarchical(
 
 
 @hookimpl
-def overlapkit_register_averagers() -> list[AveragerSpec]:
+def overlapkit_register_averagers() -> list[AveragerRecord]:
     return [
-        AveragerSpec(
+        AveragerRecord(
             name="periodic",
             build=build_periodic,
             description="average all parameters over the group every `period` steps",
         ),
-        AveragerSpec(
+        AveragerRecord(
             name="hierarchical",
             build=build_hierarchical,
             description="average over groups of several sizes, each at its own period",
@@ -70,9 +70,9 @@ def overlapkit_register_averagers() -> list[AveragerSpec]:
 
 
 @hookimpl
-def overlapkit_register_comm_hooks() -> list[CommHookSpec]:
+def overlapkit_register_comm_hooks() -> list[CommHookRecord]:
     return [
-        CommHookSpec(
+        CommHookRecord(
             name="post_local_sgd",
             build=build_post_local_sgd_hook,
             description="allreduce globally during warm-up, within the subgroup after",

@@ -19,7 +19,7 @@ from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.overlap.clipping import GradClipping
-from overlapkit.overlap.engine import OverlappedOptimizer
+from overlapkit.overlap.engine import OverlapEngine
 from overlapkit.overlap.side_stream import SideStream
 
 __all__ = ["STEP_THREADS", "BucketStepper", "overlapped_comm_hook"]
@@ -48,7 +48,7 @@ class BucketStepper:
 
     def __init__(
         self,
-        engine: OverlappedOptimizer,
+        engine: OverlapEngine,
         inner_state: Any,
         inner_hook: Any,
         *,

@@ -28,7 +28,7 @@ from overlapkit.overlap.ddp_setup import (
     ddp_params,
     register_bucket_stepper,
 )
-from overlapkit.overlap.engine import OverlappedOptimizer
+from overlapkit.overlap.engine import OverlapEngine
 from overlapkit.overlap.facade import OverlappedOptimizerFacade
 from overlapkit.overlap.setup import (
     build_engine,
@@ -57,7 +57,7 @@ class DDPOverlapOptimizer(OverlappedOptimizerFacade):
 
     def __init__(
         self,
-        engine: OverlappedOptimizer,
+        engine: OverlapEngine,
         stepper: BucketStepper,
         model: DistributedDataParallel,
     ) -> None:

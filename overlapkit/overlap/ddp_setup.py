@@ -16,9 +16,9 @@ from torch.nn.parallel import DistributedDataParallel
 from overlapkit.errors import ConfigurationError, UnsupportedModelError
 from overlapkit.overlap.bucket_stepper import BucketStepper, overlapped_comm_hook
 from overlapkit.overlap.clipping import GradClipping
-from overlapkit.overlap.engine import OverlappedOptimizer
+from overlapkit.overlap.engine import OverlapEngine
 from overlapkit.overlap.setup import check_params_belong
-from overlapkit.plugin.records import CommHookSpec
+from overlapkit.plugin.records import CommHookRecord
 
 __all__ = ["check_clipping_for_model", "check_comm_hook_options", "check_ddp_model",
            "check_params_in_ddp_model", "ddp_params", "register_bucket_stepper"]
@@ -111,8 +111,8 @@ def check_comm_hook_options(options: Any) -> dict[str, Any]:
 
 def register_bucket_stepper(
     model: DistributedDataParallel,
-    engine: OverlappedOptimizer,
-    hook_spec: CommHookSpec,
+    engine: OverlapEngine,
+    hook_spec: CommHookRecord,
     hook_options: dict[str, Any],
     technique: str,
     **stepper_options: Any,

@@ -1,4 +1,4 @@
-"""The engine every overlapped technique steps through: :class:`OverlappedOptimizer`.
+"""The engine every overlapped technique steps through: :class:`OverlapEngine`.
 
 An overlapped optimizer owns one *real* ``torch.optim.Optimizer`` instance and steps
 exactly a given subset of its parameters (one DDP gradient bucket, or one parameter
@@ -9,16 +9,16 @@ optimizer's, so checkpoints have the plain optimizer's format.
 The generic implementation, registered by the built-in plugin ``overlapkit.overlap.ddp``
 for ``torch.optim.Optimizer``, serves every optimizer class. A plugin registers a faster
 one for its own optimizer class (most specific class in the MRO wins) by subclassing
-:class:`OverlappedOptimizer` and implementing :meth:`OverlappedOptimizer.step_groups`::
+:class:`OverlapEngine` and implementing :meth:`OverlapEngine.step_groups`::
 
-    class LionOverlapped(overlapkit.OverlappedOptimizer):
+    class LionOverlapped(overlapkit.OverlapEngine):
         def step_groups(self, groups):
             for group, params in groups:
                 ...  # torch._foreach_* over params, reading group["lr"], self.state[p]
 
     @overlapkit.hookimpl
     def overlapkit_register_optimizers():
-        return overlapkit.OptimizerSpec(optim_cls=Lion, overlapped_cls=LionOverlapped)
+        return overlapkit.OptimizerRecord(optim_cls=Lion, overlapped_cls=LionOverlapped)
 
 .. versionadded:: 0.1
 """
@@ -33,13 +33,13 @@ import torch
 
 from overlapkit.errors import UnsupportedOptimizerError
 
-__all__ = ["OverlappedOptimizer", "ParamGroup"]
+__all__ = ["OverlapEngine", "OverlappedOptimizer", "ParamGroup"]
 
 #: one ``param_groups`` entry of a torch optimizer
 ParamGroup = dict[str, Any]
 
 
-class OverlappedOptimizer:
+class OverlapEngine:
     """Steps chosen subsets of one real optimizer's parameters, thread-safely.
 
     Build it around an optimizer instance; call :meth:`step_params` with the
@@ -184,3 +184,8 @@ class OverlappedOptimizer:
 
     def __repr__(self) -> str:
         return f"{type(self).__qualname__}({type(self.optimizer).__qualname__})"
+
+
+#: The 0.1 name of :class:`OverlapEngine`, kept as an alias for existing plugins (it read
+#: like the optimizer users get back, which is the facade).
+OverlappedOptimizer = OverlapEngine

@@ -1,6 +1,6 @@
 """The ``torch.optim.Optimizer`` that overlapped techniques return to the user.
 
-:class:`OverlappedOptimizerFacade` fronts an :class:`~overlapkit.OverlappedOptimizer`
+:class:`OverlappedOptimizerFacade` fronts an :class:`~overlapkit.OverlapEngine`
 engine whose steps happen during backward. Its ``param_groups``, ``state``,
 ``defaults``, ``state_dict()`` and ``load_state_dict()`` are those of the real
 optimizer inside, so LR schedulers drive it and checkpoints load into a plain optimizer
@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from overlapkit.errors import ConfigurationError
-from overlapkit.overlap.engine import OverlappedOptimizer
+from overlapkit.overlap.engine import OverlapEngine
 from overlapkit.overlap.setup import (
     check_unclaimed,
     claim_params,
@@ -48,7 +48,7 @@ class OverlappedOptimizerFacade(torch.optim.Optimizer):
 
     def __init__(
         self,
-        engine: OverlappedOptimizer,
+        engine: OverlapEngine,
         steps: BackwardSteps,
         technique: str,
         check_params: Callable[[list[Any]], None] | None = None,
@@ -67,8 +67,8 @@ class OverlappedOptimizerFacade(torch.optim.Optimizer):
         return self._engine.optimizer
 
     @property
-    def engine(self) -> OverlappedOptimizer:
-        """The :class:`~overlapkit.OverlappedOptimizer` taking the steps."""
+    def engine(self) -> OverlapEngine:
+        """The :class:`~overlapkit.OverlapEngine` taking the steps."""
         return self._engine
 
     @property

@@ -14,12 +14,12 @@ from collections.abc import Sequence
 
 import torch
 
-from overlapkit.overlap.engine import OverlappedOptimizer, ParamGroup
+from overlapkit.overlap.engine import OverlapEngine, ParamGroup
 
-__all__ = ["GenericOverlappedOptimizer"]
+__all__ = ["GenericOverlapEngine"]
 
 
-class GenericOverlappedOptimizer(OverlappedOptimizer):
+class GenericOverlapEngine(OverlapEngine):
     """Steps a subset of parameters by running the real optimizer's ``step()`` with
     its ``param_groups`` swapped, for the duration of the call, for copies that hold
     only the subset.

@@ -3,7 +3,7 @@
 The optimizer steps each part of the model during backward, as soon as that part's
 gradient is final, and frees the gradient, so the gradients of the whole model never
 exist at once. One real optimizer instance takes every step (through the
-:class:`~overlapkit.OverlappedOptimizer` engine registered for its class), so the
+:class:`~overlapkit.OverlapEngine` engine registered for its class), so the
 returned object is a ``torch.optim.Optimizer``: LR schedulers, ``state_dict()`` and
 checkpoints work as with the plain optimizer. Three kinds of model:
 
@@ -34,7 +34,7 @@ from overlapkit.overlap.ddp_setup import (
     ddp_params,
     register_bucket_stepper,
 )
-from overlapkit.overlap.engine import OverlappedOptimizer
+from overlapkit.overlap.engine import OverlapEngine
 from overlapkit.overlap.facade import BackwardSteps, OverlappedOptimizerFacade
 from overlapkit.overlap.param_stepper import ParamStepper
 from overlapkit.overlap.setup import (
@@ -67,7 +67,7 @@ class OptimizerInBackward(OverlappedOptimizerFacade):
 
     def __init__(
         self,
-        engine: OverlappedOptimizer,
+        engine: OverlapEngine,
         steps: BackwardSteps,
         model: torch.nn.Module,
         kind: str,
@@ -240,7 +240,7 @@ def optimizer_in_backward(
 
 def _on_ddp(
     model: DistributedDataParallel,
-    overlapped_cls: type[OverlappedOptimizer],
+    overlapped_cls: type[OverlapEngine],
     optim_cls: type[torch.optim.Optimizer],
     args: tuple[Any, ...],
     optim_kwargs: dict[str, Any],

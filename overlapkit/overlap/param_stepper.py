@@ -24,7 +24,7 @@ from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
 from overlapkit.overlap.clipping import GradClipping
-from overlapkit.overlap.engine import OverlappedOptimizer
+from overlapkit.overlap.engine import OverlapEngine
 from overlapkit.overlap.side_stream import SideStream
 
 __all__ = ["ParamStepper"]
@@ -38,7 +38,7 @@ class ParamStepper:
     :param side_stream: where the steps run (inline on CPU).
     """
 
-    def __init__(self, engine: OverlappedOptimizer, *, clipping: GradClipping,
+    def __init__(self, engine: OverlapEngine, *, clipping: GradClipping,
                  side_stream: SideStream) -> None:
         self.engine = engine
         self.clipping = clipping

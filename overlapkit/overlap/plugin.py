@@ -1,7 +1,7 @@
 """Built-in plugin ``overlapkit.overlap``: the engine behind ``overlap_ddp`` and
 ``optimizer_in_backward`` for every ``torch.optim`` optimizer.
 
-It registers :class:`~overlapkit.overlap.generic.GenericOverlappedOptimizer` for
+It registers :class:`~overlapkit.overlap.generic.GenericOverlapEngine` for
 ``torch.optim.Optimizer``, the root of the MRO walk, so it serves every optimizer class
 that no plugin serves more specifically.
 """
@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import torch
 
-from overlapkit.overlap.generic import GenericOverlappedOptimizer
+from overlapkit.overlap.generic import GenericOverlapEngine
 from overlapkit.plugin.hookspecs import hookimpl
-from overlapkit.plugin.records import OptimizerSpec
+from overlapkit.plugin.records import OptimizerRecord
 
 __all__ = ["overlapkit_register_optimizers"]
 
 
 @hookimpl
-def overlapkit_register_optimizers() -> OptimizerSpec:
-    return OptimizerSpec(
+def overlapkit_register_optimizers() -> OptimizerRecord:
+    return OptimizerRecord(
         optim_cls=torch.optim.Optimizer,
-        overlapped_cls=GenericOverlappedOptimizer,
+        overlapped_cls=GenericOverlapEngine,
         description="any torch.optim optimizer, stepped one bucket at a time",
     )

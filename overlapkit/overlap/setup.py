@@ -20,7 +20,7 @@ from overlapkit.errors import (
     PluginValidationError,
     UnsupportedOptimizerError,
 )
-from overlapkit.overlap.engine import OverlappedOptimizer
+from overlapkit.overlap.engine import OverlapEngine
 from overlapkit.plugin.manager import get_plugin_manager
 
 __all__ = ["build_engine", "check_unclaimed", "claim_params", "flatten_params",
@@ -31,8 +31,8 @@ __all__ = ["build_engine", "check_unclaimed", "claim_params", "flatten_params",
 _CLAIMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def resolve_overlapped_cls(optim_cls: Any) -> type[OverlappedOptimizer]:
-    """The registered :class:`OverlappedOptimizer` subclass for ``optim_cls`` (most
+def resolve_overlapped_cls(optim_cls: Any) -> type[OverlapEngine]:
+    """The registered :class:`OverlapEngine` subclass for ``optim_cls`` (most
     specific class in its MRO wins), after its ``check_supported``.
 
     :raises UnsupportedOptimizerError: not an optimizer class, or one the engine
@@ -42,11 +42,11 @@ def resolve_overlapped_cls(optim_cls: Any) -> type[OverlappedOptimizer]:
     provider = get_plugin_manager().registry.optimizer_provider(optim_cls)
     overlapped_cls = provider.record.overlapped_cls
     if not (isinstance(overlapped_cls, type)
-            and issubclass(overlapped_cls, OverlappedOptimizer)):
+            and issubclass(overlapped_cls, OverlapEngine)):
         raise PluginValidationError(
             provider.plugin,
-            f"its OptimizerSpec for {optim_cls.__qualname__} names {overlapped_cls!r}, "
-            "which is not an overlapkit.OverlappedOptimizer subclass; subclass it.",
+            f"its OptimizerRecord for {optim_cls.__qualname__} names {overlapped_cls!r}, "
+            "which is not an overlapkit.OverlapEngine subclass; subclass it.",
         )
     overlapped_cls.check_supported(optim_cls)
     return overlapped_cls
@@ -108,13 +108,13 @@ def check_params_belong(
 
 
 def build_engine(
-    overlapped_cls: type[OverlappedOptimizer],
+    overlapped_cls: type[OverlapEngine],
     optim_cls: type[torch.optim.Optimizer],
     params: Sequence[Any],
     args: Sequence[Any],
     optim_kwargs: Mapping[str, Any],
     technique: str,
-) -> OverlappedOptimizer:
+) -> OverlapEngine:
     """``overlapped_cls(optim_cls(params, *args, **optim_kwargs))``.
 
     :raises ConfigurationError: the optimizer rejected its arguments.

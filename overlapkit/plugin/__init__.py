@@ -28,22 +28,31 @@ from overlapkit.errors import (
 )
 from overlapkit.plugin.hookspecs import hookimpl, hookspec
 from overlapkit.plugin.records import (
+    AveragerRecord,
     AveragerSpec,
+    CommHookRecord,
     CommHookSpec,
+    LoadPlannerRecord,
     LoadPlannerSpec,
+    OptimizerRecord,
     OptimizerSpec,
     normalize_name,
 )
 
 __all__ = [
-    "AveragerSpec",
-    "CommHookSpec",
-    "ConfigurationError",
-    "LoadPlannerSpec",
-    "ModelAverager",
-    "OptimizerSpec",
-    "OverlapkitError",
     "OverlappedOptimizer",
+    "OptimizerSpec",
+    "LoadPlannerSpec",
+    "CommHookSpec",
+    "AveragerSpec",
+    "AveragerRecord",
+    "CommHookRecord",
+    "ConfigurationError",
+    "LoadPlannerRecord",
+    "ModelAverager",
+    "OptimizerRecord",
+    "OverlapkitError",
+    "OverlapEngine",
     "ParamGroup",
     "PluginConflictError",
     "PluginLoadError",
@@ -59,7 +68,7 @@ __all__ = [
 def __getattr__(name: str) -> object:
     # The base classes live beside the technique they serve and import torch; they are
     # imported on first use, so that loading the plugin manager stays light.
-    if name in ("OverlappedOptimizer", "ParamGroup"):
+    if name in ("OverlapEngine", "OverlappedOptimizer", "ParamGroup"):
         from overlapkit.overlap import engine
 
         return getattr(engine, name)

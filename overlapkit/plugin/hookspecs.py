@@ -23,7 +23,12 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from overlapkit.plugin.records import AveragerSpec, CommHookSpec, LoadPlannerSpec, OptimizerSpec
+    from overlapkit.plugin.records import (
+        AveragerRecord,
+        CommHookRecord,
+        LoadPlannerRecord,
+        OptimizerRecord,
+    )
 
 __all__ = [
     "hookimpl",
@@ -42,7 +47,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 @hookspec
-def overlapkit_register_optimizers() -> OptimizerSpec | Sequence[OptimizerSpec] | None:
+def overlapkit_register_optimizers() -> OptimizerRecord | Sequence[OptimizerRecord] | None:
     """Register the overlapped implementations of optimizer classes.
 
     Called once when the registry is built, before the first ``overlap_ddp`` or
@@ -51,48 +56,48 @@ def overlapkit_register_optimizers() -> OptimizerSpec | Sequence[OptimizerSpec] 
     faster implementation for its own optimizer without touching the generic one
     (registered for ``torch.optim.Optimizer``).
 
-    :return: an :class:`~overlapkit.plugin.records.OptimizerSpec`, a list of them, or ``None``.
+    :return: an :class:`~overlapkit.plugin.records.OptimizerRecord`, a list of them, or ``None``.
         Two plugins returning a spec for the same ``optim_cls`` is a
         :class:`~overlapkit.errors.PluginConflictError` naming both.
     """
 
 
 @hookspec
-def overlapkit_register_comm_hooks() -> CommHookSpec | Sequence[CommHookSpec] | None:
+def overlapkit_register_comm_hooks() -> CommHookRecord | Sequence[CommHookRecord] | None:
     """Register named DDP communication hooks.
 
     Called once when the registry is built. The names are what users pass as
     ``overlap_ddp(..., comm_hook=NAME)`` and to ``overlapkit.build_comm_hook(NAME)``;
     the overlapped optimizer step composes with every registered hook.
 
-    :return: a :class:`~overlapkit.plugin.records.CommHookSpec`, a list of them, or ``None``.
+    :return: a :class:`~overlapkit.plugin.records.CommHookRecord`, a list of them, or ``None``.
         Two plugins providing the same name is a
         :class:`~overlapkit.errors.PluginConflictError` naming both.
     """
 
 
 @hookspec
-def overlapkit_register_averagers() -> AveragerSpec | Sequence[AveragerSpec] | None:
+def overlapkit_register_averagers() -> AveragerRecord | Sequence[AveragerRecord] | None:
     """Register named model averagers for post-local SGD.
 
     Called once when the registry is built. The names are what users pass as
     ``post_local_sgd(..., averager=NAME)`` and to ``overlapkit.create_averager(NAME)``.
 
-    :return: an :class:`~overlapkit.plugin.records.AveragerSpec`, a list of them, or ``None``.
+    :return: an :class:`~overlapkit.plugin.records.AveragerRecord`, a list of them, or ``None``.
         Two plugins providing the same name is a
         :class:`~overlapkit.errors.PluginConflictError` naming both.
     """
 
 
 @hookspec
-def overlapkit_register_load_planners() -> LoadPlannerSpec | Sequence[LoadPlannerSpec] | None:
+def overlapkit_register_load_planners() -> LoadPlannerRecord | Sequence[LoadPlannerRecord] | None:
     """Register named DCP load planners for sharded optimizer state.
 
     Called once when the registry is built. ``overlapkit.checkpoint.load`` and
     ``load_sharded_optimizer_state_dict`` pick a planner by name, or automatically
     from the state dict's layout through each spec's ``detect``.
 
-    :return: a :class:`~overlapkit.plugin.records.LoadPlannerSpec`, a list of them, or
+    :return: a :class:`~overlapkit.plugin.records.LoadPlannerRecord`, a list of them, or
         ``None``. Two plugins providing the same name is a
         :class:`~overlapkit.errors.PluginConflictError` naming both.
     """

@@ -18,7 +18,17 @@ from typing import Any
 import attrs
 import torch
 
-__all__ = ["AveragerSpec", "CommHookSpec", "LoadPlannerSpec", "OptimizerSpec", "normalize_name"]
+__all__ = [
+    "AveragerRecord",
+    "AveragerSpec",
+    "CommHookRecord",
+    "CommHookSpec",
+    "LoadPlannerRecord",
+    "LoadPlannerSpec",
+    "OptimizerRecord",
+    "OptimizerSpec",
+    "normalize_name",
+]
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -48,7 +58,7 @@ def _callable(instance: object, attribute: attrs.Attribute[Any], value: object) 
 def _optimizer_class(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if not (isinstance(value, type) and issubclass(value, torch.optim.Optimizer)):
         raise TypeError(
-            f"OptimizerSpec.optim_cls must be a subclass of torch.optim.Optimizer, got "
+            f"OptimizerRecord.optim_cls must be a subclass of torch.optim.Optimizer, got "
             f"{value!r}; pass the optimizer class itself, not an instance."
         )
 
@@ -56,13 +66,13 @@ def _optimizer_class(instance: object, attribute: attrs.Attribute[Any], value: o
 def _a_class(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if not isinstance(value, type):
         raise TypeError(
-            f"OptimizerSpec.{attribute.name} must be a class, got {value!r}; pass the "
-            "OverlappedOptimizer subclass that steps one bucket of parameters."
+            f"OptimizerRecord.{attribute.name} must be a class, got {value!r}; pass the "
+            "OverlapEngine subclass that steps one bucket of parameters."
         )
 
 
 @attrs.frozen(kw_only=True)
-class OptimizerSpec:
+class OptimizerRecord:
     """Which overlapped implementation steps buckets of an optimizer class.
 
     Returned by :func:`~overlapkit.plugin.hookspecs.overlapkit_register_optimizers`. When
@@ -85,7 +95,7 @@ class OptimizerSpec:
 
 
 @attrs.frozen(kw_only=True)
-class CommHookSpec:
+class CommHookRecord:
     """A named DDP communication hook.
 
     Returned by :func:`~overlapkit.plugin.hookspecs.overlapkit_register_comm_hooks`.
@@ -101,7 +111,7 @@ class CommHookSpec:
 
 
 @attrs.frozen(kw_only=True)
-class AveragerSpec:
+class AveragerRecord:
     """A named model averager for post-local SGD.
 
     Returned by :func:`~overlapkit.plugin.hookspecs.overlapkit_register_averagers`.
@@ -116,7 +126,7 @@ class AveragerSpec:
 
 
 @attrs.frozen(kw_only=True)
-class LoadPlannerSpec:
+class LoadPlannerRecord:
     """A named DCP load planner for sharded optimizer state.
 
     Returned by :func:`~overlapkit.plugin.hookspecs.overlapkit_register_load_planners`.
@@ -133,3 +143,11 @@ class LoadPlannerSpec:
         default=None, validator=attrs.validators.optional(_callable)
     )
     priority: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+
+
+# The names of 0.1: "Spec" also meant a pluggy hook specification, so the records are
+# "Record"s now. The old names stay as aliases of the same classes for existing plugins.
+OptimizerSpec = OptimizerRecord
+CommHookSpec = CommHookRecord
+AveragerSpec = AveragerRecord
+LoadPlannerSpec = LoadPlannerRecord

@@ -20,10 +20,10 @@ from overlapkit.errors import (
     UnsupportedOptimizerError,
 )
 from overlapkit.plugin.records import (
-    AveragerSpec,
-    CommHookSpec,
-    LoadPlannerSpec,
-    OptimizerSpec,
+    AveragerRecord,
+    CommHookRecord,
+    LoadPlannerRecord,
+    OptimizerRecord,
     normalize_name,
 )
 
@@ -36,10 +36,10 @@ R = TypeVar("R")
 
 #: hook name -> (record type it returns, what the records are called in messages)
 HOOK_RECORDS: dict[str, tuple[type, str]] = {
-    "overlapkit_register_optimizers": (OptimizerSpec, "optimizer"),
-    "overlapkit_register_comm_hooks": (CommHookSpec, "comm hook"),
-    "overlapkit_register_averagers": (AveragerSpec, "averager"),
-    "overlapkit_register_load_planners": (LoadPlannerSpec, "load planner"),
+    "overlapkit_register_optimizers": (OptimizerRecord, "optimizer"),
+    "overlapkit_register_comm_hooks": (CommHookRecord, "comm hook"),
+    "overlapkit_register_averagers": (AveragerRecord, "averager"),
+    "overlapkit_register_load_planners": (LoadPlannerRecord, "load planner"),
 }
 
 
@@ -88,10 +88,10 @@ class Registry:
     """
 
     def __init__(self) -> None:
-        self.optimizers: dict[type, Provided[OptimizerSpec]] = {}
-        self.comm_hooks: dict[str, Provided[CommHookSpec]] = {}
-        self.averagers: dict[str, Provided[AveragerSpec]] = {}
-        self.load_planners: dict[str, Provided[LoadPlannerSpec]] = {}
+        self.optimizers: dict[type, Provided[OptimizerRecord]] = {}
+        self.comm_hooks: dict[str, Provided[CommHookRecord]] = {}
+        self.averagers: dict[str, Provided[AveragerRecord]] = {}
+        self.load_planners: dict[str, Provided[LoadPlannerRecord]] = {}
 
     @classmethod
     def collect(cls, pm: pluggy.PluginManager) -> Registry:
@@ -111,13 +111,13 @@ class Registry:
     def _add(self, hook: str, provided: Provided[Any]) -> None:
         record = provided.record
         tables: dict[type, dict[Any, Any]] = {
-            OptimizerSpec: self.optimizers,
-            CommHookSpec: self.comm_hooks,
-            AveragerSpec: self.averagers,
-            LoadPlannerSpec: self.load_planners,
+            OptimizerRecord: self.optimizers,
+            CommHookRecord: self.comm_hooks,
+            AveragerRecord: self.averagers,
+            LoadPlannerRecord: self.load_planners,
         }
         table = tables[type(record)]
-        key = record.optim_cls if isinstance(record, OptimizerSpec) else record.name
+        key = record.optim_cls if isinstance(record, OptimizerRecord) else record.name
         label = record.name
         if key in table:
             first = table[key].plugin
@@ -131,7 +131,7 @@ class Registry:
 
     # -- lookups --------------------------------------------------------------------
 
-    def optimizer_spec(self, optim_cls: type) -> OptimizerSpec:
+    def optimizer_spec(self, optim_cls: type) -> OptimizerRecord:
         """The spec of the most specific class in ``optim_cls``'s MRO that has one.
 
         :raises UnsupportedOptimizerError: ``optim_cls`` is not an optimizer class, or
@@ -139,7 +139,7 @@ class Registry:
         """
         return self.optimizer_provider(optim_cls).record
 
-    def optimizer_provider(self, optim_cls: type) -> Provided[OptimizerSpec]:
+    def optimizer_provider(self, optim_cls: type) -> Provided[OptimizerRecord]:
         """Like :meth:`optimizer_spec`, with the name of the providing plugin."""
         import torch
 
@@ -157,19 +157,19 @@ class Registry:
             "(the built-in 'overlapkit.overlap.ddp' serves every torch.optim.Optimizer)."
         )
 
-    def comm_hook(self, name: str) -> CommHookSpec:
+    def comm_hook(self, name: str) -> CommHookRecord:
         """The comm hook called ``name``. :raises UnknownNameError: listing valid names."""
         return _by_name(self.comm_hooks, "comm hook", name)
 
-    def averager(self, name: str) -> AveragerSpec:
+    def averager(self, name: str) -> AveragerRecord:
         """The averager called ``name``. :raises UnknownNameError: listing valid names."""
         return _by_name(self.averagers, "averager", name)
 
-    def load_planner(self, name: str) -> LoadPlannerSpec:
+    def load_planner(self, name: str) -> LoadPlannerRecord:
         """The load planner called ``name``. :raises UnknownNameError: listing valid names."""
         return _by_name(self.load_planners, "load planner", name)
 
-    def load_planners_by_priority(self) -> list[LoadPlannerSpec]:
+    def load_planners_by_priority(self) -> list[LoadPlannerRecord]:
         """Every load planner, highest ``priority`` first (ties by name)."""
         specs = [p.record for p in self.load_planners.values()]
         return sorted(specs, key=lambda s: (-s.priority, s.name))

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from overlapkit.overlap.generic import GenericOverlappedOptimizer
+from overlapkit.overlap.generic import GenericOverlapEngine
 from overlapkit_lion import Lion, LionOverlapped
 
 
@@ -47,8 +47,8 @@ def main() -> None:
     params = _bucket(args.params, args.numel)
     engines = {
         "lion plugin (flat bucket step)": LionOverlapped(Lion(params, lr=1e-4)),
-        "generic engine, foreach=True": GenericOverlappedOptimizer(Lion(params, lr=1e-4)),
-        "generic engine, foreach=False": GenericOverlappedOptimizer(
+        "generic engine, foreach=True": GenericOverlapEngine(Lion(params, lr=1e-4)),
+        "generic engine, foreach=False": GenericOverlapEngine(
             Lion(params, lr=1e-4, foreach=False)),
     }
     times: dict[str, list[float]] = {name: [] for name in engines}

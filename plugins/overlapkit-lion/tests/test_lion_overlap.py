@@ -42,5 +42,5 @@ def test_state_dict_is_plain_lion_format(ranks: list[dict[Any, Any]]) -> None:
 def test_blocking_the_plugin_falls_back_to_the_generic_engine() -> None:
     results = run_distributed(lion_ranks.engine_when_blocked, 2, timeout=180,
                               env={"OVERLAPKIT_DISABLE_PLUGINS": "lion"})
-    assert results[0]["engine"].startswith("GenericOverlappedOptimizer (6 momentum")
+    assert results[0]["engine"].startswith("GenericOverlapEngine (6 momentum")
     assert torch.equal(results[0]["ours"], results[0]["plain"])

@@ -28,8 +28,8 @@ def build_diloco(
 
 
 @overlapkit.hookimpl
-def overlapkit_register_averagers() -> overlapkit.AveragerSpec:
-    return overlapkit.AveragerSpec(
+def overlapkit_register_averagers() -> overlapkit.AveragerRecord:
+    return overlapkit.AveragerRecord(
         name="diloco", build=build_diloco,
         description="DiLoCo: every `period` steps an outer Nesterov SGD step on the "
         "averaged pseudo-gradient",

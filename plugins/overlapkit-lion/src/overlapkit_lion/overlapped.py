@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from overlapkit import OverlappedOptimizer, UnsupportedOptimizerError
+from overlapkit import OverlapEngine, UnsupportedOptimizerError
 from overlapkit.plugin import ParamGroup
 from overlapkit_lion.optimizer import Lion, lion_update, lion_update_flat
 
@@ -43,7 +43,7 @@ def as_flat_run(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((offset - first.storage_offset(),), (1,), first.storage_offset())
 
 
-class LionOverlapped(OverlappedOptimizer):
+class LionOverlapped(OverlapEngine):
     """Steps buckets of a :class:`~overlapkit_lion.Lion` optimizer on flat buffers.
 
     Keeps a scratch buffer of twice the largest bucket it has stepped.

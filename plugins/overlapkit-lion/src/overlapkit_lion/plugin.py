@@ -14,8 +14,8 @@ from overlapkit_lion.overlapped import LionOverlapped
 
 
 @overlapkit.hookimpl
-def overlapkit_register_optimizers() -> overlapkit.OptimizerSpec:
-    return overlapkit.OptimizerSpec(
+def overlapkit_register_optimizers() -> overlapkit.OptimizerRecord:
+    return overlapkit.OptimizerRecord(
         optim_cls=Lion, overlapped_cls=LionOverlapped,
         description="Lion: a whole bucket per step with foreach kernels",
     )
