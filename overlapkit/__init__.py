@@ -32,6 +32,7 @@ from overlapkit.errors import (
     UnsupportedOptimizerError,
 )
 from overlapkit.local_sgd.optimizer import PostLocalSGDOptimizer, create_averager, post_local_sgd
+from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.overlap.ddp import DDPOverlapOptimizer, overlap_ddp
 from overlapkit.overlap.engine import OverlapEngine, OverlappedOptimizer
 from overlapkit.overlap.in_backward import OptimizerInBackward, optimizer_in_backward
@@ -55,6 +56,7 @@ from overlapkit.plugin.records import (
 )
 
 __all__ = [
+    "OptimizerWrapper",
     "OverlappedOptimizer",
     "OptimizerSpec",
     "LoadPlannerSpec",

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from overlapkit import checkpoint
-from overlapkit.checkpoint import _state
+from overlapkit.checkpoint import optimizer_state
 from overlapkit.distributed import run_distributed
 from overlapkit.errors import CheckpointError
 
@@ -60,16 +60,16 @@ def _layouts_on_ranks(rank: int, ws: int) -> dict[str, dict[str, Any]]:
         params = [p for group in opt.param_groups for p in group["params"]]
         before = [p.detach().clone() for p in params]
         lists = [group["params"] for group in opt.param_groups]
-        meta_state = _state._state_from_meta_step(opt)
+        meta_state = optimizer_state._state_from_meta_step(opt)
         ok = meta_state is not None
         untouched = (all(torch.equal(p.detach(), b) for p, b in zip(params, before,
                                                                       strict=True))
                      and all(p.grad is None for p in params) and not opt.state
                      and all(group["params"] is kept for group, kept
                              in zip(opt.param_groups, lists, strict=True)))
-        created = _state.allocate_optimizer_state(opt)
+        created = optimizer_state.allocate_optimizer_state(opt)
         _real_model, real_opt = _build(kind)
-        _state.init_optimizer_state(real_opt)
+        optimizer_state.init_optimizer_state(real_opt)
         real_params = [p for group in real_opt.param_groups for p in group["params"]]
         out[kind] = {
             "meta_step_ran": ok,
@@ -145,7 +145,7 @@ def test_optimizer_that_cannot_step_on_meta_falls_back_and_loads_exactly(
     fresh_model, fresh_opt = _trained(_CountingSGD, seed=1)
     fresh_opt.state.clear()
     with pytest.raises((RuntimeError, NotImplementedError)):  # .item() on meta
-        _state._state_from_meta_step(fresh_opt)
+        optimizer_state._state_from_meta_step(fresh_opt)
     assert not fresh_opt.state and all(p.grad is None for p in fresh_model.parameters())
     checkpoint.load(tmp_path / "ckpt", fresh_model, fresh_opt)
     for p, q in zip(model.parameters(), fresh_model.parameters(), strict=True):

@@ -17,13 +17,13 @@ DTensor case fixed. See ``docs/checkpoints.rst``.
 
 from __future__ import annotations
 
-from overlapkit.checkpoint._state import MODEL_KEY, OPTIMIZER_KEY
 from overlapkit.checkpoint.inspection import CheckpointInfo, EntryInfo, inspect
 from overlapkit.checkpoint.loading import load
 from overlapkit.checkpoint.metadata import SafeFileSystemReader, SafeUnpickler, read_metadata
-from overlapkit.checkpoint.optimizer import load_sharded_optimizer_state_dict
 from overlapkit.checkpoint.planners import OffsetLoadPlanner, SafeLoadPlanner
 from overlapkit.checkpoint.saving import save
+from overlapkit.checkpoint.sharded_optimizer import load_sharded_optimizer_state_dict
+from overlapkit.checkpoint.state_dicts import MODEL_KEY, OPTIMIZER_KEY
 
 __all__ = [
     "MODEL_KEY",

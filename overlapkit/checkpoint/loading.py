@@ -12,18 +12,18 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner
 
-from overlapkit.checkpoint._state import (
+from overlapkit.checkpoint.metadata import SafeFileSystemReader, read_metadata
+from overlapkit.checkpoint.optimizer_state import allocate_optimizer_state
+from overlapkit.checkpoint.planners import resolve_load_planner
+from overlapkit.checkpoint.state_dicts import (
     MODEL_KEY,
     OPTIMIZER_KEY,
-    allocate_optimizer_state,
     converted_dcp_errors,
     load_into,
     state_dicts,
-    unwrapped,
 )
-from overlapkit.checkpoint.metadata import SafeFileSystemReader, read_metadata
-from overlapkit.checkpoint.planners import resolve_load_planner
 from overlapkit.checkpoint.validation import check_against_metadata
+from overlapkit.optimizer_wrapper import unwrapped
 
 __all__ = ["load"]
 

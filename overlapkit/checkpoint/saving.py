@@ -26,14 +26,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from overlapkit.checkpoint._state import (
-    converted_dcp_errors,
-    remove_state_except,
-    state_dicts,
-    unwrapped,
-)
 from overlapkit.checkpoint.metadata import METADATA_FILE
+from overlapkit.checkpoint.optimizer_state import remove_state_except
+from overlapkit.checkpoint.state_dicts import converted_dcp_errors, state_dicts
 from overlapkit.errors import CheckpointError
+from overlapkit.optimizer_wrapper import unwrapped
 
 __all__ = ["save"]
 

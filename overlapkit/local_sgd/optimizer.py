@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,9 +27,11 @@ from overlapkit.errors import (
 from overlapkit.local_sgd.averagers import ModelAverager, check_period, check_warmup_steps
 from overlapkit.local_sgd.comm_hook import (
     PostLocalSGDHookState,
+    build_post_local_sgd_hook,
     check_subgroup_size,
     default_subgroup_size,
 )
+from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.plugin.manager import get_plugin_manager
 
 __all__ = ["PostLocalSGDOptimizer", "create_averager", "post_local_sgd"]
@@ -75,14 +76,15 @@ def _check_options(what: str, build: Callable[..., Any], options: Mapping[str, A
         raise ConfigurationError(f"{what} needs the options {missing}; pass them.")
 
 
-class PostLocalSGDOptimizer(torch.optim.Optimizer):
+class PostLocalSGDOptimizer(OptimizerWrapper):
     """Step a local optimizer, then let a model averager average the parameters.
 
     torch's ``PostLocalSGDOptimizer``, fixed: it is a full ``torch.optim.Optimizer``
-    (LR schedulers and step hooks work; ``param_groups`` and ``state`` are the local
-    optimizer's, live); ``step`` takes a closure; its ``state_dict()`` keeps the local
-    optimizer's format and adds the averager's whole state (not only its step) and,
-    when it knows the comm hook's state, the hook's warm-up counter.
+    (an :class:`~overlapkit.OptimizerWrapper`: LR schedulers and step hooks work;
+    ``param_groups`` and ``state`` are the local optimizer's, live); ``step`` takes a
+    closure; its ``state_dict()`` keeps the local optimizer's format and adds the
+    averager's whole state (not only its step) and, when it knows the comm hook's state,
+    the hook's warm-up counter.
 
     :param optim: the local optimizer; it steps every iteration.
     :param averager: a :class:`~overlapkit.local_sgd.averagers.ModelAverager` (or any object
@@ -112,44 +114,14 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
                 f"{type(averager).__name__} is not a model averager (it lacks "
                 f"{missing or ['step']}); build one with overlapkit.create_averager(name, ...)."
             )
-        # torch.optim.Optimizer.__init__ would rebuild param_groups from scratch; this
-        # wrapper shares the local optimizer's instead, and sets up only the hook tables.
-        self.optim = optim
+        super().__init__(optim)
         self.averager = averager
         self.comm_hook_state = comm_hook_state
-        self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._patch_step_function()
 
     @property
-    def state(self) -> Any:  # type: ignore[override]
-        """The local optimizer's per-parameter state."""
-        return self.optim.state
-
-    # Read through to the local optimizer every time: its load_state_dict() replaces
-    # its param_groups list, and a copy held here would go stale (an LR scheduler on
-    # this wrapper would then change groups the local optimizer no longer uses).
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The local optimizer's live ``param_groups``."""
-        return self.optim.param_groups
-
-    @param_groups.setter
-    def param_groups(self, groups: list[dict[str, Any]]) -> None:
-        self.optim.param_groups = groups
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        """The local optimizer's ``defaults``."""
-        return self.optim.defaults
-
-    @defaults.setter
-    def defaults(self, defaults: dict[str, Any]) -> None:
-        self.optim.defaults = defaults
+    def optim(self) -> torch.optim.Optimizer:
+        """The local optimizer (the wrapped one)."""
+        return self.wrapped
 
     def __repr__(self) -> str:
         return f"PostLocalSGDOptimizer({self.optim!r}, averager={self.averager!r})"
@@ -160,14 +132,6 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         loss = self.optim.step(closure) if closure is not None else self.optim.step()
         self.averager.average_parameters(self.param_groups)
         return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """The local optimizer's ``zero_grad``; averaging works either way."""
-        self.optim.zero_grad(set_to_none=set_to_none)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group to the local optimizer (and so to this one's ``param_groups``)."""
-        self.optim.add_param_group(param_group)
 
     def state_dict(self) -> dict[str, Any]:
         """The local optimizer's ``state_dict()`` plus:
@@ -272,7 +236,6 @@ def post_local_sgd(
             )
     registry = get_plugin_manager().registry
     averager_spec = registry.averager(averager)
-    hook_spec = registry.comm_hook("post_local_sgd")
     group: dist.ProcessGroup = ddp_model.process_group
     size = (default_subgroup_size(group.size()) if subgroup_size is None
             else check_subgroup_size(subgroup_size, group.size()))
@@ -280,7 +243,9 @@ def post_local_sgd(
                **averager_options}
     _check_options(f"averager {averager_spec.name!r}", averager_spec.build, options)
     model_averager = averager_spec.build(**options)
-    hook_state, hook = hook_spec.build(
+    # Built directly, not looked up: post_local_sgd needs exactly this hook (its state
+    # is what the optimizer saves), so no plugin could stand in for it.
+    hook_state, hook = build_post_local_sgd_hook(
         process_group=group, start_localSGD_iter=warmup_steps, subgroup_size=size
     )
     try:

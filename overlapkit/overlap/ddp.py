@@ -21,23 +21,15 @@ from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.bucket_stepper import STEP_THREADS, BucketStepper
 from overlapkit.overlap.clipping import GradClipping
 from overlapkit.overlap.ddp_setup import (
-    check_clipping_for_model,
-    check_comm_hook_options,
     check_ddp_model,
     check_params_in_ddp_model,
-    ddp_params,
-    register_bucket_stepper,
+    set_up_on_ddp,
 )
 from overlapkit.overlap.engine import OverlapEngine
 from overlapkit.overlap.facade import OverlappedOptimizerFacade
 from overlapkit.overlap.setup import (
-    build_engine,
-    check_unclaimed,
-    claim_params,
-    materialise_params,
     resolve_overlapped_cls,
 )
-from overlapkit.plugin.manager import get_plugin_manager
 
 __all__ = ["STEP_THREADS", "DDPOverlapOptimizer", "overlap_ddp"]
 
@@ -126,8 +118,6 @@ def overlap_ddp(
     """
     model = check_ddp_model(ddp_model, TECHNIQUE)
     overlapped_cls = resolve_overlapped_cls(optim_cls)
-    hook_spec = get_plugin_manager().registry.comm_hook(comm_hook)
-    hook_options = check_comm_hook_options(comm_hook_options)
     if step_thread not in STEP_THREADS:
         raise ConfigurationError(
             f"step_thread must be one of {', '.join(map(repr, STEP_THREADS))}, got "
@@ -135,17 +125,8 @@ def overlap_ddp(
         )
     clipping = GradClipping(value=clip_grad_value, norm=clip_grad_norm,
                             norm_type=clip_norm_type)
-    check_clipping_for_model(model, clipping, TECHNIQUE)
-    if params is None:
-        params = ddp_params(model)
-    else:
-        params = materialise_params(params)
-        check_params_in_ddp_model(model, params)
-    engine = build_engine(overlapped_cls, optim_cls, params, args, optim_kwargs, TECHNIQUE)
-    check_unclaimed(engine.parameters(), TECHNIQUE)
-    stepper = register_bucket_stepper(
-        model, engine, hook_spec, hook_options, TECHNIQUE,
-        step_thread=step_thread, clipping=clipping,
+    engine, stepper = set_up_on_ddp(
+        model, overlapped_cls, optim_cls, args, optim_kwargs, params, comm_hook,
+        comm_hook_options, clipping, TECHNIQUE, step_thread=step_thread,
     )
-    claim_params(engine.parameters(), TECHNIQUE)
     return DDPOverlapOptimizer(engine, stepper, model)

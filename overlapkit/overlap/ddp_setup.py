@@ -17,11 +17,20 @@ from overlapkit.errors import ConfigurationError, UnsupportedModelError
 from overlapkit.overlap.bucket_stepper import BucketStepper, overlapped_comm_hook
 from overlapkit.overlap.clipping import GradClipping
 from overlapkit.overlap.engine import OverlapEngine
-from overlapkit.overlap.setup import check_params_belong
+from overlapkit.overlap.setup import (
+    build_engine,
+    check_params_belong,
+    check_unclaimed,
+    claim_params,
+    materialise_params,
+)
+from overlapkit.overlap.side_stream import SideStream
+from overlapkit.plugin.manager import get_plugin_manager
 from overlapkit.plugin.records import CommHookRecord
 
 __all__ = ["check_clipping_for_model", "check_comm_hook_options", "check_ddp_model",
-           "check_params_in_ddp_model", "ddp_params", "register_bucket_stepper"]
+           "check_params_in_ddp_model", "ddp_params", "register_bucket_stepper",
+           "set_up_on_ddp"]
 
 # set on a DDP model to the technique whose comm hook it carries
 _MARKER = "_overlapkit_comm_hook_technique"
@@ -143,3 +152,43 @@ def register_bucket_stepper(
         stepper.free_after_copy_model = model
     stepper.register(engine.parameters())
     return stepper
+
+
+def set_up_on_ddp(
+    model: DistributedDataParallel,
+    overlapped_cls: type[OverlapEngine],
+    optim_cls: type[torch.optim.Optimizer],
+    args: tuple[Any, ...],
+    optim_kwargs: dict[str, Any],
+    params: Iterable[Any] | None,
+    comm_hook: str,
+    comm_hook_options: Mapping[str, Any] | None,
+    clipping: GradClipping,
+    technique: str,
+    *,
+    with_side_stream: bool = False,
+    **stepper_options: Any,
+) -> tuple[OverlapEngine, BucketStepper]:
+    """The DDP set-up of ``overlap_ddp`` and ``optimizer_in_backward``, in one order:
+    every check (comm hook name and options, clipping, params, optimizer arguments,
+    parameters claimed by another technique) before the one change, the comm hook's
+    registration; then the parameters are claimed. ``stepper_options`` go to
+    :class:`~overlapkit.overlap.bucket_stepper.BucketStepper`; ``with_side_stream``
+    gives it a side stream on the parameters' device."""
+    hook_spec = get_plugin_manager().registry.comm_hook(comm_hook)
+    hook_options = check_comm_hook_options(comm_hook_options)
+    check_clipping_for_model(model, clipping, technique)
+    if params is None:
+        params = ddp_params(model)
+    else:
+        params = materialise_params(params)
+        check_params_in_ddp_model(model, params)
+    engine = build_engine(overlapped_cls, optim_cls, params, args, optim_kwargs, technique)
+    owned = engine.parameters()
+    check_unclaimed(owned, technique)
+    if with_side_stream:
+        stepper_options["side_stream"] = SideStream(owned[0].device)
+    stepper = register_bucket_stepper(model, engine, hook_spec, hook_options, technique,
+                                      clipping=clipping, **stepper_options)
+    claim_params(owned, technique)
+    return engine, stepper

@@ -11,11 +11,13 @@ backward that already stepped, so existing training loops keep working.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
 
 from overlapkit.errors import ConfigurationError
+from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.overlap.engine import OverlapEngine
 from overlapkit.overlap.setup import (
     check_unclaimed,
@@ -37,8 +39,14 @@ class BackwardSteps(Protocol):
     def register(self, params: Iterable[torch.Tensor]) -> None: ...
 
 
-class OverlappedOptimizerFacade(torch.optim.Optimizer):
+class OverlappedOptimizerFacade(OptimizerWrapper):
     """A ``torch.optim.Optimizer`` whose steps happen during backward.
+
+    It wraps the engine's real optimizer (:class:`~overlapkit.OptimizerWrapper`): groups,
+    state and hooks are that optimizer's. What changes the real optimizer
+    (``zero_grad``, ``state_dict``, ``load_state_dict``, ``add_param_group``, a new
+    ``param_groups`` list) goes through the engine, under its lock, because backward
+    may be stepping it from a comm-hook thread.
 
     :param engine: steps the parameters.
     :param steps: tells whether a backward has stepped since the last ``step()``.
@@ -53,13 +61,11 @@ class OverlappedOptimizerFacade(torch.optim.Optimizer):
         technique: str,
         check_params: Callable[[list[Any]], None] | None = None,
     ) -> None:
-        # Optimizer.__init__ is not called: groups and state are the real optimizer's.
+        super().__init__(engine.optimizer)
         self._engine = engine
         self._steps = steps
         self._technique = technique
         self._check_params = check_params
-
-    # -- the real optimizer's data, live ----------------------------------------
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -71,31 +77,14 @@ class OverlappedOptimizerFacade(torch.optim.Optimizer):
         """The :class:`~overlapkit.OverlapEngine` taking the steps."""
         return self._engine
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self._engine.optimizer.param_groups
+    def quiesced(self) -> AbstractContextManager[Any]:
+        """The engine's lock: no bucket is stepped while it is held."""
+        return self._engine.lock
 
-    @param_groups.setter
-    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+    def replace_param_groups(self, groups: list[dict[str, Any]]) -> None:
         with self._engine.lock:
             self._engine.optimizer.param_groups = groups
             self._engine.reindex()
-
-    @property
-    def state(self) -> Any:
-        return self._engine.optimizer.state
-
-    @state.setter
-    def state(self, state: Any) -> None:
-        self._engine.optimizer.state = state
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self._engine.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, defaults: dict[str, Any]) -> None:
-        self._engine.optimizer.defaults = defaults
 
     # -- the Optimizer API ------------------------------------------------------
 
@@ -141,26 +130,6 @@ class OverlappedOptimizerFacade(torch.optim.Optimizer):
         engine.add_param_group(group)
         self._steps.register(params)
         claim_params(params, self._technique)
-
-    def register_step_pre_hook(self, hook: Any) -> Any:
-        """Register on the real optimizer: runs before each partial step."""
-        return self._engine.optimizer.register_step_pre_hook(hook)
-
-    def register_step_post_hook(self, hook: Any) -> Any:
-        """Register on the real optimizer: runs after each partial step."""
-        return self._engine.optimizer.register_step_post_hook(hook)
-
-    def register_state_dict_pre_hook(self, hook: Any, prepend: bool = False) -> Any:
-        return self._engine.optimizer.register_state_dict_pre_hook(hook, prepend)
-
-    def register_state_dict_post_hook(self, hook: Any, prepend: bool = False) -> Any:
-        return self._engine.optimizer.register_state_dict_post_hook(hook, prepend)
-
-    def register_load_state_dict_pre_hook(self, hook: Any, prepend: bool = False) -> Any:
-        return self._engine.optimizer.register_load_state_dict_pre_hook(hook, prepend)
-
-    def register_load_state_dict_post_hook(self, hook: Any, prepend: bool = False) -> Any:
-        return self._engine.optimizer.register_load_state_dict_post_hook(hook, prepend)
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(

@@ -27,12 +27,9 @@ from torch.nn.parallel import DistributedDataParallel
 from overlapkit.errors import ConfigurationError, UnsupportedModelError
 from overlapkit.overlap.clipping import GradClipping
 from overlapkit.overlap.ddp_setup import (
-    check_clipping_for_model,
-    check_comm_hook_options,
     check_ddp_model,
     check_params_in_ddp_model,
-    ddp_params,
-    register_bucket_stepper,
+    set_up_on_ddp,
 )
 from overlapkit.overlap.engine import OverlapEngine
 from overlapkit.overlap.facade import BackwardSteps, OverlappedOptimizerFacade
@@ -47,7 +44,6 @@ from overlapkit.overlap.setup import (
     resolve_overlapped_cls,
 )
 from overlapkit.overlap.side_stream import SideStream
-from overlapkit.plugin.manager import get_plugin_manager
 
 __all__ = ["MODEL_KINDS", "OptimizerInBackward", "optimizer_in_backward"]
 
@@ -249,21 +245,10 @@ def _on_ddp(
     comm_hook_options: Mapping[str, Any] | None,
     clipping: GradClipping,
 ) -> OptimizerInBackward:
-    hook_spec = get_plugin_manager().registry.comm_hook(comm_hook or "allreduce")
-    hook_options = check_comm_hook_options(comm_hook_options)
-    check_clipping_for_model(model, clipping, TECHNIQUE)
-    if params is None:
-        params = ddp_params(model)
-    else:
-        params = materialise_params(params)
-        check_params_in_ddp_model(model, params)
-    engine = build_engine(overlapped_cls, optim_cls, params, args, optim_kwargs, TECHNIQUE)
-    owned = engine.parameters()
-    check_unclaimed(owned, TECHNIQUE)
-    stepper = register_bucket_stepper(
-        model, engine, hook_spec, hook_options, TECHNIQUE, step_thread="backward",
-        clipping=clipping, free_grads=True, side_stream=_side_stream(owned),
+    engine, stepper = set_up_on_ddp(
+        model, overlapped_cls, optim_cls, args, optim_kwargs, params,
+        comm_hook or "allreduce", comm_hook_options, clipping, TECHNIQUE,
+        with_side_stream=True, step_thread="backward", free_grads=True,
     )
-    claim_params(owned, TECHNIQUE)
     return OptimizerInBackward(engine, stepper, model, "ddp",
                                lambda groups: check_params_in_ddp_model(model, groups))

@@ -1,95 +1,26 @@
-"""The model and optimizer state dicts that ``save`` writes and ``load`` fills.
-
-Both go through DCP's ``get_state_dict`` / ``set_state_dict``, which handle DDP, FSDP1,
-FSDP2, 2-D FSDP + TP and plain modules (measured in torch 2.13: they reshard all of
-these exactly across world sizes 1, 2 and 4), and any ``torch.optim.Optimizer`` whose
-``state_dict()`` has the plain format.
+"""Optimizer state for a checkpoint to be written from or read into.
 
 A fresh optimizer has no state tensors for a load to fill. ``save`` creates them with
 real values (:func:`init_optimizer_state`) and removes them again once written, so a
 save leaves training as it was; ``load`` only needs their layout, and gets it from a
 step on the meta device (:func:`allocate_optimizer_state`), so the load itself is the
 first and only write to that memory.
-
-Both work on the real optimizer behind overlapkit's wrappers (:func:`unwrapped`): a
-wrapper's ``step()`` is not a plain step.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
-from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 from torch.distributed.tensor import DTensor
 
-from overlapkit.errors import CheckpointError
-from overlapkit.local_sgd.optimizer import PostLocalSGDOptimizer
-from overlapkit.overlap.facade import OverlappedOptimizerFacade
-
-__all__ = ["MODEL_KEY", "OPTIMIZER_KEY", "allocate_optimizer_state", "converted_dcp_errors",
-           "init_optimizer_state", "load_into", "remove_state_except", "state_dicts",
-           "unwrapped"]
-
-#: the top-level keys of a checkpoint written by :func:`overlapkit.checkpoint.save`
-MODEL_KEY = "model"
-OPTIMIZER_KEY = "optimizer"
-
-T = TypeVar("T")
-
-
-@contextmanager
-def unwrapped(optimizer: torch.optim.Optimizer) -> Iterator[torch.optim.Optimizer]:
-    """The real optimizer behind overlapkit's wrappers, with every overlapped engine's
-    lock held meanwhile (backward may step it from comm-hook threads).
-
-    The facade that ``overlap_ddp`` and ``optimizer_in_backward`` return makes
-    ``step()`` a no-op after a backward that stepped, and clears its "stepped" flag:
-    the zero-learning-rate steps that create state would turn the user's next
-    ``step()`` into a second real step. ``PostLocalSGDOptimizer.step()`` also counts
-    an averager step and may average the parameters. The checkpoint holds the same
-    entries either way: DCP keeps only ``state`` and ``param_groups`` of
-    ``state_dict()``, which the wrappers take from the real optimizer.
-    """
-    with ExitStack() as locks:
-        while True:
-            if isinstance(optimizer, OverlappedOptimizerFacade):
-                locks.enter_context(optimizer.engine.lock)
-                optimizer = optimizer.optimizer
-            elif isinstance(optimizer, PostLocalSGDOptimizer):
-                optimizer = optimizer.optim
-            else:
-                break
-        yield optimizer
+__all__ = ["allocate_optimizer_state", "init_optimizer_state", "remove_state_except"]
 
 
 def remove_state_except(optimizer: torch.optim.Optimizer, kept: set[int]) -> None:
     """Remove the state of every parameter whose ``id`` is not in ``kept``."""
     for param in [p for p in optimizer.state if id(p) not in kept]:
         del optimizer.state[param]
-
-
-def state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
-                ) -> dict[str, Any]:
-    """``{"model": ..., "optimizer": ...}`` as DCP's ``get_state_dict`` builds them.
-
-    An optimizer that has no state yet (loading into a fresh one) gets it first, see
-    :func:`init_optimizer_state`.
-    """
-    if optimizer is None:
-        return {MODEL_KEY: get_model_state_dict(model)}
-    init_optimizer_state(optimizer)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {MODEL_KEY: model_sd, OPTIMIZER_KEY: optim_sd}
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -229,43 +160,3 @@ def _materialised(value: Any, param: torch.Tensor) -> Any:
         raise TypeError(f"cannot materialise a meta {type(value).__name__}")
     return torch.empty_strided(value.size(), value.stride(), dtype=value.dtype,
                                device=param.device)
-
-
-def load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-              state: dict[str, Any]) -> None:
-    """Put the loaded ``state`` back into the model and optimizer."""
-    if optimizer is None:
-        set_model_state_dict(model, state[MODEL_KEY])
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state[MODEL_KEY],
-                       optim_state_dict=state[OPTIMIZER_KEY])
-
-
-def converted_dcp_errors(what: str, path: object, call: Callable[[], T]) -> T:
-    """Run ``call``; a DCP ``CheckpointException`` becomes a :class:`CheckpointError`.
-
-    ``CheckpointException`` derives from ``BaseException`` (torch 2.13), so ordinary
-    ``except Exception`` handlers, and pytest's, let it through.
-    """
-    try:
-        with warnings.catch_warnings():
-            # DCP warns on every single-process save and load that it assumes a single
-            # process; that is what overlapkit's save and load document.
-            warnings.filterwarnings(
-                "ignore", message="torch.distributed is disabled, unavailable or "
-                "uninitialized", category=UserWarning)
-            return call()
-    except CheckpointException as exc:
-        failures = getattr(exc, "failures", {}) or {}
-        first = ""
-        if failures:
-            rank = min(failures)
-            error = failures[rank]
-            if isinstance(error, tuple):  # (exception, traceback summary)
-                error = error[0]
-            first = f" First failure, on rank {rank}: {type(error).__name__}: {error}"
-        raise CheckpointError(
-            f"{what} {path} failed on ranks {sorted(failures)}.{first}. Check that every "
-            "rank sees the same path and has the same model and optimizer, and that the "
-            "disk has room."
-        ) from exc

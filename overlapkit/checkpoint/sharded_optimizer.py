@@ -39,9 +39,9 @@ from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed.tensor import DTensor
 
-from overlapkit.checkpoint._state import converted_dcp_errors
 from overlapkit.checkpoint.metadata import SafeFileSystemReader
 from overlapkit.checkpoint.planners import resolve_load_planner
+from overlapkit.checkpoint.state_dicts import converted_dcp_errors
 from overlapkit.errors import CheckpointError
 
 __all__ = ["load_sharded_optimizer_state_dict"]

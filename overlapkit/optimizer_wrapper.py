@@ -1,0 +1,151 @@
+"""The one base class for every overlapkit optimizer that wraps a real one.
+
+``overlap_ddp`` and ``optimizer_in_backward`` return a facade whose steps happen during
+backward; ``post_local_sgd`` returns an optimizer that steps a local optimizer and then
+averages. Both are :class:`OptimizerWrapper` subclasses: real ``torch.optim.Optimizer``
+instances (LR schedulers and ``isinstance`` checks accept them) whose ``param_groups``,
+``state`` and ``defaults`` *are* the wrapped optimizer's, read through live, so a
+checkpoint has the plain optimizer's format and loads into either.
+
+Code that must reach the real optimizer (checkpoint save and load) calls
+:meth:`OptimizerWrapper.unwrap`, or holds :meth:`OptimizerWrapper.quiesced` at every level
+while it works, without knowing which technique built the wrapper.
+
+.. versionadded:: 0.2
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from typing import Any
+
+import torch
+
+__all__ = ["OptimizerWrapper", "unwrapped"]
+
+
+class OptimizerWrapper(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` that takes its steps through one wrapped optimizer.
+
+    Subclasses implement :meth:`step`; everything else reads through to the wrapped
+    optimizer: ``param_groups``, ``state``, ``defaults``, ``zero_grad``,
+    ``add_param_group``, ``state_dict``, ``load_state_dict`` and the registration of
+    step and state-dict hooks (step hooks run around each step of the wrapped optimizer,
+    which is where the parameters change).
+
+    :param optimizer: the wrapped optimizer (a real one, or another wrapper).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        # Optimizer.__init__ is not called: it would build param_groups and state of
+        # its own, where these are the wrapped optimizer's. Nothing here patches step():
+        # step hooks are registered on the wrapped optimizer, whose step is patched.
+        self._wrapped = optimizer
+
+    # -- what the wrapper wraps ---------------------------------------------------
+
+    @property
+    def wrapped(self) -> torch.optim.Optimizer:
+        """The optimizer one level down (a real one, or another wrapper)."""
+        return self._wrapped
+
+    def unwrap(self) -> torch.optim.Optimizer:
+        """The real optimizer at the bottom of the wrappers."""
+        inner = self._wrapped
+        while isinstance(inner, OptimizerWrapper):
+            inner = inner.wrapped
+        return inner
+
+    def quiesced(self) -> AbstractContextManager[Any]:
+        """Held while code outside the training loop (checkpoint save or load) works on
+        the wrapped optimizer directly: nothing this wrapper runs may step it meanwhile.
+        The default holds nothing; a wrapper that steps from other threads holds its
+        lock."""
+        return nullcontext()
+
+    # -- the wrapped optimizer's data, live -------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._wrapped.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.replace_param_groups(groups)
+
+    def replace_param_groups(self, groups: list[dict[str, Any]]) -> None:
+        """What ``wrapper.param_groups = groups`` does: give the wrapped optimizer the
+        new list. A wrapper that indexes the groups overrides it to re-index."""
+        self._wrapped.param_groups = groups
+
+    @property
+    def state(self) -> Any:
+        return self._wrapped.state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        self._wrapped.state = state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self._wrapped.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict[str, Any]) -> None:
+        self._wrapped.defaults = defaults
+
+    # -- the Optimizer API, forwarded ---------------------------------------------
+
+    def step(self, closure: Any = None) -> Any:
+        raise NotImplementedError(f"{type(self).__qualname__} must implement step()")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._wrapped.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self._wrapped.add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._wrapped.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._wrapped.load_state_dict(state_dict)
+
+    def register_step_pre_hook(self, hook: Any) -> Any:
+        """Register on the wrapped optimizer: runs before each of its steps."""
+        return self._wrapped.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Any) -> Any:
+        """Register on the wrapped optimizer: runs after each of its steps."""
+        return self._wrapped.register_step_post_hook(hook)
+
+    def register_state_dict_pre_hook(self, hook: Any, prepend: bool = False) -> Any:
+        return self._wrapped.register_state_dict_pre_hook(hook, prepend)
+
+    def register_state_dict_post_hook(self, hook: Any, prepend: bool = False) -> Any:
+        return self._wrapped.register_state_dict_post_hook(hook, prepend)
+
+    def register_load_state_dict_pre_hook(self, hook: Any, prepend: bool = False) -> Any:
+        return self._wrapped.register_load_state_dict_pre_hook(hook, prepend)
+
+    def register_load_state_dict_post_hook(self, hook: Any, prepend: bool = False) -> Any:
+        return self._wrapped.register_load_state_dict_post_hook(hook, prepend)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._wrapped!r})"
+
+
+@contextmanager
+def unwrapped(optimizer: torch.optim.Optimizer) -> Iterator[torch.optim.Optimizer]:
+    """The real optimizer behind any wrappers, with every wrapper quiesced meanwhile.
+
+    Checkpoint code works on the real optimizer: a wrapper's ``step()`` is not a plain
+    step (the facade's is a no-op after a stepping backward and clears its flag;
+    ``PostLocalSGDOptimizer``'s counts an averager step and may average).
+    """
+    with ExitStack() as held:
+        while isinstance(optimizer, OptimizerWrapper):
+            held.enter_context(optimizer.quiesced())
+            optimizer = optimizer.wrapped
+        yield optimizer
