@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 
-import overlapkit
-
-PACKAGE = Path(overlapkit.__file__).parent
-DESIGN = (PACKAGE.parent / "docs" / "design.rst").read_text()
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "overlapkit"  # the source tree: tox runs the tests against an installed wheel
+DESIGN = (ROOT / "docs" / "design.rst").read_text()
 SUBPACKAGES = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
 
 
