@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import checkpoint_scenarios as scenarios
+import checkpoint_ranks as scenarios
 import pytest
 import torch
 from torch import nn

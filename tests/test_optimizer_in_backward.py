@@ -1,8 +1,9 @@
 """optimizer_in_backward: bitwise parity with the plain run (plain module, DDP, FSDP2),
 gradients freed during backward, the Optimizer contract, clipping, errors.
 
-Plain modules run in this process. DDP and FSDP2 run in one spawned run of 2 gloo
-ranks (``oib_ranks.two_rank_scenarios``) whose per-rank results the tests assert on.
+Plain modules run in this process. DDP and FSDP2 run in one spawned run of 2 gloo ranks
+(``optimizer_in_backward_ranks.two_rank_scenarios``) whose per-rank results the tests
+assert on.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-from oib_ranks import OPTIMIZERS, STEPS, two_rank_scenarios
+from helpers import compare, failures, values
+from optimizer_in_backward_ranks import OPTIMIZERS, STEPS, two_rank_scenarios
 from torch import nn
 
 import overlapkit
@@ -56,14 +58,6 @@ def _batches(count: int, seed: int = 1) -> list[torch.Tensor]:
     return [torch.randn(4, 8, generator=generator) for _ in range(count)]
 
 
-def _values(model: nn.Module) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-
-
 def _train(model: nn.Module, opt: Any, batches: list[torch.Tensor], *,
            before_step: Callable[[], None] | None = None, scheduler: Any = None,
            accumulate: int = 1) -> list[bool]:
@@ -100,7 +94,7 @@ def _parity(optim_cls: type[torch.optim.Optimizer], kwargs: dict[str, Any],
     hook = None if plain_before_step is None else (lambda: plain_before_step(plain_model))
     _train(plain_model, plain, _batches(STEPS * train.get("accumulate", 1)),
            before_step=hook, **train)
-    return _values(model), _values(plain_model), grads_none
+    return values(model), values(plain_model), grads_none
 
 
 # -- plain module, in this process ------------------------------------------------------
@@ -110,8 +104,8 @@ def _parity(optim_cls: type[torch.optim.Optimizer], kwargs: dict[str, Any],
 def test_plain_module_bitwise_parity_and_grads_freed(name: str) -> None:
     optim_cls, kwargs = PLAIN_OPTIMIZERS[name]
     ours, plain, grads_none = _parity(optim_cls, kwargs)
-    assert not _same(ours, _values(_model())), "nothing was stepped"
-    assert _same(ours, plain)
+    assert not compare(ours, values(_model())), "nothing was stepped"
+    assert compare(ours, plain)
     assert all(grads_none) and len(grads_none) == STEPS
 
 
@@ -135,19 +129,19 @@ def test_lr_scheduler_drives_it() -> None:
     _train(model, opt, _batches(STEPS), scheduler=sched)
     _train(plain_model, plain, _batches(STEPS), scheduler=plain_sched)
     assert opt.param_groups[0]["lr"] == 0.01 * 0.5 ** (STEPS // 2)
-    assert _same(_values(model), _values(plain_model))
+    assert compare(values(model), values(plain_model))
 
 
 def test_step_is_a_noop_after_a_stepping_backward_and_a_plain_step_otherwise() -> None:
     model = _model()
     opt = overlapkit.optimizer_in_backward(model, torch.optim.Adam, lr=0.01)
     assert isinstance(opt, torch.optim.Optimizer) and opt.kind == "module"
-    before = _values(model)
+    before = values(model)
     model(_batches(1)[0]).square().mean().backward()
-    after_backward = _values(model)
+    after_backward = values(model)
     opt.step()
-    assert not _same(before, after_backward)
-    assert _same(after_backward, _values(model))
+    assert not compare(before, after_backward)
+    assert compare(after_backward, values(model))
     # gradients set by hand, no backward: step() is the plain optimizer's step
     reference = torch.optim.Adam(_model().parameters(), lr=0.01)
     reference.load_state_dict(copy.deepcopy(opt.state_dict()))
@@ -159,14 +153,14 @@ def test_step_is_a_noop_after_a_stepping_backward_and_a_plain_step_otherwise() -
             ref.grad = torch.full_like(ref, 0.5)
     opt.step()
     reference.step()
-    assert _same(_values(model), [p.detach() for p in ref_params])
+    assert compare(values(model), [p.detach() for p in ref_params])
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
 
 
 def test_no_step_accumulates_like_plain_accumulation() -> None:
     ours, plain, grads_none = _parity(torch.optim.AdamW, {"lr": 0.01}, accumulate=3)
-    assert _same(ours, plain) and all(grads_none)
+    assert compare(ours, plain) and all(grads_none)
 
 
 def test_state_dict_loads_into_a_plain_optimizer_and_back() -> None:
@@ -177,7 +171,7 @@ def test_state_dict_loads_into_a_plain_optimizer_and_back() -> None:
     plain_model = _model()
     plain = torch.optim.Adam(plain_model.parameters(), lr=0.01)
     _train(plain_model, plain, batches[:3])
-    assert _same(_values(model), _values(plain_model))
+    assert compare(values(model), values(plain_model))
     ours_state, plain_state = opt.state_dict(), plain.state_dict()
     assert ours_state["param_groups"] == plain_state["param_groups"]
     assert all(torch.equal(ours_state["state"][k][s], plain_state["state"][k][s])
@@ -186,17 +180,17 @@ def test_state_dict_loads_into_a_plain_optimizer_and_back() -> None:
     def resume(state: dict[str, Any], in_backward: bool) -> list[torch.Tensor]:
         fresh = _model()
         with torch.no_grad():
-            for p, v in zip(fresh.parameters(), _values(model), strict=True):
+            for p, v in zip(fresh.parameters(), values(model), strict=True):
                 p.copy_(v)
         fresh_opt: Any = (overlapkit.optimizer_in_backward(fresh, torch.optim.Adam, lr=0.01)
                           if in_backward else torch.optim.Adam(fresh.parameters(), lr=0.01))
         fresh_opt.load_state_dict(copy.deepcopy(state))
         _train(fresh, fresh_opt, batches[3:])
-        return _values(fresh)
+        return values(fresh)
 
     reference = resume(plain_state, False)
-    assert _same(resume(ours_state, False), reference)  # ours -> plain
-    assert _same(resume(plain_state, True), reference)  # plain -> ours
+    assert compare(resume(ours_state, False), reference)  # ours -> plain
+    assert compare(resume(plain_state, True), reference)  # plain -> ours
 
 
 def test_value_clipping_is_exact() -> None:
@@ -205,7 +199,7 @@ def test_value_clipping_is_exact() -> None:
 
     ours, plain, _ = _parity(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, clip,
                              {"clip_grad_value": 0.01})
-    assert _same(ours, plain)
+    assert compare(ours, plain)
 
 
 def test_norm_clipping_is_per_parameter_not_global() -> None:
@@ -218,9 +212,9 @@ def test_norm_clipping_is_per_parameter_not_global() -> None:
 
     options = {"clip_grad_norm": 0.05}
     ours, plain, _ = _parity(torch.optim.SGD, {"lr": 0.1}, per_parameter, options)
-    assert _same(ours, plain)
+    assert compare(ours, plain)
     ours, plain, _ = _parity(torch.optim.SGD, {"lr": 0.1}, global_norm, options)
-    assert not _same(ours, plain)
+    assert not compare(ours, plain)
 
 
 def test_two_calls_on_disjoint_parameters_act_as_two_plain_optimizers() -> None:
@@ -243,7 +237,7 @@ def test_two_calls_on_disjoint_parameters_act_as_two_plain_optimizers() -> None:
         for opt in (first, second, plain_first, plain_second):
             opt.step()
             opt.zero_grad()
-    assert _same(_values(model), _values(plain_model))
+    assert compare(values(model), values(plain_model))
 
 
 def test_same_result_as_torchs_apply_optimizer_in_backward() -> None:
@@ -254,7 +248,7 @@ def test_same_result_as_torchs_apply_optimizer_in_backward() -> None:
     _apply_optimizer_in_backward(torch.optim.AdamW, model.parameters(), {"lr": 0.01})
     for x in _batches(STEPS):
         model(x).square().mean().backward()
-    assert _same(ours, _values(model))
+    assert compare(ours, values(model))
 
 
 def test_param_groups_given_as_generators_are_trained() -> None:
@@ -270,7 +264,7 @@ def test_param_groups_given_as_generators_are_trained() -> None:
             m(x).square().mean().backward()
             o.step()
             o.zero_grad()
-    assert _same(_values(model), _values(plain_model))
+    assert compare(values(model), values(plain_model))
     assert model.mid.weight.grad is None and model.inp.bias.grad is None
     assert model.out.bias.grad is not None  # not in the optimizer: left alone
 
@@ -315,7 +309,7 @@ def test_a_backward_that_raised_does_not_break_the_next_ones() -> None:
         plain.step()
         plain.zero_grad()
     assert full_steps_by_step == [0, 0, 0]
-    assert _same(_values(model), _values(plain_model))
+    assert compare(values(model), values(plain_model))
 
 
 # -- errors ----------------------------------------------------------------------------
@@ -445,29 +439,29 @@ def test_ddp_parity_with_unused_parameters_a_comm_hook_and_accumulation(
 def test_ddp_param_groups_given_as_generators_are_trained(
     two_ranks: list[dict[str, Any]],
 ) -> None:
-    assert all(r["ddp generator group"] for r in two_ranks)
+    assert failures(two_ranks, "ddp generator group") == {}
 
 
 def test_ddp_a_refused_comm_hook_leaves_no_parameter_hooks(
     two_ranks: list[dict[str, Any]],
 ) -> None:
-    assert all(r["ddp refused hook keeps grads"] for r in two_ranks)
+    assert failures(two_ranks, "ddp refused hook keeps grads") == {}
 
 
 def test_ddp_value_clipping_is_exact(two_ranks: list[dict[str, Any]]) -> None:
-    assert all(r["ddp clip_value"] for r in two_ranks)
+    assert failures(two_ranks, "ddp clip_value") == {}
 
 
 def test_ddp_parameters_outside_params_keep_their_gradients(
     two_ranks: list[dict[str, Any]],
 ) -> None:
-    assert all(r["ddp others keep grads"] for r in two_ranks)
+    assert failures(two_ranks, "ddp others keep grads") == {}
 
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
 def test_state_dict_loads_into_a_plain_optimizer(two_ranks: list[dict[str, Any]],
                                                  kind: str) -> None:
-    assert all(r[f"{kind} state_dict"] for r in two_ranks)
+    assert failures(two_ranks, f"{kind} state_dict") == {}
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -491,7 +485,9 @@ def test_fsdp2_norm_clipping_is_not_global(two_ranks: list[dict[str, Any]]) -> N
 
 def test_fsdp2_checkpoint_save_and_load_round_trip(two_ranks: list[dict[str, Any]]) -> None:
     for rank_results in two_ranks:
-        assert rank_results["fsdp2 checkpoint"] == {"state_equal": True, "continues": True}
+        result = rank_results["fsdp2 checkpoint"]
+        assert result["state_equal"]
+        assert result["continues"], result["continues"]
 
 
 DISTRIBUTED_ERRORS = {
@@ -549,7 +545,7 @@ def test_cuda_steps_run_on_a_side_stream_with_bitwise_parity() -> None:
         plain.zero_grad()
     torch.cuda.synchronize()
     assert streams and all(s != default_stream for s in streams)
-    assert _same(_values(model), _values(plain_model))
+    assert compare(values(model), values(plain_model))
 
 
 def _cuda_ddp_rank(rank: int, world_size: int) -> bool:
@@ -574,7 +570,7 @@ def _cuda_ddp_rank(rank: int, world_size: int) -> bool:
         plain.step()
         plain.zero_grad()
     torch.cuda.synchronize()
-    return _same(_values(ours.module), _values(reference.module))
+    return compare(values(ours.module), values(reference.module))
 
 
 @pytest.mark.cuda

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from helpers import compare, error_of, rank_batches, values
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -49,32 +50,6 @@ class Branchy(nn.Module):
 def _model() -> Branchy:
     torch.manual_seed(0)
     return Branchy()
-
-
-def _batches(rank: int, count: int) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(100 + rank)
-    return [torch.randn(8, 16, generator=generator) for _ in range(count)]
-
-
-def _values(model: nn.Module) -> list[torch.Tensor]:
-    out = []
-    for p in model.parameters():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        out.append(full.detach().clone())
-    return out
-
-
-def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-
-
-def _error_of(call: Callable[[], Any]) -> dict[str, Any] | None:
-    try:
-        call()
-    except Exception as exc:
-        return {"type": type(exc).__name__, "message": str(exc),
-                "overlapkit": isinstance(exc, overlapkit.OverlapkitError)}
-    return None
 
 
 def _train(model: nn.Module, opt: Any, batches: list[torch.Tensor], *,
@@ -131,8 +106,8 @@ def _ddp_run(rank: int, in_backward: bool, optim_cls: type[torch.optim.Optimizer
         if plain_hook is not None:
             ddp.register_comm_hook(None, plain_hook)
     hook = None if before_step is None else (lambda: before_step(ddp))
-    info = _train(ddp, opt, _batches(rank, steps), before_step=hook, **train_options)
-    return _values(ddp.module), info, opt
+    info = _train(ddp, opt, rank_batches(rank, steps), before_step=hook, **train_options)
+    return values(ddp.module), info, opt
 
 
 def _ddp_parity(rank: int, optim_cls: type[torch.optim.Optimizer], kwargs: dict[str, Any],
@@ -140,7 +115,7 @@ def _ddp_parity(rank: int, optim_cls: type[torch.optim.Optimizer], kwargs: dict[
     plain_options = {k: v for k, v in options.items() if k != "oib_options"}
     ours, info, _ = _ddp_run(rank, True, optim_cls, kwargs, **options)
     plain, plain_info, _ = _ddp_run(rank, False, optim_cls, kwargs, **plain_options)
-    return {"equal": _same(ours, plain), "moved": not _same(ours, _values(_model())),
+    return {"equal": compare(ours, plain), "moved": not compare(ours, values(_model())),
             "grads_none": info["grads_none"], "lr": info["lr"], "plain_lr": plain_info["lr"]}
 
 
@@ -168,13 +143,13 @@ def ddp_scenarios(rank: int) -> dict[str, Any]:
     ours, _, _ = _ddp_run(rank, True, torch.optim.SGD, {"lr": 0.1},
                           oib_options={"clip_grad_value": 0.01})
     plain, _, _ = _ddp_run(rank, False, torch.optim.SGD, {"lr": 0.1}, before_step=clip)
-    out["ddp clip_value"] = _same(ours, plain)
+    out["ddp clip_value"] = compare(ours, plain)
 
     # a second, plain optimizer for the biases: their gradients are left alone
     ddp = _ddp()
     weights = [p for n, p in ddp.module.named_parameters() if n.endswith("weight")]
     opt = overlapkit.optimizer_in_backward(ddp, torch.optim.AdamW, params=weights, lr=0.01)
-    ddp(_batches(rank, 1)[0]).square().mean().backward()
+    ddp(rank_batches(rank, 1)[0]).square().mean().backward()
     out["ddp others keep grads"] = all(
         (p.grad is None) == n.endswith("weight") for n, p in ddp.module.named_parameters())
     opt.step()
@@ -185,16 +160,16 @@ def ddp_scenarios(rank: int) -> dict[str, Any]:
     before = head.weight.detach().clone()
     opt = overlapkit.optimizer_in_backward(
         ddp, torch.optim.SGD, params=[{"params": head.parameters(), "lr": 0.1}], lr=0.1)
-    ddp(_batches(rank, 1)[0]).square().mean().backward()
+    ddp(rank_batches(rank, 1)[0]).square().mean().backward()
     out["ddp generator group"] = (not torch.equal(before, head.weight)
                                   and head.weight.grad is None)
 
     # a refused comm hook leaves no parameter hook behind (they would free the grads)
     ddp = _ddp()
     ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
-    out["ddp refused hook"] = _error_of(
+    out["ddp refused hook"] = error_of(
         lambda: overlapkit.optimizer_in_backward(ddp, torch.optim.SGD, lr=0.1))
-    ddp(_batches(rank, 1)[0]).square().mean().backward()
+    ddp(rank_batches(rank, 1)[0]).square().mean().backward()
     out["ddp refused hook keeps grads"] = all(p.grad is not None for p in ddp.parameters())
 
     out["ddp state_dict"] = _ddp_state_dict_round_trip(rank)
@@ -212,9 +187,9 @@ def _ddp_state_dict_round_trip(rank: int) -> bool:
             p.copy_(v)
     plain_opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
     plain_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
-    _train(ddp, plain_opt, _batches(rank, 6)[3:])
+    _train(ddp, plain_opt, rank_batches(rank, 6)[3:])
     reference, _, _ = _ddp_run(rank, False, torch.optim.Adam, {"lr": 0.01}, steps=6)
-    return _same(_values(ddp.module), reference)
+    return compare(values(ddp.module), reference)
 
 
 def _ddp_errors() -> dict[str, Any]:
@@ -225,19 +200,19 @@ def _ddp_errors() -> dict[str, Any]:
     inner = _model()
     overlapkit.optimizer_in_backward(inner, torch.optim.SGD, lr=0.1)
     return {
-        "ddp twice": _error_of(
+        "ddp twice": error_of(
             lambda: overlapkit.optimizer_in_backward(first_oib, torch.optim.SGD, lr=0.1)),
-        "ddp after overlap_ddp": _error_of(
+        "ddp after overlap_ddp": error_of(
             lambda: overlapkit.optimizer_in_backward(first_overlap, torch.optim.SGD, lr=0.1)),
-        "overlap_ddp after ddp": _error_of(
+        "overlap_ddp after ddp": error_of(
             lambda: overlapkit.overlap_ddp(first_oib, torch.optim.SGD, lr=0.1)),
-        "overlap_ddp over a module in backward": _error_of(
+        "overlap_ddp over a module in backward": error_of(
             lambda: overlapkit.overlap_ddp(DDP(inner), torch.optim.SGD, lr=0.1)),
-        "ddp params not in model": _error_of(lambda: overlapkit.optimizer_in_backward(
+        "ddp params not in model": error_of(lambda: overlapkit.optimizer_in_backward(
             _ddp(), torch.optim.SGD, params=[nn.Parameter(torch.zeros(2))], lr=0.1)),
-        "ddp unknown comm hook": _error_of(lambda: overlapkit.optimizer_in_backward(
+        "ddp unknown comm hook": error_of(lambda: overlapkit.optimizer_in_backward(
             _ddp(), torch.optim.SGD, lr=0.1, comm_hook="allreduse")),
-        "ddp clip norm with unused": _error_of(lambda: overlapkit.optimizer_in_backward(
+        "ddp clip norm with unused": error_of(lambda: overlapkit.optimizer_in_backward(
             _ddp(find_unused_parameters=True), torch.optim.SGD, lr=0.1, clip_grad_norm=1.0)),
     }
 
@@ -269,8 +244,8 @@ def _fsdp_run(rank: int, in_backward: bool, optim_cls: type[torch.optim.Optimize
     else:
         opt = optim_cls(model.parameters(), **kwargs)
     hook = None if before_step is None else (lambda: before_step(model))
-    info = _train(model, opt, _batches(rank, steps), before_step=hook, **train_options)
-    return _values(model), info, opt, model
+    info = _train(model, opt, rank_batches(rank, steps), before_step=hook, **train_options)
+    return values(model), info, opt, model
 
 
 def _fsdp_parity(rank: int, optim_cls: type[torch.optim.Optimizer], kwargs: dict[str, Any],
@@ -280,7 +255,7 @@ def _fsdp_parity(rank: int, optim_cls: type[torch.optim.Optimizer], kwargs: dict
     ours, info, opt, _ = _fsdp_run(rank, True, optim_cls, kwargs, **options)
     plain, plain_info, _, _ = _fsdp_run(rank, False, optim_cls, kwargs,
                                         before_step=plain_before_step, **plain_options)
-    return {"equal": _same(ours, plain), "moved": not _same(ours, _values(_model())),
+    return {"equal": compare(ours, plain), "moved": not compare(ours, values(_model())),
             "grads_none": info["grads_none"], "lr": info["lr"], "plain_lr": plain_info["lr"],
             "kind": opt.kind}
 
@@ -316,9 +291,9 @@ def fsdp_scenarios(rank: int, checkpoint_dir: str) -> dict[str, Any]:
     out["fsdp2 checkpoint"] = _fsdp_checkpoint_round_trip(rank, checkpoint_dir)
     model = _fsdp()
     overlapkit.optimizer_in_backward(model, torch.optim.SGD, lr=0.1)
-    out["fsdp2 twice"] = _error_of(
+    out["fsdp2 twice"] = error_of(
         lambda: overlapkit.optimizer_in_backward(model, torch.optim.SGD, lr=0.1))
-    out["fsdp2 comm_hook"] = _error_of(lambda: overlapkit.optimizer_in_backward(
+    out["fsdp2 comm_hook"] = error_of(lambda: overlapkit.optimizer_in_backward(
         _fsdp(), torch.optim.SGD, lr=0.1, comm_hook="allreduce"))
     return out
 
@@ -334,12 +309,12 @@ def _fsdp_state_dict_round_trip(rank: int) -> bool:
     plain_opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     state = copy.deepcopy(opt.state_dict())
     plain_opt.load_state_dict(state)
-    _train(model, plain_opt, _batches(rank, 6)[3:])
+    _train(model, plain_opt, rank_batches(rank, 6)[3:])
     reference, _, _, _ = _fsdp_run(rank, False, torch.optim.AdamW, {"lr": 0.01}, steps=6)
-    return _same(_values(model), reference)
+    return compare(values(model), reference)
 
 
-def _fsdp_checkpoint_round_trip(rank: int, directory: str) -> dict[str, bool]:
+def _fsdp_checkpoint_round_trip(rank: int, directory: str) -> dict[str, Any]:
     """overlapkit.checkpoint.save after 3 steps in backward; load into a fresh FSDP2
     model and optimizer_in_backward (different initial values); continue 3 steps:
     the same as 6 plain steps, and the loaded state equals the saved one."""
@@ -359,9 +334,9 @@ def _fsdp_checkpoint_round_trip(rank: int, directory: str) -> dict[str, bool]:
     state_equal = saved["state"].keys() == loaded["state"].keys() and all(
         torch.equal(_local(saved["state"][k][s]), _local(loaded["state"][k][s]))
         for k in saved["state"] for s in saved["state"][k])
-    _train(fresh, fresh_opt, _batches(rank, 6)[3:])
+    _train(fresh, fresh_opt, rank_batches(rank, 6)[3:])
     reference, _, _, _ = _fsdp_run(rank, False, torch.optim.AdamW, {"lr": 0.01}, steps=6)
-    return {"state_equal": state_equal, "continues": _same(_values(fresh), reference)}
+    return {"state_equal": state_equal, "continues": compare(values(fresh), reference)}
 
 
 def _local(value: Any) -> Any:

@@ -1,0 +1,114 @@
+"""What the tests and their rank modules share: seeded batches, parameter snapshots, and
+comparisons that say which tensor differed and by how much.
+
+Rank functions run in spawned gloo processes and return their findings to the test; a
+bare ``False`` would make a failing parity test say nothing, so comparisons return a
+:class:`Comparison`, which is true when everything matched bitwise and otherwise prints
+the tensors that differed with their largest absolute difference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+
+@attrs.frozen
+class Comparison:
+    """The outcome of comparing two lists of tensors: true when bitwise equal.
+
+    ``differences`` names each tensor that differs (``"trunk.0.weight: max |diff| 3e-08"``);
+    it is picklable, so rank functions can return it to the test process.
+    """
+
+    differences: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return not self.differences
+
+    def __repr__(self) -> str:
+        if not self.differences:
+            return "Comparison(bitwise equal)"
+        return "Comparison(" + "; ".join(self.differences) + ")"
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.dtype.is_floating_point or a.dtype.is_complex:
+        return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+    return float((a.long() - b.long()).abs().max()) if a.numel() else 0.0
+
+
+def compare(expected: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+            actual: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+            names: Iterable[str] | None = None) -> Comparison:
+    """Compare tensors pairwise, bitwise; name each that differs (by key, name or index)."""
+    if isinstance(expected, Mapping) and isinstance(actual, Mapping):
+        if expected.keys() != actual.keys():
+            return Comparison((f"keys differ: missing {sorted(set(expected) - set(actual))}, "
+                               f"extra {sorted(set(actual) - set(expected))}",))
+        labels = list(expected)
+        pairs = [(expected[k], actual[k]) for k in labels]
+    else:
+        exp, act = list(expected.values() if isinstance(expected, Mapping) else expected), \
+            list(actual.values() if isinstance(actual, Mapping) else actual)
+        if len(exp) != len(act):
+            return Comparison((f"{len(exp)} tensors expected, {len(act)} given",))
+        labels = list(names) if names is not None else [f"#{i}" for i in range(len(exp))]
+        pairs = list(zip(exp, act, strict=True))
+    found = []
+    for label, (a, b) in zip(labels, pairs, strict=True):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            found.append(f"{label}: {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}")
+        elif not torch.equal(a, b):
+            found.append(f"{label}: max |diff| {_max_abs_diff(a, b):.3g}")
+    return Comparison(tuple(found))
+
+
+def values(model: nn.Module) -> list[torch.Tensor]:
+    """A detached copy of every parameter (the full tensor of a DTensor)."""
+    out = []
+    for p in model.parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out.append(full.detach().clone())
+    return out
+
+
+def named_values(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of every parameter and buffer, by name."""
+    state = dict(model.named_parameters())
+    state.update(model.named_buffers())
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in state.items()}
+
+
+def max_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    """The largest absolute difference over pairs of tensors (0.0 when bitwise equal)."""
+    return max((_max_abs_diff(x, y) for x, y in zip(a, b, strict=True)), default=0.0)
+
+
+def rank_batches(rank: int, count: int, shape: tuple[int, ...] = (8, 16),
+                 seed: int = 100) -> list[torch.Tensor]:
+    """``count`` random inputs, different on each rank and the same on every run."""
+    generator = torch.Generator().manual_seed(seed + rank)
+    return [torch.randn(*shape, generator=generator) for _ in range(count)]
+
+
+def error_of(call: Callable[[], Any]) -> dict[str, Any] | None:
+    """Run ``call``; the class name and message of what it raised, or None."""
+    try:
+        call()
+    except Exception as error:
+        from overlapkit import OverlapkitError
+
+        return {"type": type(error).__name__, "message": str(error),
+                "overlapkit": isinstance(error, OverlapkitError)}
+    return None
+
+
+def failures(rank_results: Sequence[Mapping[str, Any]], key: str) -> dict[int, Any]:
+    """Per rank, the result under ``key`` where it is false (empty when every rank passed)."""
+    return {rank: r[key] for rank, r in enumerate(rank_results) if not r[key]}
