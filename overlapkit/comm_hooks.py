@@ -33,7 +33,7 @@ def build_comm_hook(
     :raises UnknownNameError: no plugin provides ``name``; the message lists the valid names.
     """
     spec = get_plugin_manager().registry.comm_hook(name)
-    return spec.build(process_group=process_group, **options)
+    return spec.create(process_group=process_group, **options)
 
 
 def _stateless(name: str, hook: Callable[..., Any]) -> Callable[..., tuple[Any, Any]]:

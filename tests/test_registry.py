@@ -8,14 +8,15 @@ import pytest
 import torch
 
 import overlapkit
+from overlapkit.overlap.generic import GenericOverlapEngine
 from overlapkit.plugin.manager import OverlapkitPluginManager
 
 
-class GenericOverlap:
+class GenericOverlap(GenericOverlapEngine):
     pass
 
 
-class AdamOverlap:
+class AdamOverlap(GenericOverlapEngine):
     pass
 
 
@@ -116,8 +117,10 @@ def test_hook_returning_a_non_record_names_the_plugin() -> None:
         (lambda: overlapkit.OptimizerRecord(optim_cls=torch.nn.Linear, overlapped_cls=AdamOverlap),
          TypeError, "torch.optim.Optimizer"),
         (lambda: overlapkit.OptimizerRecord(optim_cls=torch.optim.Adam,
-                                            overlapped_cls=AdamOverlap()),
-         TypeError, "must be a class"),
+                                            overlapped_cls=object()),
+         TypeError, "must be a subclass of overlapkit.plugin.OverlapEngine"),
+        (lambda: overlapkit.OptimizerRecord(optim_cls=torch.optim.Adam, overlapped_cls=dict),
+         TypeError, "must be a subclass of overlapkit.plugin.OverlapEngine"),
         (lambda: overlapkit.LoadPlannerRecord(name="x", build=print, detect=3),
          TypeError, "callable"),
     ],

@@ -159,4 +159,4 @@ def resolve_load_planner(
         candidates = [s for s in registry.load_planners_by_priority()
                       if s.detect is not None and s.detect(state_dict)]
         spec = candidates[0] if candidates else registry.load_planner("default")
-    return spec.name, spec.build(**options)
+    return spec.name, spec.create(**options)

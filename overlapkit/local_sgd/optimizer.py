@@ -11,9 +11,8 @@ exactly where it stopped.
 
 from __future__ import annotations
 
-import inspect
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,31 +48,7 @@ def create_averager(name: str, **options: Any) -> Any:
     :raises ConfigurationError: an unknown or invalid option.
     """
     spec = get_plugin_manager().registry.averager(name)
-    _check_options(f"averager {spec.name!r}", spec.build, options)
-    return spec.build(**options)
-
-
-def _check_options(what: str, build: Callable[..., Any], options: Mapping[str, Any]) -> None:
-    """Reject options ``build`` does not take, before it runs (and creates groups)."""
-    try:
-        signature = inspect.signature(build)
-    except (TypeError, ValueError):  # a builtin or C callable: let it check
-        return
-    params = signature.parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return
-    accepted = [p.name for p in params
-                if p.kind in (inspect.Parameter.KEYWORD_ONLY,
-                              inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        raise ConfigurationError(
-            f"{what} takes no options {unknown}; its options are {accepted}."
-        )
-    missing = [p.name for p in params if p.default is inspect.Parameter.empty
-               and p.kind is not inspect.Parameter.VAR_POSITIONAL and p.name not in options]
-    if missing:
-        raise ConfigurationError(f"{what} needs the options {missing}; pass them.")
+    return spec.create(**options)
 
 
 class PostLocalSGDOptimizer(OptimizerWrapper):
@@ -241,8 +216,7 @@ def post_local_sgd(
             else check_subgroup_size(subgroup_size, group.size()))
     options = {"period": period, "warmup_steps": warmup_steps, "process_group": group,
                **averager_options}
-    _check_options(f"averager {averager_spec.name!r}", averager_spec.build, options)
-    model_averager = averager_spec.build(**options)
+    model_averager = averager_spec.create(**options)
     # Built directly, not looked up: post_local_sgd needs exactly this hook (its state
     # is what the optimizer saves), so no plugin could stand in for it.
     hook_state, hook = build_post_local_sgd_hook(

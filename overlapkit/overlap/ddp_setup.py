@@ -130,7 +130,7 @@ def register_bucket_stepper(
     running it, then stepping ``engine``, on ``model``. ``stepper_options`` are
     :class:`BucketStepper`'s keyword arguments but ``track_usage`` and
     ``grads_are_bucket_views``, which are read from the model."""
-    inner_state, inner_hook = hook_spec.build(process_group=model.process_group,
+    inner_state, inner_hook = hook_spec.create(process_group=model.process_group,
                                               **hook_options)
     track_usage = bool(model.find_unused_parameters or model.static_graph)
     stepper = BucketStepper(

@@ -17,7 +17,10 @@ machinery (``manager``: loading and blocking; ``registry``: lookups and conflict
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from overlapkit.errors import (
+    CheckpointError,
     ConfigurationError,
     OverlapkitError,
     PluginConflictError,
@@ -39,8 +42,25 @@ from overlapkit.plugin.records import (
     normalize_name,
 )
 
+if TYPE_CHECKING:  # imported lazily at run time (see _LAZY)
+    from overlapkit.local_sgd.averagers import (
+        ModelAverager,
+        PeriodicAverager,
+        average_in_place,
+        parameters_to_average,
+    )
+    from overlapkit.overlap.engine import OverlapEngine, OverlappedOptimizer, ParamGroup
+    from overlapkit.overlap.generic import GenericOverlapEngine
+    from overlapkit.plugin.manager import OverlapkitPluginManager
+
 __all__ = [
+    "CheckpointError",
+    "GenericOverlapEngine",
+    "PeriodicAverager",
+    "average_in_place",
+    "parameters_to_average",
     "OverlappedOptimizer",
+    "OverlapkitPluginManager",
     "OptimizerSpec",
     "LoadPlannerSpec",
     "CommHookSpec",
@@ -65,15 +85,24 @@ __all__ = [
 ]
 
 
+#: the base classes and helpers that live beside the technique they serve (and import
+#: torch): name -> module, imported on first use so loading the plugin manager stays light
+_LAZY = {
+    "OverlapEngine": "overlapkit.overlap.engine",
+    "OverlappedOptimizer": "overlapkit.overlap.engine",
+    "ParamGroup": "overlapkit.overlap.engine",
+    "GenericOverlapEngine": "overlapkit.overlap.generic",
+    "ModelAverager": "overlapkit.local_sgd.averagers",
+    "PeriodicAverager": "overlapkit.local_sgd.averagers",
+    "average_in_place": "overlapkit.local_sgd.averagers",
+    "parameters_to_average": "overlapkit.local_sgd.averagers",
+    "OverlapkitPluginManager": "overlapkit.plugin.manager",
+}
+
+
 def __getattr__(name: str) -> object:
-    # The base classes live beside the technique they serve and import torch; they are
-    # imported on first use, so that loading the plugin manager stays light.
-    if name in ("OverlapEngine", "OverlappedOptimizer", "ParamGroup"):
-        from overlapkit.overlap import engine
+    if name in _LAZY:
+        import importlib
 
-        return getattr(engine, name)
-    if name == "ModelAverager":
-        from overlapkit.local_sgd.averagers import ModelAverager
-
-        return ModelAverager
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'overlapkit.plugin' has no attribute {name!r}")

@@ -190,6 +190,13 @@ class OverlapkitPluginManager(pluggy.PluginManager):
                 f"{exc} Hook names are listed in `overlapkit.plugin.hookspecs`.",
             ) from exc
 
+    def distribution_of(self, name: str) -> str | None:
+        """``"<distribution> <version>"`` of the plugin registered as ``name``, if known."""
+        info = self._origins.get(name)
+        if info is None or info.distribution is None:
+            return None
+        return f"{info.distribution} {info.version or ''}".strip()
+
     def enable_trace(self) -> None:
         """Trace every hook call and its result to stderr."""
         self.trace.root.setwriter(sys.stderr.write)

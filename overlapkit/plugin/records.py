@@ -63,12 +63,33 @@ def _optimizer_class(instance: object, attribute: attrs.Attribute[Any], value: o
         )
 
 
-def _a_class(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not isinstance(value, type):
+def _an_engine_class(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    from overlapkit.overlap.engine import OverlapEngine  # the engine imports the records
+
+    if not (isinstance(value, type) and issubclass(value, OverlapEngine)):
         raise TypeError(
-            f"OptimizerRecord.{attribute.name} must be a class, got {value!r}; pass the "
-            "OverlapEngine subclass that steps one bucket of parameters."
+            f"OptimizerRecord.{attribute.name} must be a subclass of "
+            f"overlapkit.plugin.OverlapEngine, got {value!r}; pass the OverlapEngine "
+            "subclass that steps one bucket of parameters."
         )
+
+
+class _Buildable:
+    """``create(**options)``: check the options against ``build``, then build."""
+
+    name: str
+    build: Callable[..., Any]
+
+    def create(self, **options: Any) -> Any:
+        """``build(**options)`` after :func:`~overlapkit.plugin.options.check_build_options`.
+
+        :raises ConfigurationError: an option ``build`` does not take, or a missing one.
+        """
+        from overlapkit.plugin.options import check_build_options
+
+        label = type(self).__name__.removesuffix("Record").replace("CommHook", "comm hook")
+        check_build_options(f"{label.lower()} {self.name!r}", self.build, options)
+        return self.build(**options)
 
 
 @attrs.frozen(kw_only=True)
@@ -84,7 +105,7 @@ class OptimizerRecord:
     #: the ``torch.optim.Optimizer`` subclass this spec serves (and its subclasses)
     optim_cls: type[torch.optim.Optimizer] = attrs.field(validator=_optimizer_class)
     #: the class that steps a subset (one bucket) of the optimizer's parameters
-    overlapped_cls: type = attrs.field(validator=_a_class)
+    overlapped_cls: type = attrs.field(validator=_an_engine_class)
     #: one line for ``overlapkit plugins``
     description: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
 
@@ -95,7 +116,7 @@ class OptimizerRecord:
 
 
 @attrs.frozen(kw_only=True)
-class CommHookRecord:
+class CommHookRecord(_Buildable):
     """A named DDP communication hook.
 
     Returned by :func:`~overlapkit.plugin.hookspecs.overlapkit_register_comm_hooks`.
@@ -111,7 +132,7 @@ class CommHookRecord:
 
 
 @attrs.frozen(kw_only=True)
-class AveragerRecord:
+class AveragerRecord(_Buildable):
     """A named model averager for post-local SGD.
 
     Returned by :func:`~overlapkit.plugin.hookspecs.overlapkit_register_averagers`.
@@ -126,7 +147,7 @@ class AveragerRecord:
 
 
 @attrs.frozen(kw_only=True)
-class LoadPlannerRecord:
+class LoadPlannerRecord(_Buildable):
     """A named DCP load planner for sharded optimizer state.
 
     Returned by :func:`~overlapkit.plugin.hookspecs.overlapkit_register_load_planners`.

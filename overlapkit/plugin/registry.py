@@ -8,7 +8,7 @@ cached by the plugin manager; nothing here runs per bucket or per step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import attrs
@@ -30,16 +30,45 @@ from overlapkit.plugin.records import (
 if TYPE_CHECKING:
     import pluggy
 
-__all__ = ["HOOK_RECORDS", "Provided", "Registry"]
+__all__ = ["HOOK_KINDS", "HOOK_RECORDS", "HookKind", "Provided", "Registry"]
 
 R = TypeVar("R")
 
-#: hook name -> (record type it returns, what the records are called in messages)
+
+@attrs.frozen
+class HookKind:
+    """One extension point: the hook, the record it returns, and how records are keyed.
+
+    :data:`HOOK_KINDS` drives everything the registry does per kind — collection,
+    conflict checks, listing and lookup — so adding a fifth extension point is one row.
+    """
+
+    #: the hook specification's name
+    hook: str
+    #: the record class its implementations return
+    record_type: type
+    #: what one record is called in messages ("comm hook")
+    label: str
+    #: the key in listings and the Registry table's attribute ("comm_hooks")
+    table: str
+
+    def key(self, record: Any) -> Any:
+        """What two records of this kind must not share: the class for optimizers."""
+        return record.optim_cls if isinstance(record, OptimizerRecord) else record.name
+
+
+HOOK_KINDS: tuple[HookKind, ...] = (
+    HookKind("overlapkit_register_optimizers", OptimizerRecord, "optimizer", "optimizers"),
+    HookKind("overlapkit_register_comm_hooks", CommHookRecord, "comm hook", "comm_hooks"),
+    HookKind("overlapkit_register_averagers", AveragerRecord, "averager", "averagers"),
+    HookKind("overlapkit_register_load_planners", LoadPlannerRecord, "load planner",
+             "load_planners"),
+)
+
+#: hook name -> (record type it returns, what the records are called in messages);
+#: the 0.1 form of :data:`HOOK_KINDS`, kept for existing imports
 HOOK_RECORDS: dict[str, tuple[type, str]] = {
-    "overlapkit_register_optimizers": (OptimizerRecord, "optimizer"),
-    "overlapkit_register_comm_hooks": (CommHookRecord, "comm hook"),
-    "overlapkit_register_averagers": (AveragerRecord, "averager"),
-    "overlapkit_register_load_planners": (LoadPlannerRecord, "load planner"),
+    kind.hook: (kind.record_type, kind.label) for kind in HOOK_KINDS
 }
 
 
@@ -51,81 +80,115 @@ class Provided(Generic[R]):
     record: R
 
 
-def _as_records(plugin: str, hook: str, returned: Any) -> list[Any]:
-    record_type, _ = HOOK_RECORDS[hook]
-    items = [] if returned is None else (
-        list(returned) if isinstance(returned, (list, tuple)) else [returned]
-    )
+def _as_records(plugin: str, kind: HookKind, returned: Any) -> list[Any]:
+    """The records in what a hook returned: None, one record, or any sequence of them."""
+    if returned is None:
+        items: list[Any] = []
+    elif isinstance(returned, Sequence) and not isinstance(returned, (str, bytes)):
+        items = list(returned)
+    else:
+        items = [returned]
     for item in items:
-        if not isinstance(item, record_type):
+        if not isinstance(item, kind.record_type):
             raise PluginValidationError(
                 plugin,
-                f"{hook}() returned {item!r}, expected {record_type.__name__} records "
-                f"(a single one, a list of them, or None); return "
-                f"overlapkit.{record_type.__name__}(...) instead.",
+                f"{kind.hook}() returned {item!r}, expected {kind.record_type.__name__} "
+                f"records (a single one, a sequence of them, or None); return "
+                f"overlapkit.plugin.{kind.record_type.__name__}(...) instead.",
             )
     return items
 
 
-def _calls_per_plugin(pm: pluggy.PluginManager, hook: str) -> Iterator[tuple[str, Any]]:
-    """Call ``hook`` once per implementing plugin, yielding (plugin name, result).
+def _calls_per_plugin(pm: pluggy.PluginManager, kind: HookKind) -> Iterator[tuple[str, Any]]:
+    """Call ``kind.hook`` of each implementing plugin once, yielding (plugin name, result).
 
-    Goes through ``subset_hook_caller`` rather than calling the functions directly so
-    that hook tracing (``OVERLAPKIT_TRACE_PLUGINS``) sees the calls.
+    Each implementation is called directly — one call per plugin, linear in the number
+    of plugins — so every record is attributed to the plugin that returned it. The
+    calls are written to pluggy's trace (``OVERLAPKIT_TRACE_PLUGINS``) like hook calls.
+
+    :raises PluginValidationError: an implementation raised; the message names the
+        plugin, its distribution and the hook, and the original error is chained.
     """
-    caller = getattr(pm.hook, hook)
-    impls = caller.get_hookimpls()
-    for impl in impls:  # registration order
-        others = [p for p in pm.get_plugins() if p is not impl.plugin]
-        yield impl.plugin_name, pm.subset_hook_caller(hook, others)()
+    trace = pm.trace.root.get("registry")
+    distribution_of = getattr(pm, "distribution_of", lambda name: None)
+    for impl in getattr(pm.hook, kind.hook).get_hookimpls():  # registration order
+        trace(f"{kind.hook} [{impl.plugin_name}]")
+        try:
+            result = impl.function()
+        except Exception as error:
+            where = distribution_of(impl.plugin_name)
+            raise PluginValidationError(
+                impl.plugin_name,
+                f"its {kind.hook}() hook raised {type(error).__name__}: {error}"
+                + (f" (distribution {where})" if where else "")
+                + f". Fix the plugin, or block it with "
+                f"OVERLAPKIT_DISABLE_PLUGINS={impl.plugin_name}.",
+            ) from error
+        trace(f"  -> {result!r}")
+        yield impl.plugin_name, result
 
 
 class Registry:
     """What the plugins provide, indexed for lookup.
 
     Use :meth:`collect` to build one from a plugin manager; the plugin manager caches
-    it as ``pm.registry``.
+    it as ``pm.registry``. One table per :data:`HOOK_KINDS` row, keyed by record name
+    (by optimizer class for optimizers).
     """
 
     def __init__(self) -> None:
-        self.optimizers: dict[type, Provided[OptimizerRecord]] = {}
-        self.comm_hooks: dict[str, Provided[CommHookRecord]] = {}
-        self.averagers: dict[str, Provided[AveragerRecord]] = {}
-        self.load_planners: dict[str, Provided[LoadPlannerRecord]] = {}
+        self.tables: dict[str, dict[Any, Provided[Any]]] = {
+            kind.table: {} for kind in HOOK_KINDS
+        }
+
+    @property
+    def optimizers(self) -> dict[type, Provided[OptimizerRecord]]:
+        """Optimizer class -> the record serving it."""
+        return self.tables["optimizers"]
+
+    @property
+    def comm_hooks(self) -> dict[str, Provided[CommHookRecord]]:
+        """Comm hook name -> record."""
+        return self.tables["comm_hooks"]
+
+    @property
+    def averagers(self) -> dict[str, Provided[AveragerRecord]]:
+        """Averager name -> record."""
+        return self.tables["averagers"]
+
+    @property
+    def load_planners(self) -> dict[str, Provided[LoadPlannerRecord]]:
+        """Load planner name -> record."""
+        return self.tables["load_planners"]
 
     @classmethod
     def collect(cls, pm: pluggy.PluginManager) -> Registry:
-        """Call every hook of every plugin and index the records.
+        """Call every hook of every plugin once and index the records.
 
-        :raises PluginValidationError: a plugin returned something that is not a record.
+        :raises PluginValidationError: a plugin returned something that is not a record,
+            or its hook raised.
         :raises PluginConflictError: two plugins provide the same name or class.
         """
         registry = cls()
-        for hook in HOOK_RECORDS:
-            for plugin, returned in _calls_per_plugin(pm, hook):
-                for returned_one in returned:
-                    for record in _as_records(plugin, hook, returned_one):
-                        registry._add(hook, Provided(plugin, record))
+        for kind in HOOK_KINDS:
+            for plugin, returned in _calls_per_plugin(pm, kind):
+                for record in _as_records(plugin, kind, returned):
+                    registry._add(kind, Provided(plugin, record))
         return registry
 
-    def _add(self, hook: str, provided: Provided[Any]) -> None:
-        record = provided.record
-        tables: dict[type, dict[Any, Any]] = {
-            OptimizerRecord: self.optimizers,
-            CommHookRecord: self.comm_hooks,
-            AveragerRecord: self.averagers,
-            LoadPlannerRecord: self.load_planners,
-        }
-        table = tables[type(record)]
-        key = record.optim_cls if isinstance(record, OptimizerRecord) else record.name
-        label = record.name
+    def _add(self, kind: HookKind, provided: Provided[Any]) -> None:
+        table = self.tables[kind.table]
+        key = kind.key(provided.record)
         if key in table:
             first = table[key].plugin
-            kind = HOOK_RECORDS[hook][1]
+            # never suggest blocking a built-in: that takes its other records away too
+            blockable = [p for p in (first, provided.plugin) if not p.startswith("overlapkit.")]
+            fix = (f"block the other with OVERLAPKIT_DISABLE_PLUGINS={blockable[-1]}"
+                   if blockable else "report this as an overlapkit bug")
             raise PluginConflictError(
-                f"{kind} {label!r} is provided by two plugins: {first!r} and "
-                f"{provided.plugin!r}. Uninstall one of them, or block one with "
-                f"OVERLAPKIT_DISABLE_PLUGINS={provided.plugin}."
+                f"{kind.label} {provided.record.name!r} is provided by two plugins: "
+                f"{first!r} and {provided.plugin!r}. Rename the {kind.label} in your "
+                f"plugin, uninstall one of them, or {fix}."
             )
         table[key] = provided
 
@@ -177,16 +240,11 @@ class Registry:
     def provided_by(self, plugin: str) -> dict[str, list[str]]:
         """What ``plugin`` provides: record kind -> names, for listings."""
         out: dict[str, list[str]] = {}
-        tables: Iterable[tuple[str, dict[Any, Provided[Any]]]] = (
-            ("optimizers", self.optimizers),
-            ("comm_hooks", self.comm_hooks),
-            ("averagers", self.averagers),
-            ("load_planners", self.load_planners),
-        )
-        for kind, table in tables:
-            names = sorted(p.record.name for p in table.values() if p.plugin == plugin)
+        for kind in HOOK_KINDS:
+            names = sorted(p.record.name for p in self.tables[kind.table].values()
+                           if p.plugin == plugin)
             if names:
-                out[kind] = names
+                out[kind.table] = names
         return out
 
 

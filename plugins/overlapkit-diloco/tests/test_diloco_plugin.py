@@ -7,7 +7,7 @@ import torch
 
 import overlapkit
 import overlapkit_diloco.plugin
-from overlapkit.plugin.manager import OverlapkitPluginManager
+from overlapkit.plugin import OverlapkitPluginManager
 from overlapkit.testing import installed_plugins
 from overlapkit_diloco import DiLoCoAverager
 

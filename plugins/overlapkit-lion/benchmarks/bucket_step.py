@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from overlapkit.overlap.generic import GenericOverlapEngine
+from overlapkit.plugin import GenericOverlapEngine
 from overlapkit_lion import Lion, LionOverlapped
 
 

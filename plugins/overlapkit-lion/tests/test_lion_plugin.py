@@ -6,7 +6,7 @@ import torch
 
 import overlapkit
 import overlapkit_lion.plugin
-from overlapkit.plugin.manager import OverlapkitPluginManager
+from overlapkit.plugin import OverlapkitPluginManager
 from overlapkit.testing import installed_plugins
 from overlapkit_lion import Lion, LionOverlapped
 

@@ -28,8 +28,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from overlapkit import CheckpointError, ConfigurationError
-from overlapkit.local_sgd.averagers import PeriodicAverager, average_in_place
+from overlapkit.plugin import (
+    CheckpointError,
+    ConfigurationError,
+    PeriodicAverager,
+    average_in_place,
+)
 
 __all__ = ["DiLoCoAverager", "nesterov_sgd"]
 
@@ -93,7 +97,7 @@ class DiLoCoAverager(PeriodicAverager):
         parameters as the first round's start."""
         averaged = super().average_parameters(params)
         if self.step == self.warmup_steps and self.warmup_steps > 0:
-            from overlapkit.local_sgd.averagers import parameters_to_average
+            from overlapkit.plugin import parameters_to_average
 
             self._start_round(parameters_to_average(params))
         return averaged

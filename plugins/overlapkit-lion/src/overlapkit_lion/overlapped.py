@@ -21,8 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from overlapkit import OverlapEngine, UnsupportedOptimizerError
-from overlapkit.plugin import ParamGroup
+from overlapkit.plugin import OverlapEngine, ParamGroup, UnsupportedOptimizerError
 from overlapkit_lion.optimizer import Lion, lion_update, lion_update_flat
 
 __all__ = ["LionOverlapped", "as_flat_run"]
