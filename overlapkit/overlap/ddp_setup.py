@@ -45,7 +45,7 @@ def ddp_params(model: DistributedDataParallel) -> list[torch.nn.Parameter]:
 def check_params_in_ddp_model(model: DistributedDataParallel, params: Iterable[Any]) -> None:
     """:raises ConfigurationError: an item of ``params`` is not a parameter DDP reduces."""
     managed = {id(p) for p in ddp_params(model)}
-    in_model = {id(p) for p in model.module.parameters()}
+    in_model = {id(p): name for name, p in model.module.named_parameters()}
     for param in check_params_belong(
         params, in_model, owner="the DDP model", example="ddp_model.parameters()",
         unknown="so no bucket ever holds its gradient; pass only the model's parameters "

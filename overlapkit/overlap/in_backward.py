@@ -125,7 +125,7 @@ def _model_kind(module: Any) -> str:
 
 
 def _check_params_in_module(module: torch.nn.Module, params: Iterable[Any]) -> None:
-    in_module = {id(p) for p in module.parameters()}
+    in_module = {id(p): name for name, p in module.named_parameters()}
     for param in check_params_belong(
         params, in_module, owner="the module", example="module.parameters()",
         unknown=f"so {TECHNIQUE} has no hook on it; pass only the module's parameters "

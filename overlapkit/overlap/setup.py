@@ -52,18 +52,39 @@ def resolve_overlapped_cls(optim_cls: Any) -> type[OverlapEngine]:
     return overlapped_cls
 
 
-def materialise_params(params: Iterable[Any]) -> list[Any]:
+def materialise_params(params: Any) -> list[Any]:
     """``params`` as a list whose group dicts are copies holding their ``"params"`` as a
     list, when given as a one-shot iterator (``module.parameters()``).
 
     Call it once, before any check reads the parameters: a check that iterates a
     generator would leave the optimizer an empty group, whose parameters would then
     silently never be trained.
+
+    :raises ConfigurationError: ``params`` is a single tensor or not iterable, or a
+        param-group dict has no ``"params"``.
     """
+    if isinstance(params, torch.Tensor):
+        raise ConfigurationError(
+            f"params must be an iterable of parameters or param-group dicts, got a single "
+            f"tensor of shape {tuple(params.shape)}; pass a list: params=[tensor]."
+        )
+    if isinstance(params, (str, bytes, Mapping)) or not isinstance(params, Iterable):
+        raise ConfigurationError(
+            f"params must be an iterable of parameters or param-group dicts, got "
+            f"{type(params).__name__}; pass e.g. model.parameters() or "
+            "[{'params': [...], 'lr': ...}, ...]."
+        )
     out: list[Any] = []
-    for item in params:
-        if isinstance(item, Mapping) and isinstance(item.get("params"), Iterator):
-            item = {**item, "params": list(item["params"])}
+    for index, item in enumerate(params):
+        if isinstance(item, Mapping):
+            if "params" not in item:
+                raise ConfigurationError(
+                    f"param group {index} has no 'params' entry (keys: {sorted(item)}); "
+                    "each group dict needs 'params': [the group's parameters]."
+                )
+            inner = item["params"]
+            if isinstance(inner, Iterator):
+                item = {**item, "params": list(inner)}
         out.append(item)
     return out
 
@@ -81,17 +102,21 @@ def flatten_params(params: Iterable[Any]) -> list[Any]:
 
 
 def check_params_belong(
-    params: Iterable[Any], members: set[int], *, owner: str, example: str, unknown: str
+    params: Iterable[Any], members: Mapping[int, str], *, owner: str, example: str,
+    unknown: str,
 ) -> list[torch.Tensor]:
     """Every item of ``params`` (group dicts opened) is a tensor whose ``id`` is in
-    ``members``; returns them.
+    ``members``, listed once; returns them.
 
+    :param members: ``id(param)`` -> its name in the model, for messages.
     :param owner: what they must belong to, for messages ("the DDP model").
     :param example: what to pass instead ("ddp_model.parameters()").
     :param unknown: the end of the message for a tensor that does not belong.
-    :raises ConfigurationError: naming the offending item.
+    :raises ConfigurationError: naming the offending item; a parameter listed twice
+        (a plain optimizer would step it twice per step, or refuse it).
     """
     tensors = []
+    seen: set[int] = set()
     for param in flatten_params(params):
         if not isinstance(param, torch.Tensor):
             raise ConfigurationError(
@@ -103,6 +128,13 @@ def check_params_belong(
                 f"a parameter of shape {tuple(param.shape)} in params is not a parameter "
                 f"of {owner}, {unknown}"
             )
+        if id(param) in seen:
+            raise ConfigurationError(
+                f"parameter {members[id(param)]!r} is listed more than once in params; "
+                "list each parameter once (tied weights are one parameter: pass "
+                f"{example}, which lists it once)."
+            )
+        seen.add(id(param))
         tensors.append(param)
     return tensors
 
@@ -122,10 +154,13 @@ def build_engine(
     """
     try:
         optimizer = optim_cls(params, *args, **optim_kwargs)
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # whatever the constructor raises, it is about the arguments
+        culprit = _rejected_argument(optim_cls, params, args, optim_kwargs)
+        which = f" (the argument {culprit})" if culprit else ""
         raise ConfigurationError(
-            f"{optim_cls.__qualname__} rejected the arguments {technique} passed on: "
-            f"{exc}. Fix the optimizer arguments (they are the plain optimizer's)."
+            f"{optim_cls.__qualname__} rejected the arguments {technique} passed on"
+            f"{which}: {type(exc).__name__}: {exc}. Fix the optimizer arguments (they are "
+            "the plain optimizer's)."
         ) from exc
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise UnsupportedOptimizerError(
@@ -133,6 +168,22 @@ def build_engine(
             "pass an optimizer class."
         )
     return overlapped_cls(optimizer)
+
+
+def _rejected_argument(optim_cls: type[torch.optim.Optimizer], params: Sequence[Any],
+                       args: Sequence[Any], optim_kwargs: Mapping[str, Any]) -> str | None:
+    """The keyword argument without which ``optim_cls`` accepts the others, as
+    ``name=value``; None when no single one is to blame. Building an optimizer only
+    records its arguments (state is created at the first step), so the retries change
+    nothing."""
+    for name in optim_kwargs:
+        others = {k: v for k, v in optim_kwargs.items() if k != name}
+        try:
+            optim_cls(params, *args, **others)
+        except Exception:  # not this one
+            continue
+        return f"{name}={optim_kwargs[name]!r}"
+    return None
 
 
 def check_unclaimed(params: Iterable[torch.Tensor], technique: str) -> None:
