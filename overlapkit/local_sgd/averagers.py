@@ -6,12 +6,17 @@ follow torch's ``PeriodicModelAverager`` and ``HierarchicalModelAverager`` (the 
 schedule, the same arithmetic, bitwise the same results) and fix three things that
 users of torch's hit:
 
-- **every** parameter passed is averaged. torch's skip parameters whose ``.grad`` is
-  ``None``: after ``zero_grad(set_to_none=True)`` that is all of them and ``torch.cat``
-  fails on the empty list; a parameter that got no gradient on some ranks only is
-  left out of the flat buffer there and not elsewhere, so the ranks sum mismatched
-  slices (a silent accuracy loss, pytorch #74157). Averaging what was passed keeps the
-  layout the same on every rank;
+- which parameters are averaged does not depend on gradients: every floating-point
+  parameter that can learn (``requires_grad=True``; plain floating-point tensors too).
+  torch's skip parameters whose ``.grad`` is ``None``: after
+  ``zero_grad(set_to_none=True)`` that is all of them and ``torch.cat`` fails on the
+  empty list; a parameter that got no gradient on some ranks only is left out of the
+  flat buffer there and not elsewhere, so the ranks sum mismatched slices (a silent
+  accuracy loss, pytorch #74157). A rule that reads only the parameters keeps the
+  layout the same on every rank. Integer parameters and frozen ones
+  (``requires_grad=False``) never get a gradient, so torch never averages them
+  either: they are left out (averaging an integer tensor is not even defined), and
+  the flat buffer is exactly torch's, so results are bitwise torch's;
 - their state (the step counter, and whatever a subclass keeps) is saved and restored
   with :meth:`ModelAverager.state_dict` / :meth:`ModelAverager.load_state_dict`, so a
   resumed run neither re-runs warm-up nor shifts its averaging schedule (pytorch
@@ -77,8 +82,14 @@ def check_period(value: object) -> int:
 def parameters_to_average(
     params: Iterable[torch.Tensor] | Iterable[Mapping[str, Any]],
 ) -> list[torch.Tensor]:
-    """Every parameter in ``params`` (parameters, or an optimizer's ``param_groups``),
-    once each, in order, whether or not it has a gradient.
+    """The tensors of ``params`` (parameters, or an optimizer's ``param_groups``) that
+    are averaged, once each, in order, whether or not they have a gradient: every
+    floating-point tensor but ``nn.Parameter`` objects with ``requires_grad=False``.
+
+    Integer parameters (step counters, index tables) and frozen parameters are left
+    out: they never get a gradient, so torch's averagers leave them out too, and the
+    flat buffer — whose layout decides the order in which a ring all-reduce sums each
+    element — stays exactly torch's.
 
     :raises ConfigurationError: an item is neither a tensor nor a parameter group.
     """
@@ -95,10 +106,16 @@ def parameters_to_average(
                 "or an optimizer's param_groups."
             )
         for tensor in tensors:
-            if id(tensor) not in seen:
+            if id(tensor) not in seen and _learns(tensor):
                 seen.add(id(tensor))
                 out.append(tensor)
     return out
+
+
+def _learns(tensor: torch.Tensor) -> bool:
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        return False
+    return tensor.requires_grad or not isinstance(tensor, torch.nn.Parameter)
 
 
 def average_in_place(params: list[torch.Tensor], group: dist.ProcessGroup) -> None:
@@ -195,7 +212,8 @@ class ModelAverager(abc.ABC):
 
         Call it after ``optimizer.step()`` on every rank of the process group (it is a
         collective on averaging steps), with the same parameters in the same order on
-        every rank. Parameters without a gradient are averaged too.
+        every rank. Parameters without a gradient are averaged too; integer and frozen
+        (``requires_grad=False``) parameters are not (see :func:`parameters_to_average`).
 
         :param params: ``model.parameters()`` or an optimizer's ``param_groups``.
         :return: whether parameters were averaged at this step.

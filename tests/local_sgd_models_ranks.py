@@ -1,0 +1,91 @@
+"""The rank side of tests/test_local_sgd_models.py: post-local SGD on a model that looks
+like a user's (an integer parameter, a frozen layer inside the optimizer, trainable
+layers), against torch's PostLocalSGDOptimizer on 4 ranks."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from helpers import compare
+from local_sgd_ranks import _torch_post_local_sgd_optimizer, batch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
+    PostLocalSGDState,
+    post_localSGD_hook,
+)
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import (
+    HierarchicalModelAverager,
+)
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import overlapkit
+
+WARMUP, STEPS = 2, 9
+
+
+class WithIntegerAndFrozen(nn.Module):
+    """torch's own post-local SGD test model has an integer parameter; add a frozen layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.hidden = nn.Linear(8, 16)
+        self.out = nn.Linear(16, 4)
+        self.calls = nn.Parameter(torch.tensor([3], dtype=torch.int64), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.hidden(torch.tanh(self.frozen(x)))))
+
+
+def _ddp() -> DDP:
+    torch.manual_seed(0)
+    return DDP(WithIntegerAndFrozen(), bucket_cap_mb=0.0002)
+
+
+def _train(model: DDP, opt: Any, rank: int) -> list[torch.Tensor]:
+    for step in range(STEPS):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _sgd(model: nn.Module) -> torch.optim.SGD:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)  # frozen ones too
+
+
+def _torch_run(rank: int, averager: Any, subgroup_size: int) -> list[torch.Tensor]:
+    model = _ddp()
+    subgroup, _ = dist.new_subgroups(group_size=subgroup_size)
+    state = PostLocalSGDState(process_group=None, subgroup=subgroup,
+                              start_localSGD_iter=WARMUP)
+    model.register_comm_hook(state, post_localSGD_hook)
+    return _train(model, _torch_post_local_sgd_optimizer(_sgd(model), averager), rank)
+
+
+def run(rank: int, world_size: int) -> dict[str, Any]:
+    names = [n for n, _ in _ddp().module.named_parameters()]
+    out: dict[str, Any] = {}
+    torch_periodic = _torch_run(rank, PeriodicModelAverager(period=2, warmup_steps=WARMUP), 2)
+    ours = _ddp()
+    ours_opt = overlapkit.post_local_sgd(ours, _sgd(ours), period=2, warmup_steps=WARMUP,
+                                         subgroup_size=2)
+    out["periodic"] = compare(torch_periodic, _train(ours, ours_opt, rank), names)
+
+    plan = {2: 2, 4: 4}
+    torch_hierarchical = _torch_run(
+        rank, HierarchicalModelAverager(OrderedDict(plan), warmup_steps=WARMUP), 1)
+    ours = _ddp()
+    ours_opt = overlapkit.post_local_sgd(
+        ours, _sgd(ours), period=4, warmup_steps=WARMUP, subgroup_size=1,
+        averager="hierarchical", period_group_size_dict=plan)
+    out["hierarchical"] = compare(torch_hierarchical, _train(ours, ours_opt, rank), names)
+    out["integer parameter unchanged"] = int(ours.module.calls.item()) == 3
+    dist.barrier()
+    return out

@@ -1,0 +1,31 @@
+"""post_local_sgd on a model with an integer parameter and a frozen layer inside the
+optimizer: bitwise torch's PostLocalSGDOptimizer (periodic, and hierarchical), 4 gloo
+ranks. torch averages only parameters that have gradients; overlapkit leaves out
+exactly the integer and frozen ones, so the flat buffers — and the results — match."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from helpers import failures
+from local_sgd_models_ranks import run
+
+from overlapkit.distributed import run_distributed
+
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return run_distributed(run, 4, timeout=240)
+
+
+@pytest.mark.parametrize("averager", ["periodic", "hierarchical"])
+def test_bitwise_torch_with_integer_and_frozen_parameters(results: list[dict[str, Any]],
+                                                          averager: str) -> None:
+    assert failures(results, averager) == {}
+
+
+def test_the_integer_parameter_is_left_alone(results: list[dict[str, Any]]) -> None:
+    assert failures(results, "integer parameter unchanged") == {}
