@@ -81,6 +81,8 @@ class BucketStepper:
         #: gradient once DDP has copied it (free_local_grads_once_bucketed)
         self.free_after_copy_model: DistributedDataParallel | None = None
         self._pending: deque[tuple[dist.GradBucket, torch.futures.Future[Any]]] = deque()
+        #: the first error a step raised during this backward; raised when it ends
+        self._step_error: BaseException | None = None
 
     # -- on the autograd thread -------------------------------------------------
 
@@ -97,6 +99,7 @@ class BucketStepper:
             self.stepped_since_step = True
             # buckets of a backward that raised before its end are not stepped
             self._pending.clear()
+            self._step_error = None
             # DDP queues its own finalize after the last bucket's hook; a callback
             # queued from ours (queued now, so it runs first) lands after it.
             Variable._execution_engine.queue_callback(self._before_finalize)
@@ -123,6 +126,18 @@ class BucketStepper:
 
     def _after_backward(self) -> None:
         self._graph_task = None
+        error, self._step_error = self._step_error, None
+        if error is not None:
+            # A step raised during this backward. It was held back until now, after
+            # DDP's finalize, so that every bucket's reduction still ran on this rank
+            # (ranks stay in step: the next collective, a barrier or a checkpoint
+            # save, meets the same collectives on every rank, as with plain DDP whose
+            # step() runs after backward). Buckets after the failing one were not
+            # stepped; their gradients are kept.
+            self.used.clear()
+            if self.side_stream is not None:
+                self.side_stream.join()
+            raise error
         owned = self.engine.parameters() if self.track_usage or self.free_grads else []
         if self.track_usage:
             # find_unused_parameters: DDP knows which parameters were used on any rank
@@ -195,12 +210,37 @@ class BucketStepper:
     def _step_bucket(
         self, bucket: dist.GradBucket, future: torch.futures.Future[Any]
     ) -> torch.Tensor:
+        """Step the owned parameters of ``bucket`` with its reduced gradients.
+
+        Never raises: an error of the step (an optimizer or a step hook raising) is
+        kept and raised at the end of backward (:meth:`_after_backward`), and the
+        buckets after it are reduced but not stepped. Raising here, inside DDP's comm
+        hook, would abort backward on this rank after some reductions only, while the
+        other ranks launch a different number: every later collective would hang.
+        """
+        if self._step_error is not None:
+            return self._reduced_buffer(bucket, future)
+        try:
+            return self._step_reduced_bucket(bucket, future)
+        except Exception as error:  # held until backward ends; see the docstring
+            self._step_error = error
+            return bucket.buffer()
+
+    @staticmethod
+    def _reduced_buffer(bucket: dist.GradBucket,
+                        future: torch.futures.Future[Any]) -> torch.Tensor:
         result = future.value()
         if isinstance(result, (list, tuple)):
             result = result[0]
         buffer = bucket.buffer()
         if result.data_ptr() != buffer.data_ptr():
             buffer.copy_(result)
+        return buffer
+
+    def _step_reduced_bucket(
+        self, bucket: dist.GradBucket, future: torch.futures.Future[Any]
+    ) -> torch.Tensor:
+        buffer = self._reduced_buffer(bucket, future)
         engine = self.engine
         used = self.used
         track_usage = self.track_usage

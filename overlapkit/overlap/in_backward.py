@@ -229,9 +229,31 @@ def optimizer_in_backward(
     check_unclaimed(owned, TECHNIQUE)
     stepper = ParamStepper(engine, clipping=clipping, side_stream=_side_stream(owned))
     stepper.register(owned)
+    if kind == "module":
+        stepper.handles.append(module.register_forward_pre_hook(_refuse_inside_ddp))
     claim_params(owned, TECHNIQUE)
     return OptimizerInBackward(engine, stepper, module, kind,
                                lambda groups: _check_params_in_module(module, groups))
+
+
+def _refuse_inside_ddp(module: torch.nn.Module, args: Any) -> None:
+    """Forward pre-hook of a plain module stepped in backward: refuse to run inside a
+    ``DistributedDataParallel`` forward.
+
+    ``optimizer_in_backward(model)`` followed by ``DistributedDataParallel(model)`` (the
+    order torch's ``_apply_optimizer_in_backward`` takes) would step each parameter on
+    its *local* gradient, before DDP averages it: the replicas drift apart silently.
+    DDP marks the module whose forward it is running (``_get_active_ddp_module``, what
+    torch.compile reads too); one class-attribute read per forward.
+    """
+    active = DistributedDataParallel._get_active_ddp_module()
+    if active is not None and any(sub is module for sub in active.module.modules()):
+        raise ConfigurationError(
+            f"{TECHNIQUE} was called on this module before DistributedDataParallel "
+            "wrapped it, so it would step each parameter on its local gradient, before "
+            "DDP averages it across ranks. Call it on the DDP model instead: "
+            f"ddp = DistributedDataParallel(model); opt = {TECHNIQUE}(ddp, ...)."
+        )
 
 
 def _on_ddp(

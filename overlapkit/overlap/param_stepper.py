@@ -51,6 +51,8 @@ class ParamStepper:
         # the autograd graph task whose end our callback is queued for; compared, not
         # a bool, so a backward that raised before its end does not block the next
         self._graph_task: int | None = None
+        #: the first error a step raised during this backward; raised when it ends
+        self._step_error: BaseException | None = None
 
     def register(self, params: Iterable[torch.Tensor]) -> None:
         """Add the hook to each of ``params``."""
@@ -70,11 +72,22 @@ class ParamStepper:
             # edited); its gradient is left alone
             return
         queued = self._queue_end_of_backward()
+        if queued and self._step_error is not None:
+            return  # a step of this backward raised: the rest keep their gradients
         params = [param]
-        with self.side_stream.running(freed=(grad,)):
-            if self.clipping.enabled:
-                self.clipping.apply(params)
-            self.engine.step_params(params)
+        try:
+            with self.side_stream.running(freed=(grad,)):
+                if self.clipping.enabled:
+                    self.clipping.apply(params)
+                self.engine.step_params(params)
+        except Exception as error:
+            if not queued:
+                raise
+            # Held until backward ends, as the bucket stepper does: on FSDP2 this
+            # hook runs between reduce-scatters, and raising here would stop this
+            # rank's backward after fewer collectives than the other ranks run.
+            self._step_error = error
+            return
         param.grad = None
         del grad
         if not queued:
@@ -92,9 +105,13 @@ class ParamStepper:
             return False
         if task != self._graph_task:
             self._graph_task = task
+            self._step_error = None
             Variable._execution_engine.queue_callback(self._after_backward)
         return True
 
     def _after_backward(self) -> None:
         self._graph_task = None
         self.side_stream.join()
+        error, self._step_error = self._step_error, None
+        if error is not None:
+            raise error
