@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -65,12 +66,64 @@ def load(
         _load_into_real(path, metadata, model, real, planner)
 
 
+def follow_saved_group_keys(optim_state_dict: dict[str, Any], metadata: Metadata) -> None:
+    """Make each param group hold the hyperparameter keys its saved group holds.
+
+    torch's ``Optimizer.load_state_dict`` replaces each group by the saved one (keeping
+    only ``params``), so a group key that only one side has is not an error: an LR
+    scheduler adds ``initial_lr`` to the groups, and the usual resume — build the
+    optimizer, load, then build the scheduler (or the other way round) — has it on one
+    side only. Keys the checkpoint holds get a placeholder DCP reads into; keys it
+    does not are dropped, as torch drops them. Groups missing on either side are left
+    to :func:`check_against_metadata`, which names them.
+    """
+    prefix = f"{OPTIMIZER_KEY}.param_groups."
+    saved: dict[str, set[str]] = {}
+    for key in metadata.state_dict_metadata:
+        if key.startswith(prefix):
+            index, _, name = key[len(prefix):].partition(".")
+            if name and "." not in name:
+                saved.setdefault(index, set()).add(name)
+    for position, group in enumerate(optim_state_dict.get("param_groups", [])):
+        names = saved.get(str(position))
+        if names is None:
+            continue
+        for name in names - set(group):
+            group[name] = None
+        for name in set(group) - names - {"params"}:
+            del group[name]
+
+
+def skip_state_never_saved(optim_state_dict: dict[str, Any], metadata: Metadata) -> bool:
+    """Leave out of the load the state of parameters that had none when saved.
+
+    A parameter that never got a gradient (an unused head, BERT's pooler) has no
+    optimizer state; loading gives it none either — torch's ``load_state_dict``
+    replaces the whole state — so the resumed run equals the uninterrupted one. Only a
+    parameter with no entry at all in the checkpoint is skipped: one whose state is
+    partly there is a different optimizer, which :func:`check_against_metadata` names.
+    Returns whether any was skipped.
+    """
+    prefix = f"{OPTIMIZER_KEY}.state."
+    saved = {key[len(prefix):] for key in metadata.state_dict_metadata
+             if key.startswith(prefix)}
+    state = optim_state_dict.get("state", {})
+    never_saved = [fqn for fqn in state if not any(key.startswith(f"{fqn}.") for key in saved)]
+    for fqn in never_saved:
+        del state[fqn]
+    return bool(never_saved)
+
+
 def _load_into_real(path: Path, metadata: Metadata, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None,
                     planner: LoadPlanner | str | None) -> None:
     created = optimizer is not None and allocate_optimizer_state(optimizer)
     try:
         state = state_dicts(model, optimizer)
+        skipped = False
+        if optimizer is not None:
+            follow_saved_group_keys(state[OPTIMIZER_KEY], metadata)
+            skipped = skip_state_never_saved(state[OPTIMIZER_KEY], metadata)
         flat, _ = flatten_state_dict(state)
         check_against_metadata(flat, metadata, path=path, model_key=MODEL_KEY,
                                optimizer_key=OPTIMIZER_KEY if optimizer is not None else None)
@@ -78,7 +131,7 @@ def _load_into_real(path: Path, metadata: Metadata, model: torch.nn.Module,
         reader = SafeFileSystemReader(path, metadata=metadata)
         converted_dcp_errors("loading the checkpoint at", path,
                              lambda: dcp.load(state, storage_reader=reader, planner=chosen))
-        load_into(model, optimizer, state)
+        load_into(model, optimizer, state, partial_optimizer_state=skipped)
     except BaseException:
         if created:
             assert optimizer is not None

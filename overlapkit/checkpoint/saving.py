@@ -21,14 +21,16 @@ import shutil
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.checkpoint.metadata import METADATA_FILE
 from overlapkit.checkpoint.optimizer_state import remove_state_except
-from overlapkit.checkpoint.state_dicts import converted_dcp_errors, state_dicts
+from overlapkit.checkpoint.state_dicts import MODEL_KEY, converted_dcp_errors, state_dicts
 from overlapkit.errors import CheckpointError
 from overlapkit.optimizer_wrapper import unwrapped
 
@@ -100,6 +102,32 @@ def _swap_into_place(path: Path, saving: Path, old: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def with_rank_zero_buffers(model: torch.nn.Module,
+                           model_state: dict[str, Any]) -> dict[str, Any]:
+    """``model_state`` with each buffer of a DDP model replaced by rank 0's value.
+
+    DDP with ``broadcast_buffers=True`` (its default) broadcasts rank 0's buffers at
+    the start of every forward, so rank 0's BatchNorm running statistics are what an
+    uninterrupted run goes on with; the other ranks' differ until then. DCP writes one
+    copy of a replicated tensor, from whichever rank its planner picks, so each buffer
+    is made rank 0's first — into a copy: the live buffers are left as they are. One
+    broadcast per buffer, at save time only.
+    """
+    if not (isinstance(model, DistributedDataParallel) and model.broadcast_buffers
+            and dist.is_initialized() and dist.get_world_size(model.process_group) > 1):
+        return model_state
+    group = model.process_group
+    source = dist.get_global_rank(group, 0)
+    out = dict(model_state)
+    for name, _ in model.module.named_buffers():
+        value = out.get(name)
+        if isinstance(value, torch.Tensor):
+            copy = value.detach().clone()
+            dist.broadcast(copy, src=source, group=group)
+            out[name] = copy
+    return out
+
+
 def save(
     path: str | os.PathLike[str],
     model: torch.nn.Module,
@@ -140,6 +168,7 @@ def save(
         had_state = set() if real is None else {id(p) for p in real.state}
         try:
             state = state_dicts(model, real)
+            state[MODEL_KEY] = with_rank_zero_buffers(model, state[MODEL_KEY])
             writer = dcp.FileSystemWriter(saving, sync_files=True)
             converted_dcp_errors("saving the checkpoint to", path,
                                  lambda: dcp.save(state, storage_writer=writer))

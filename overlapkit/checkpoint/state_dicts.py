@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -50,13 +51,20 @@ def state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
 
 
 def load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-              state: dict[str, Any]) -> None:
-    """Put the loaded ``state`` back into the model and optimizer."""
+              state: dict[str, Any], *, partial_optimizer_state: bool = False) -> None:
+    """Put the loaded ``state`` back into the model and optimizer.
+
+    :param partial_optimizer_state: some parameters have no optimizer state (they had
+        none when saved); DCP's strict check would refuse that. Everything else was
+        checked against the checkpoint's metadata before, so nothing else is let
+        through by not being strict.
+    """
     if optimizer is None:
         set_model_state_dict(model, state[MODEL_KEY])
     else:
+        options = StateDictOptions(strict=not partial_optimizer_state)
         set_state_dict(model, optimizer, model_state_dict=state[MODEL_KEY],
-                       optim_state_dict=state[OPTIMIZER_KEY])
+                       optim_state_dict=state[OPTIMIZER_KEY], options=options)
 
 
 def converted_dcp_errors(what: str, path: object, call: Callable[[], T]) -> T:

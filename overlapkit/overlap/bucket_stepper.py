@@ -167,7 +167,13 @@ class BucketStepper:
             self.free_local_grads_once_bucketed(self.free_after_copy_model, params)
 
     def note_used(self, param: torch.Tensor) -> None:
-        self.used.add(param)
+        # Autograd calls post-accumulate-grad hooks with .grad None for a parameter
+        # that only an unused output reaches (DDP's find_unused_parameters sink passes
+        # undefined gradients through, e.g. BERT's pooler when the loss ignores it):
+        # plain DDP leaves that .grad None and the optimizer skips it, so it is not
+        # "used" here either (measured on torch 2.13).
+        if param.grad is not None:
+            self.used.add(param)
 
     def free_local_grads_once_bucketed(self, model: DistributedDataParallel,
                                        params: Iterable[torch.Tensor]) -> None:
