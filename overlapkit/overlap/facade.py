@@ -86,6 +86,31 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
             self._engine.optimizer.param_groups = groups
             self._engine.reindex()
 
+    #: ``torch.amp.GradScaler.step`` hands an optimizer with this flag the scale and
+    #: the inf check as attributes (``grad_scale``, ``found_inf``) and calls its
+    #: ``step()`` directly, instead of unscaling its gradients itself: so ``step()``
+    #: sees that a GradScaler drives it (see :meth:`_refuse_grad_scaler`).
+    _step_supports_amp_scaling = True
+
+    def _refuse_grad_scaler(self) -> None:
+        """Raise if a ``GradScaler`` called :meth:`step`.
+
+        The steps were taken during backward, on the gradients the scaler had *scaled*
+        (and with no inf check); unscaling them now changes nothing, so the result
+        would be silently wrong (measured: 1.7e15 off plain DDP after 3 steps).
+        """
+        if "found_inf" not in self.__dict__ and "grad_scale" not in self.__dict__:
+            return
+        self.__dict__.pop("found_inf", None)
+        self.__dict__.pop("grad_scale", None)
+        raise ConfigurationError(
+            f"a torch.amp.GradScaler is driving the optimizer of {self._technique}, which "
+            "steps during backward: its steps used the scaled gradients, with no inf "
+            "check. Mixed precision with a GradScaler is not supported by overlapped "
+            "steps yet; train without the scaler (bf16 autocast needs none), or use "
+            "the plain optimizer."
+        )
+
     # -- the Optimizer API ------------------------------------------------------
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
@@ -94,8 +119,9 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         ``step()``) an ordinary step of every parameter with a gradient, as the
         plain optimizer would take.
 
-        :raises ConfigurationError: a closure was passed.
+        :raises ConfigurationError: a closure was passed, or a ``GradScaler`` calls it.
         """
+        self._refuse_grad_scaler()
         if closure is not None:
             raise ConfigurationError(
                 f"{self._technique} steps during backward, so step() takes no closure; "
