@@ -23,6 +23,7 @@ from torch import nn
 
 import overlapkit
 from overlapkit import checkpoint
+from overlapkit.checkpoint.integrity import MANIFEST_FILE
 from overlapkit.cli import main
 from overlapkit.errors import CheckpointError, UnknownNameError
 
@@ -154,9 +155,11 @@ def test_checkpoint_from_a_different_model_lists_missing_and_unexpected(
 
 
 def test_dcp_failure_becomes_a_checkpoint_error(copy_of: Path) -> None:
-    # DCP raises CheckpointException, a BaseException, when a data file is gone.
+    # DCP raises CheckpointException, a BaseException, when a data file is gone (in a
+    # checkpoint without overlapkit's file list, which would name the file first)
     for data_file in copy_of.glob("*.distcp"):
         data_file.unlink()
+    (copy_of / MANIFEST_FILE).unlink()
     model, opt = make()
     with pytest.raises(CheckpointError, match=r"failed on ranks \[0\].*FileNotFoundError"):
         checkpoint.load(copy_of, model, opt)

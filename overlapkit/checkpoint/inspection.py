@@ -9,6 +9,7 @@ from typing import Any
 import attrs
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
+from overlapkit.checkpoint.arguments import check_path
 from overlapkit.checkpoint.metadata import find_checkpoint, read_metadata
 
 __all__ = ["CheckpointInfo", "EntryInfo", "inspect"]
@@ -71,7 +72,7 @@ def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
 
     :raises CheckpointError: no checkpoint at ``path``, or corrupt metadata.
     """
-    directory = find_checkpoint(path)
+    directory = find_checkpoint(check_path(path, "inspect"))
     metadata = read_metadata(directory)
     stored = _stored_bytes(metadata.storage_data)
     entries = []

@@ -8,14 +8,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner
 
+from overlapkit.checkpoint.arguments import check_model_and_optimizer, check_path
+from overlapkit.checkpoint.integrity import verify_files
 from overlapkit.checkpoint.metadata import SafeFileSystemReader, read_metadata
 from overlapkit.checkpoint.optimizer_state import allocate_optimizer_state
-from overlapkit.checkpoint.planners import resolve_load_planner
+from overlapkit.checkpoint.planners import SafeLoadPlanner, resolve_load_planner
 from overlapkit.checkpoint.state_dicts import (
     MODEL_KEY,
     OPTIMIZER_KEY,
@@ -24,6 +28,7 @@ from overlapkit.checkpoint.state_dicts import (
     state_dicts,
 )
 from overlapkit.checkpoint.validation import check_against_metadata
+from overlapkit.errors import CheckpointError
 from overlapkit.optimizer_wrapper import unwrapped
 
 __all__ = ["load"]
@@ -60,10 +65,44 @@ def load(
         a checkpoint of a different model or optimizer; a tensor whose shape differs.
     :raises UnknownNameError: ``planner`` names no registered load planner.
     """
-    path = Path(path)
+    path = check_path(path, "load")
+    check_model_and_optimizer(model, optimizer, "load")
     metadata = read_metadata(path)
+    _verify_on_rank_zero(path)
     with unwrapped(optimizer) if optimizer is not None else nullcontext() as real:
         _load_into_real(path, metadata, model, real, planner)
+
+
+def _verify_on_rank_zero(path: Path) -> None:
+    """Check the files against the manifest written at save, once (rank 0), and raise
+    the same CheckpointError on every rank if any is damaged."""
+    error: str | None = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            verify_files(path)
+        except CheckpointError as exc:
+            error = str(exc)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        outcome = [error]
+        dist.broadcast_object_list(outcome, src=0)
+        error = outcome[0]
+    if error is not None:
+        raise CheckpointError(error)
+
+
+def _read_values_first(path: Path, metadata: Metadata, flat: dict[str, Any]) -> None:
+    """Read every non-tensor entry (param-group settings, counters) into scratch before
+    any tensor is read: a hostile or damaged entry is refused while the destination
+    tensors are still untouched. The entries are small; they are read again by the
+    main pass."""
+    values = {key: None for key, value in flat.items()
+              if not isinstance(value, (torch.Tensor, ShardedTensor))}
+    if not values:
+        return
+    reader = SafeFileSystemReader(path, metadata=metadata)
+    converted_dcp_errors("reading the settings in the checkpoint at", path,
+                         lambda: dcp.load(values, storage_reader=reader,
+                                          planner=SafeLoadPlanner()))
 
 
 def follow_saved_group_keys(optim_state_dict: dict[str, Any], metadata: Metadata) -> None:
@@ -127,6 +166,7 @@ def _load_into_real(path: Path, metadata: Metadata, model: torch.nn.Module,
         flat, _ = flatten_state_dict(state)
         check_against_metadata(flat, metadata, path=path, model_key=MODEL_KEY,
                                optimizer_key=OPTIMIZER_KEY if optimizer is not None else None)
+        _read_values_first(path, metadata, flat)
         _, chosen = resolve_load_planner(planner, state[MODEL_KEY])
         reader = SafeFileSystemReader(path, metadata=metadata)
         converted_dcp_errors("loading the checkpoint at", path,

@@ -28,6 +28,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.nn.parallel import DistributedDataParallel
 
+from overlapkit.checkpoint.arguments import check_model_and_optimizer, check_path
+from overlapkit.checkpoint.integrity import write_manifest
 from overlapkit.checkpoint.metadata import METADATA_FILE
 from overlapkit.checkpoint.optimizer_state import remove_state_except
 from overlapkit.checkpoint.state_dicts import MODEL_KEY, converted_dcp_errors, state_dicts
@@ -93,10 +95,17 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def _swap_into_place(path: Path, saving: Path, old: Path) -> None:
+    """Move the new checkpoint to ``path``, the previous one aside; if the second
+    rename fails, the previous checkpoint is moved back to ``path``."""
     had_previous = path.exists()
     if had_previous:
         os.replace(path, old)
-    os.replace(saving, path)
+    try:
+        os.replace(saving, path)
+    except BaseException:
+        if had_previous and not path.exists():
+            os.replace(old, path)  # the previous checkpoint stays where it was
+        raise
     _fsync_dir(path.parent)
     if had_previous:
         shutil.rmtree(old, ignore_errors=True)
@@ -155,7 +164,8 @@ def save(
     :raises CheckpointError: ``path`` exists and is not a checkpoint, or writing or
         moving it into place failed (on every rank alike).
     """
-    path = Path(path)
+    path = check_path(path, "save")
+    check_model_and_optimizer(model, optimizer, "save")
     saving, old = _siblings(path)
     _check_destination(path)
 
@@ -176,5 +186,7 @@ def save(
             if real is not None:
                 remove_state_except(real, had_state)
     # dcp.save returns on every rank only after rank 0 wrote the metadata.
+    _on_rank_zero("recording the files' sizes and checksums", path,
+                  lambda: write_manifest(saving))
     _on_rank_zero("moving it into place", path, lambda: _swap_into_place(path, saving, old))
     return path

@@ -12,13 +12,14 @@ exactly where it stopped.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from overlapkit.errors import (
+    CheckpointError,
     ConfigurationError,
     UnsupportedModelError,
     UnsupportedOptimizerError,
@@ -131,6 +132,27 @@ class PostLocalSGDOptimizer(OptimizerWrapper):
         keeps its current state. Without a comm hook entry the hook's counter is
         inferred from the averager's step (one backward per step), with a warning.
         """
+        for key in ("averager", "comm_hook"):
+            if key in state_dict and not isinstance(state_dict[key], Mapping):
+                raise CheckpointError(
+                    f"the state dict's {key!r} entry is a {type(state_dict[key]).__name__}, "
+                    "not a dict; load the state_dict() of a PostLocalSGDOptimizer. "
+                    "Nothing was loaded."
+                )
+        # All or nothing: the three parts load one after the other, so a part that
+        # refuses its entry puts the ones already loaded back as they were.
+        before = (self.optim.state_dict(), self.averager.state_dict(),
+                  None if self.comm_hook_state is None else self.comm_hook_state.state_dict())
+        try:
+            self._load_parts(state_dict)
+        except BaseException:
+            self.optim.load_state_dict(before[0])
+            self.averager.load_state_dict(before[1])
+            if self.comm_hook_state is not None and before[2] is not None:
+                self.comm_hook_state.load_state_dict(before[2])
+            raise
+
+    def _load_parts(self, state_dict: dict[str, Any]) -> None:
         self.optim.load_state_dict(state_dict)
         if "averager" in state_dict:
             self.averager.load_state_dict(state_dict["averager"])

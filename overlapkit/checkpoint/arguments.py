@@ -1,0 +1,59 @@
+"""The argument checks of ``save``, ``load`` and ``inspect``: a wrong argument is a
+:class:`~overlapkit.errors.CheckpointError` naming it and saying what to pass, raised on
+every rank alike before any file or tensor is touched — never a raw ``AttributeError``
+or ``KeyError`` from inside DCP."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from overlapkit.errors import CheckpointError
+
+__all__ = ["check_model_and_optimizer", "check_path"]
+
+
+def check_path(path: Any, call: str) -> Path:
+    """``path`` as a ``Path``. :raises CheckpointError: it is not a str or PathLike."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise CheckpointError(
+            f"{call}: path must be a str or os.PathLike (the checkpoint directory), got "
+            f"{type(path).__name__}; call {call}(path, model, optimizer)."
+        )
+    return Path(path)
+
+
+def check_model_and_optimizer(model: Any, optimizer: Any, call: str) -> None:
+    """:raises CheckpointError: ``model`` is not a module, ``optimizer`` is not an
+    optimizer instance (or None), or it holds parameters that are not ``model``'s."""
+    if not isinstance(model, torch.nn.Module):
+        hint = (" (an optimizer was passed as the model: the order is path, model, "
+                "optimizer)" if isinstance(model, torch.optim.Optimizer) else "")
+        raise CheckpointError(
+            f"{call}: model must be a torch.nn.Module (the plain, DDP or FSDP model), "
+            f"got {type(model).__name__}{hint}; call {call}(path, model, optimizer)."
+        )
+    if optimizer is None:
+        return
+    if isinstance(optimizer, type):
+        raise CheckpointError(
+            f"{call}: optimizer must be an optimizer instance, got the class "
+            f"{optimizer.__qualname__}; pass the optimizer you step (or None)."
+        )
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise CheckpointError(
+            f"{call}: optimizer must be a torch.optim.Optimizer, got "
+            f"{type(optimizer).__name__}; pass the optimizer you step (or None)."
+        )
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) not in names:
+                raise CheckpointError(
+                    f"{call}: the optimizer holds a parameter of shape "
+                    f"{tuple(param.shape)} that is not a parameter of the model; pass "
+                    "the model whose parameters the optimizer steps."
+                )
