@@ -22,7 +22,7 @@ from overlapkit.overlap.clipping import GradClipping
 from overlapkit.overlap.engine import OverlapEngine
 from overlapkit.overlap.side_stream import SideStream
 
-__all__ = ["STEP_THREADS", "BucketStepper", "overlapped_comm_hook"]
+__all__ = ["STEP_THREADS", "BucketStepper", "bucket_gradient_views", "overlapped_comm_hook"]
 
 #: where bucket steps run: see overlap_ddp(step_thread=...)
 STEP_THREADS = ("backward", "comm")
@@ -259,7 +259,8 @@ class BucketStepper:
         keep_view = self.free_grads
         chosen: list[torch.Tensor] = []
         restore: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+        params = bucket.parameters()
+        for param, grad in zip(params, bucket_gradient_views(buffer, params), strict=True):
             if not engine.owns(param) or (track_usage and param not in used):
                 continue
             if lend:
@@ -275,6 +276,44 @@ class BucketStepper:
             for param, local_grad in restore:
                 param.grad = local_grad
         return buffer
+
+
+def _non_overlapping_and_dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements fill ``numel`` consecutive slots in some dimension
+    order (C++'s ``is_non_overlapping_and_dense``, which Python does not expose)."""
+    expected = 1
+    for size, stride in sorted(zip(tensor.size(), tensor.stride(), strict=True),
+                               key=lambda pair: pair[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def bucket_gradient_views(buffer: torch.Tensor,
+                          params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each parameter's reduced gradient as a view of the bucket ``buffer``, laid out
+    as DDP lays it out: with the parameter's own strides where the parameter is dense
+    (a ``channels_last`` convolution weight), contiguous otherwise.
+
+    ``GradBucket.gradients()`` returns contiguous views of the same memory, which
+    read a ``channels_last`` gradient's elements in the wrong order (measured on torch
+    2.13: 0.0135 off plain DDP after 3 SGD steps, silently) and, lent to the parameter
+    as ``.grad``, overlap DDP's own view when it copies the bucket back after backward.
+    The reducer places the gradients one after the other, each ``numel`` long
+    (``Reducer::initialize_bucket_views``).
+    """
+    views = []
+    offset = 0
+    for param in params:
+        if _non_overlapping_and_dense(param):
+            views.append(buffer.as_strided(param.size(), param.stride(), offset))
+        else:
+            views.append(buffer.narrow(0, offset, param.numel()).view(param.size()))
+        offset += param.numel()
+    return views
 
 
 def overlapped_comm_hook(state, bucket):  # type: ignore[no-untyped-def]
