@@ -576,4 +576,4 @@ def _cuda_ddp_rank(rank: int, world_size: int) -> bool:
 @pytest.mark.cuda
 @cuda
 def test_cuda_ddp_bitwise_parity() -> None:
-    assert run_distributed(_cuda_ddp_rank, 1) == [True]
+    assert all(run_distributed(_cuda_ddp_rank, 1))

@@ -117,12 +117,20 @@ class BucketStepper:
             if not wait and not future.done():
                 return
             pending.popleft()
-            future.wait()
-            self._step_bucket(bucket, future)
+            self._step_bucket(bucket, future)  # waits for the future on the side stream
 
     def _before_finalize(self) -> None:
         self._drain(wait=True)
+        # Before DDP's finalize, which copies the buckets back into .grad on the
+        # compute stream: those copies must come after the side stream's steps read
+        # (and clipping rewrote) the bucket memory.
+        self.synchronize()
         Variable._execution_engine.queue_callback(self._after_backward)
+
+    def synchronize(self) -> None:
+        """Make the compute stream wait for every step enqueued so far (no-op inline)."""
+        if self.side_stream is not None:
+            self.side_stream.join()
 
     def _after_backward(self) -> None:
         self._graph_task = None
@@ -135,8 +143,6 @@ class BucketStepper:
             # step() runs after backward). Buckets after the failing one were not
             # stepped; their gradients are kept.
             self.used.clear()
-            if self.side_stream is not None:
-                self.side_stream.join()
             raise error
         owned = self.engine.parameters() if self.track_usage or self.free_grads else []
         if self.track_usage:
@@ -147,8 +153,7 @@ class BucketStepper:
             self.used.clear()
             if unused:
                 self._step(unused)
-        if self.side_stream is not None:
-            self.side_stream.join()
+        self.synchronize()  # the unused parameters' steps just enqueued
         if self.free_grads:
             # After DDP's finalize, which would otherwise give a None .grad a fresh
             # copy of the bucket (gradient_as_bucket_view=False; measured).
@@ -207,11 +212,25 @@ class BucketStepper:
     # -- on the autograd thread or a gloo worker thread ------------------------
 
     def _step(self, params: list[torch.Tensor]) -> None:
+        """Step ``params`` whose gradients the compute stream produced (the side stream
+        waits for it first)."""
         stream = self.side_stream
-        with stream.running() if stream is not None else nullcontext():
-            if self.clipping.enabled:
-                self.clipping.apply(params)
-            self.engine.step_params(params)
+        with stream.running(params) if stream is not None else nullcontext():
+            self._apply_step(params)
+
+    def _apply_step(self, params: list[torch.Tensor]) -> None:
+        if self.clipping.enabled:
+            self.clipping.apply(params)
+        self.engine.step_params(params)
+
+    def _on_side_stream(self, bucket: dist.GradBucket) -> Any:
+        """The side stream of the bucket's device, entered without waiting for the
+        compute stream: the bucket's step waits for its comm future in it instead
+        (the allreduce already waited for the gradients)."""
+        stream = self.side_stream
+        if stream is None:
+            return nullcontext()
+        return stream.running(bucket.parameters(), after_compute=False)
 
     def _step_bucket(
         self, bucket: dist.GradBucket, future: torch.futures.Future[Any]
@@ -224,13 +243,18 @@ class BucketStepper:
         hook, would abort backward on this rank after some reductions only, while the
         other ranks launch a different number: every later collective would hang.
         """
-        if self._step_error is not None:
-            return self._reduced_buffer(bucket, future)
-        try:
-            return self._step_reduced_bucket(bucket, future)
-        except Exception as error:  # held until backward ends; see the docstring
-            self._step_error = error
-            return bucket.buffer()
+        # On the side stream, as PyTorch's own optimizer-overlap hook does: waiting for
+        # an NCCL future makes the *current* stream wait for the allreduce, and only
+        # the side stream may (the compute stream goes on with backward).
+        with self._on_side_stream(bucket):
+            future.wait()
+            if self._step_error is not None:
+                return self._reduced_buffer(bucket, future)
+            try:
+                return self._step_reduced_bucket(bucket, future)
+            except Exception as error:  # held until backward ends; see the docstring
+                self._step_error = error
+                return bucket.buffer()
 
     @staticmethod
     def _reduced_buffer(bucket: dist.GradBucket,
@@ -271,7 +295,7 @@ class BucketStepper:
         self.last_buckets[bucket.index()] = chosen
         try:
             if chosen:
-                self._step(chosen)
+                self._apply_step(chosen)  # already on the side stream
         finally:
             for param, local_grad in restore:
                 param.grad = local_grad

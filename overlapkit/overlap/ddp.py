@@ -128,5 +128,6 @@ def overlap_ddp(
     engine, stepper = set_up_on_ddp(
         model, overlapped_cls, optim_cls, args, optim_kwargs, params, comm_hook,
         comm_hook_options, clipping, TECHNIQUE, step_thread=step_thread,
+        with_side_stream=True,
     )
     return DDPOverlapOptimizer(engine, stepper, model)

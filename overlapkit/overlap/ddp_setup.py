@@ -187,8 +187,11 @@ def set_up_on_ddp(
     owned = engine.parameters()
     check_unclaimed(owned, technique)
     if with_side_stream:
-        stepper_options["side_stream"] = SideStream(owned[0].device)
+        stepper_options["side_stream"] = SideStream(owned)
     stepper = register_bucket_stepper(model, engine, hook_spec, hook_options, technique,
                                       clipping=clipping, **stepper_options)
+    if stepper.side_stream is not None and stepper.side_stream.active:
+        # the next forward reads the parameters: join a backward that raised
+        model.register_forward_pre_hook(lambda module, args: stepper.synchronize())
     claim_params(owned, technique)
     return engine, stepper

@@ -38,6 +38,8 @@ class BackwardSteps(Protocol):
 
     def register(self, params: Iterable[torch.Tensor]) -> None: ...
 
+    def synchronize(self) -> None: ...
+
 
 class OverlappedOptimizerFacade(OptimizerWrapper):
     """A ``torch.optim.Optimizer`` whose steps happen during backward.
@@ -111,6 +113,16 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
             "the plain optimizer."
         )
 
+    def synchronize(self) -> None:
+        """Wait (on the current stream) for every step enqueued on a side stream.
+
+        Called by :meth:`step`, :meth:`zero_grad`, :meth:`state_dict`,
+        :meth:`load_state_dict` and before each forward of the model; call it yourself
+        before reading parameters or optimizer state some other way after a backward
+        that raised (its end-of-backward join did not run). No-op on CPU.
+        """
+        self._steps.synchronize()
+
     # -- the Optimizer API ------------------------------------------------------
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
@@ -122,6 +134,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         :raises ConfigurationError: a closure was passed, or a ``GradScaler`` calls it.
         """
         self._refuse_grad_scaler()
+        self.synchronize()
         if closure is not None:
             raise ConfigurationError(
                 f"{self._technique} steps during backward, so step() takes no closure; "
@@ -133,12 +146,15 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         self._engine.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.synchronize()
         self._engine.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
+        self.synchronize()
         return self._engine.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.synchronize()
         self._engine.load_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -140,7 +140,7 @@ def _check_params_in_module(module: torch.nn.Module, params: Iterable[Any]) -> N
 
 
 def _side_stream(params: list[torch.Tensor]) -> SideStream:
-    return SideStream(params[0].device)
+    return SideStream(params)
 
 
 def optimizer_in_backward(
@@ -231,6 +231,11 @@ def optimizer_in_backward(
     stepper.register(owned)
     if kind == "module":
         stepper.handles.append(module.register_forward_pre_hook(_refuse_inside_ddp))
+    if stepper.side_stream.active:
+        # the next forward (FSDP2: its all-gather) reads the parameters: join a
+        # backward that raised, whose end-of-backward join did not run
+        stepper.handles.append(module.register_forward_pre_hook(
+            lambda module, args: stepper.synchronize()))
     claim_params(owned, TECHNIQUE)
     return OptimizerInBackward(engine, stepper, module, kind,
                                lambda groups: _check_params_in_module(module, groups))

@@ -76,7 +76,7 @@ class ParamStepper:
             return  # a step of this backward raised: the rest keep their gradients
         params = [param]
         try:
-            with self.side_stream.running(freed=(grad,)):
+            with self.side_stream.running(params, freed=(grad,)):
                 if self.clipping.enabled:
                     self.clipping.apply(params)
                 self.engine.step_params(params)
@@ -108,6 +108,10 @@ class ParamStepper:
             self._step_error = None
             Variable._execution_engine.queue_callback(self._after_backward)
         return True
+
+    def synchronize(self) -> None:
+        """Make the compute stream wait for every step enqueued so far (no-op inline)."""
+        self.side_stream.join()
 
     def _after_backward(self) -> None:
         self._graph_task = None

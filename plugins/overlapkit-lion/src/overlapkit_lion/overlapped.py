@@ -18,6 +18,7 @@ element for element that of :meth:`Lion.step`, so the bits are the same.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -42,6 +43,17 @@ def as_flat_run(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((offset - first.storage_offset(),), (1,), first.storage_offset())
 
 
+def _current_stream(device: torch.device) -> Any:
+    """The current stream of ``device`` if it is the accelerator's (through
+    ``torch.accelerator``, not CUDA only), else None (CPU: no streams)."""
+    if not torch.accelerator.is_available():
+        return None
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None or device.type != accelerator.type:
+        return None
+    return torch.accelerator.current_stream(device)
+
+
 class LionOverlapped(OverlapEngine):
     """Steps buckets of a :class:`~overlapkit_lion.Lion` optimizer on flat buffers.
 
@@ -50,7 +62,10 @@ class LionOverlapped(OverlapEngine):
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(optimizer)
-        self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        # per (dtype, device, stream): under step_thread="comm" on NCCL each bucket's
+        # callback runs on a stream of its own, unordered with the others, so two
+        # buckets must never share one scratch buffer
+        self._scratch: dict[tuple[torch.dtype, torch.device, Any], torch.Tensor] = {}
 
     @classmethod
     def check_supported(cls, optim_cls: type[torch.optim.Optimizer]) -> None:
@@ -84,8 +99,9 @@ class LionOverlapped(OverlapEngine):
                                  scratch=self._scratch_for(flat_grad), **hyper)
 
     def _scratch_for(self, flat_grad: torch.Tensor) -> torch.Tensor:
-        """A reused buffer of twice the largest bucket seen (per dtype and device)."""
-        key = (flat_grad.dtype, flat_grad.device)
+        """A reused buffer of twice the largest bucket seen (per dtype, device and the
+        stream the step runs on)."""
+        key = (flat_grad.dtype, flat_grad.device, _current_stream(flat_grad.device))
         scratch = self._scratch.get(key)
         if scratch is None or scratch.numel() < 2 * flat_grad.numel():
             scratch = torch.empty(2 * flat_grad.numel(), dtype=flat_grad.dtype,
@@ -99,8 +115,9 @@ class LionOverlapped(OverlapEngine):
         state then holds views of it (same values, same ``state_dict()``)."""
         flat = torch.cat([m.reshape(-1) for m in exp_avgs])
         for old in exp_avgs:
-            if old.is_cuda:  # read on this (possibly side) stream: keep it until done
-                old.record_stream(torch.cuda.current_stream(old.device))
+            stream = _current_stream(old.device)
+            if stream is not None:  # read on this (possibly side) stream: keep it until done
+                old.record_stream(stream)
         offset = 0
         for param, exp_avg in zip(params, exp_avgs, strict=True):
             count = exp_avg.numel()
