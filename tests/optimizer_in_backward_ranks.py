@@ -213,7 +213,8 @@ def _ddp_errors() -> dict[str, Any]:
         "ddp unknown comm hook": error_of(lambda: overlapkit.optimizer_in_backward(
             _ddp(), torch.optim.SGD, lr=0.1, comm_hook="allreduse")),
         "ddp clip norm with unused": error_of(lambda: overlapkit.optimizer_in_backward(
-            _ddp(find_unused_parameters=True), torch.optim.SGD, lr=0.1, clip_grad_norm=1.0)),
+            _ddp(find_unused_parameters=True), torch.optim.SGD, lr=0.1, clip_grad_norm=1.0,
+            clip_grad_norm_scope="bucket")),
     }
 
 
@@ -246,6 +247,10 @@ def _fsdp_run(rank: int, in_backward: bool, optim_cls: type[torch.optim.Optimize
     hook = None if before_step is None else (lambda: before_step(model))
     info = _train(model, opt, rank_batches(rank, steps), before_step=hook, **train_options)
     return values(model), info, opt, model
+
+
+#: per-parameter norm clipping (FSDP2 has no global clipping yet)
+BUCKET_CLIP = {"clip_grad_norm": 0.05, "clip_grad_norm_scope": "bucket"}
 
 
 def _fsdp_parity(rank: int, optim_cls: type[torch.optim.Optimizer], kwargs: dict[str, Any],
@@ -282,10 +287,10 @@ def fsdp_scenarios(rank: int, checkpoint_dir: str) -> dict[str, Any]:
         rank, torch.optim.SGD, sgd, oib_options={"clip_grad_value": 0.01},
         plain_before_step=clip_value)
     out["fsdp2 clip_norm per parameter"] = _fsdp_parity(
-        rank, torch.optim.SGD, sgd, oib_options={"clip_grad_norm": 0.05},
+        rank, torch.optim.SGD, sgd, oib_options=BUCKET_CLIP,
         plain_before_step=clip_norm_per_param)
     out["fsdp2 clip_norm not global"] = _fsdp_parity(
-        rank, torch.optim.SGD, sgd, oib_options={"clip_grad_norm": 0.05},
+        rank, torch.optim.SGD, sgd, oib_options=BUCKET_CLIP,
         plain_before_step=clip_norm_global)
     out["fsdp2 state_dict"] = _fsdp_state_dict_round_trip(rank)
     out["fsdp2 checkpoint"] = _fsdp_checkpoint_round_trip(rank, checkpoint_dir)

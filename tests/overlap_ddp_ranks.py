@@ -257,7 +257,8 @@ def _clipping(rank: int) -> dict[str, Any]:
         partitions.append(_bucket_positions(opt))
 
     overlapped, _ = _run_loop(rank, True, torch.optim.SGD, kwargs, before_step=record_buckets,
-                              overlap_options={"clip_grad_norm": 0.05})
+                              overlap_options={"clip_grad_norm": 0.05,
+                                               "clip_grad_norm_scope": "bucket"})
     steps_done: list[int] = []
 
     def clip_per_bucket(ddp: DDP, opt: Any) -> None:
@@ -274,6 +275,31 @@ def _clipping(rank: int) -> dict[str, Any]:
     out["clip_norm_per_bucket"] = compare(overlapped, plain)
     out["clip_norm_differs_from_global"] = not compare(overlapped, global_clip)
     out["clip_norm_buckets"] = len(partitions[-1])
+    # the default scope: torch's global clip_grad_norm_ before step(), bitwise, with
+    # clipping active (the total norm is above max_norm at every step)
+    norms: list[float] = []
+
+    def clip_global_and_record(ddp: DDP, opt: Any) -> None:
+        norms.append(float(torch.nn.utils.clip_grad_norm_(list(ddp.module.parameters()),
+                                                          0.05)))
+
+    for optim_cls, options in ((torch.optim.SGD, kwargs),
+                               (torch.optim.AdamW, {"lr": 0.01})):
+        norms.clear()
+        overlapped, _ = _run_loop(rank, True, optim_cls, options,
+                                  overlap_options={"clip_grad_norm": 0.05})
+        plain, _ = _run_loop(rank, False, optim_cls, options,
+                             before_step=clip_global_and_record)
+        out[f"clip_norm_global {optim_cls.__name__}"] = compare(overlapped, plain)
+        out[f"clip_norm_global {optim_cls.__name__} active"] = min(norms) > 0.05
+    # and with find_unused_parameters: allowed in the global scope, still exact
+    overlapped, _ = _run_loop(rank, True, torch.optim.SGD, kwargs, use_branch=lambda r: r == 0,
+                              ddp_options={"find_unused_parameters": True},
+                              overlap_options={"clip_grad_norm": 0.05})
+    plain, _ = _run_loop(rank, False, torch.optim.SGD, kwargs, use_branch=lambda r: r == 0,
+                         ddp_options={"find_unused_parameters": True},
+                         before_step=clip_global)
+    out["clip_norm_global unused"] = compare(overlapped, plain)
     return out
 
 
@@ -468,9 +494,10 @@ def _errors(rank: int) -> dict[str, Any]:
         "muon on a bias": error_of(lambda: overlapkit.overlap_ddp(fresh(), torch.optim.Muon)),
         "clip norm with unused": error_of(lambda: overlapkit.overlap_ddp(
             _ddp(_model(), find_unused_parameters=True), torch.optim.SGD, lr=0.1,
-            clip_grad_norm=1.0)),
+            clip_grad_norm=1.0, clip_grad_norm_scope="bucket")),
         "clip norm with static graph": error_of(lambda: overlapkit.overlap_ddp(
-            _ddp(_model(), static_graph=True), torch.optim.SGD, lr=0.1, clip_grad_norm=1.0)),
+            _ddp(_model(), static_graph=True), torch.optim.SGD, lr=0.1, clip_grad_norm=1.0,
+            clip_grad_norm_scope="bucket")),
         "ZeroRedundancyOptimizer": error_of(lambda: overlapkit.overlap_ddp(
             fresh(), ZeroRedundancyOptimizer, optimizer_class=torch.optim.SGD, lr=0.1)),
     }

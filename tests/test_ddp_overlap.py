@@ -107,11 +107,19 @@ def test_value_clipping_is_exact(scenarios: list[dict[str, Any]]) -> None:
     assert failures(scenarios, "clip_value") == {}
 
 
-def test_norm_clipping_is_per_bucket(scenarios: list[dict[str, Any]]) -> None:
+def test_bucket_scope_norm_clipping_is_per_bucket(scenarios: list[dict[str, Any]]) -> None:
     for rank_results in scenarios:
         assert rank_results["clip_norm_buckets"] >= 4
         assert rank_results["clip_norm_per_bucket"]
         assert rank_results["clip_norm_differs_from_global"]
+
+
+@pytest.mark.parametrize("case", ["SGD", "AdamW", "unused"])
+def test_default_norm_clipping_is_torchs_global_clip_grad_norm(
+        scenarios: list[dict[str, Any]], case: str) -> None:
+    assert failures(scenarios, f"clip_norm_global {case}") == {}
+    if case != "unused":
+        assert failures(scenarios, f"clip_norm_global {case} active") == {}
 
 
 @pytest.mark.parametrize("behaviour", [

@@ -202,7 +202,7 @@ def test_value_clipping_is_exact() -> None:
     assert compare(ours, plain)
 
 
-def test_norm_clipping_is_per_parameter_not_global() -> None:
+def test_bucket_scope_norm_clipping_is_per_parameter_not_global() -> None:
     def per_parameter(model: nn.Module) -> None:
         for p in model.parameters():
             torch.nn.utils.clip_grad_norm_([p], 0.05)
@@ -210,11 +210,26 @@ def test_norm_clipping_is_per_parameter_not_global() -> None:
     def global_norm(model: nn.Module) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
 
-    options = {"clip_grad_norm": 0.05}
+    options = {"clip_grad_norm": 0.05, "clip_grad_norm_scope": "bucket"}
     ours, plain, _ = _parity(torch.optim.SGD, {"lr": 0.1}, per_parameter, options)
     assert compare(ours, plain)
     ours, plain, _ = _parity(torch.optim.SGD, {"lr": 0.1}, global_norm, options)
     assert not compare(ours, plain)
+
+
+@pytest.mark.parametrize(("optim_cls", "kwargs"), [
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), (torch.optim.AdamW, {"lr": 0.01})])
+def test_default_norm_clipping_is_torchs_global_clip_grad_norm(
+        optim_cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> None:
+    norms: list[float] = []
+
+    def global_norm(model: nn.Module) -> None:
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+
+    ours, plain, grads_none = _parity(optim_cls, kwargs, global_norm, {"clip_grad_norm": 0.05})
+    assert compare(ours, plain)
+    assert min(norms) > 0.05  # clipping was active at every step
+    assert all(grads_none)  # freed after the step at the end of backward
 
 
 def test_two_calls_on_disjoint_parameters_act_as_two_plain_optimizers() -> None:
@@ -497,7 +512,7 @@ DISTRIBUTED_ERRORS = {
     "overlap_ddp over a module in backward": ("ConfigurationError", "already stepped during"),
     "ddp params not in model": ("ConfigurationError", "not a parameter of the DDP model"),
     "ddp unknown comm hook": ("UnknownNameError", "'allreduce', 'bf16_compress'"),
-    "ddp clip norm with unused": ("ConfigurationError", "Use clip_grad_value"),
+    "ddp clip norm with unused": ("ConfigurationError", "default clip_grad_norm_scope='global'"),
     "ddp refused hook": ("ConfigurationError", "DDP refused the comm hook"),
     "fsdp2 twice": ("ConfigurationError", "already stepped during backward"),
     "fsdp2 comm_hook": ("ConfigurationError", "DistributedDataParallel models only"),

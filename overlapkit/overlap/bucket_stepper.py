@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.overlap.clipping import GradClipping
 from overlapkit.overlap.engine import OverlapEngine
+from overlapkit.overlap.global_step import GlobalStep
 from overlapkit.overlap.side_stream import SideStream
 
 __all__ = ["STEP_THREADS", "BucketStepper", "bucket_gradient_views", "overlapped_comm_hook"]
@@ -58,6 +59,7 @@ class BucketStepper:
         clipping: GradClipping,
         free_grads: bool = False,
         side_stream: SideStream | None = None,
+        global_step: GlobalStep | None = None,
     ) -> None:
         self.engine = engine
         self.inner_state = inner_state
@@ -68,6 +70,9 @@ class BucketStepper:
         self.clipping = clipping
         self.free_grads = free_grads
         self.side_stream = side_stream
+        #: set when steps wait for a global decision (global norm clipping, a
+        #: GradScaler): buckets are only reduced, everything steps after finalize
+        self.global_step = global_step
         #: set on the autograd thread when a synchronised backward starts stepping
         self.stepped_since_step = False
         #: bucket index -> the owned parameters stepped with it, last backward
@@ -104,6 +109,8 @@ class BucketStepper:
             # queued from ours (queued now, so it runs first) lands after it.
             Variable._execution_engine.queue_callback(self._before_finalize)
         future = self.inner_hook(self.inner_state, bucket)
+        if self.global_step is not None:
+            return future  # reduced now, stepped with every other after finalize
         if self.step_thread == "comm":
             return future.then(lambda fut: self._step_bucket(bucket, fut))
         self._pending.append((bucket, future))
@@ -134,6 +141,9 @@ class BucketStepper:
 
     def _after_backward(self) -> None:
         self._graph_task = None
+        if self.global_step is not None:
+            self._step_globally()
+            return
         error, self._step_error = self._step_error, None
         if error is not None:
             # A step raised during this backward. It was held back until now, after
@@ -157,6 +167,19 @@ class BucketStepper:
         if self.free_grads:
             # After DDP's finalize, which would otherwise give a None .grad a fresh
             # copy of the bucket (gradient_as_bucket_view=False; measured).
+            for param in owned:
+                param.grad = None
+
+    def _step_globally(self) -> None:
+        """After DDP's finalize every reduced gradient is in ``.grad`` (unused ones
+        None): unscale, check, clip and step them all, as plain DDP's step would."""
+        owned = self.engine.parameters()
+        self.used.clear()
+        stream = self.side_stream
+        with stream.running(owned) if stream is not None else nullcontext():
+            self.global_step.step(self.engine, owned)  # type: ignore[union-attr]
+        self.synchronize()
+        if self.free_grads:
             for param in owned:
                 param.grad = None
 

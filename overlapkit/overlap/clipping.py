@@ -1,10 +1,12 @@
 """Gradient clipping applied to the gradients an overlapped step is about to use.
 
-An overlapped optimizer steps part of the model (one DDP bucket, one parameter) before
-the other gradients exist, so clipping can only see that part: clamping by value is
-exactly ``clip_grad_value_`` after backward, clipping by norm is per part (per bucket,
-or per parameter), never the global ``clip_grad_norm_``. See the docs of
-:func:`overlapkit.overlap_ddp` and :func:`overlapkit.optimizer_in_backward`.
+Clamping by value is elementwise, so it is exactly ``clip_grad_value_`` whenever it is
+applied. Clipping by norm is a global decision — the total norm of every gradient
+scales each one — so by default (``scope="global"``) the steps wait for the end of
+backward (:mod:`overlapkit.overlap.global_step`) and the result is
+``torch.nn.utils.clip_grad_norm_(params, max_norm)`` before ``step()``, bitwise.
+``scope="bucket"`` keeps 0.1's behaviour: each part (a DDP bucket, a parameter) is
+clipped by its own norm and stepped as soon as it is reduced.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ import torch
 
 from overlapkit.errors import ConfigurationError
 
-__all__ = ["GradClipping"]
+__all__ = ["SCOPES", "GradClipping"]
+
+#: what ``clip_grad_norm_scope`` may be
+SCOPES = ("global", "bucket")
 
 
 def _positive_or_none(name: str, value: float | None) -> None:
@@ -37,11 +42,14 @@ class GradClipping:
     :param norm: scale the gradients of each stepped part so that their
         ``norm_type``-norm is at most ``norm`` (``clip_grad_norm_`` on the part).
     :param norm_type: the norm of ``norm`` (2.0, ``inf``, ...).
+    :param scope: ``"global"``: the norm of every gradient the optimizer steps, as
+        ``clip_grad_norm_``; ``"bucket"``: the norm of each part stepped.
     """
 
     value: float | None = None
     norm: float | None = None
     norm_type: float = 2.0
+    scope: str = "global"
 
     def __attrs_post_init__(self) -> None:
         _positive_or_none("clip_grad_value", self.value)
@@ -52,6 +60,13 @@ class GradClipping:
                 f"clip_norm_type must be a positive number (2.0, float('inf'), ...), got "
                 f"{self.norm_type!r}."
             )
+        if self.scope not in SCOPES:
+            raise ConfigurationError(
+                f"clip_grad_norm_scope must be one of {', '.join(map(repr, SCOPES))}, got "
+                f"{self.scope!r}: 'global' clips as torch.nn.utils.clip_grad_norm_ over "
+                "every gradient (the steps wait for the end of backward), 'bucket' clips "
+                "each part stepped by its own norm."
+            )
 
     @property
     def enabled(self) -> bool:
@@ -59,7 +74,8 @@ class GradClipping:
         return self.value is not None or self.norm is not None
 
     def apply(self, params: list[torch.Tensor]) -> None:
-        """Clip the ``.grad`` of ``params`` in place: by value, then by norm."""
+        """Clip the ``.grad`` of one part's ``params`` in place: by value, then by norm
+        (the part's own norm; used when the steps do not wait for a global decision)."""
         if self.value is not None:
             torch.nn.utils.clip_grad_value_(params, self.value)
         if self.norm is not None:

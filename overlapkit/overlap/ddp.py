@@ -77,6 +77,8 @@ def overlap_ddp(
     clip_grad_value: float | None = None,
     clip_grad_norm: float | None = None,
     clip_norm_type: float = 2.0,
+    clip_grad_norm_scope: str = "global",
+    grad_scaler: Any | None = None,
     **optim_kwargs: Any,
 ) -> DDPOverlapOptimizer:
     """Step ``optim_cls`` on each DDP gradient bucket as soon as its comm hook
@@ -101,10 +103,20 @@ def overlap_ddp(
         (slower on CPU, where they compete for the same cores).
     :param clip_grad_value: clamp each gradient to ``[-v, v]`` before its step
         (exactly ``clip_grad_value_`` after backward).
-    :param clip_grad_norm: clip the norm of each *bucket's* gradients to this value
-        (per-bucket, not the global ``clip_grad_norm_``; see the docs). Refused with
-        ``find_unused_parameters=True`` or ``static_graph=True``.
+    :param clip_grad_norm: clip the gradients' norm to this value: by default
+        exactly ``torch.nn.utils.clip_grad_norm_`` over every gradient the optimizer
+        steps, before the step (the steps then wait for the end of backward; the
+        allreduces still overlap it).
     :param clip_norm_type: the norm of ``clip_grad_norm``.
+    :param clip_grad_norm_scope: ``"global"`` (default, as above) or ``"bucket"``:
+        each bucket's gradients clipped by their own norm and stepped as soon as the
+        bucket is reduced (0.1's behaviour; refused with ``find_unused_parameters``
+        or ``static_graph``).
+    :param grad_scaler: the ``torch.amp.GradScaler`` of an fp16 AMP loop
+        (``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()``): the
+        gradients are unscaled and checked for infs as ``scaler.step`` would, and all
+        steps skipped when any rank overflowed — bitwise plain DDP with the scaler. The
+        steps wait for the end of backward.
     :return: a ``torch.optim.Optimizer``; its ``step()`` is a no-op after a backward
         that already stepped.
     :raises UnsupportedModelError: ``ddp_model`` is not DDP.
@@ -124,10 +136,10 @@ def overlap_ddp(
             f"{step_thread!r}."
         )
     clipping = GradClipping(value=clip_grad_value, norm=clip_grad_norm,
-                            norm_type=clip_norm_type)
+                            norm_type=clip_norm_type, scope=clip_grad_norm_scope)
     engine, stepper = set_up_on_ddp(
         model, overlapped_cls, optim_cls, args, optim_kwargs, params, comm_hook,
         comm_hook_options, clipping, TECHNIQUE, step_thread=step_thread,
-        with_side_stream=True,
+        with_side_stream=True, grad_scaler=grad_scaler,
     )
     return DDPOverlapOptimizer(engine, stepper, model)

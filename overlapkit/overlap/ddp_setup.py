@@ -17,6 +17,7 @@ from overlapkit.errors import ConfigurationError, UnsupportedModelError
 from overlapkit.overlap.bucket_stepper import BucketStepper, overlapped_comm_hook
 from overlapkit.overlap.clipping import GradClipping
 from overlapkit.overlap.engine import OverlapEngine
+from overlapkit.overlap.global_step import GlobalStep, check_grad_scaler
 from overlapkit.overlap.setup import (
     build_engine,
     check_params_belong,
@@ -91,20 +92,23 @@ def check_ddp_model(ddp_model: Any, technique: str) -> DistributedDataParallel:
 
 def check_clipping_for_model(model: DistributedDataParallel, clipping: GradClipping,
                              technique: str) -> None:
-    """:raises ConfigurationError: norm clipping on a model whose buckets are stepped
-    according to each rank's own parameter usage (``find_unused_parameters`` or
+    """:raises ConfigurationError: per-bucket norm clipping on a model whose buckets are
+    stepped according to each rank's own parameter usage (``find_unused_parameters`` or
     ``static_graph``), where ranks would clip different sets of gradients together
-    and their replicas drift apart."""
-    if clipping.norm is None or not (model.find_unused_parameters or model.static_graph):
+    and their replicas drift apart. Global clipping (the default scope) steps after
+    DDP's finalize, where every rank has the same gradients, and is allowed."""
+    if clipping.norm is None or clipping.scope != "bucket" or not (
+            model.find_unused_parameters or model.static_graph):
         return
     option = "find_unused_parameters" if model.find_unused_parameters else "static_graph"
     raise ConfigurationError(
-        f"clip_grad_norm cannot be used with a DDP model built with {option}=True: "
+        f"clip_grad_norm_scope='bucket' cannot be used with a DDP model built with "
+        f"{option}=True: "
         "there each bucket steps only the parameters this rank used, and the others "
         "after backward, so the gradients clipped together (and the clipped values) "
         "would differ between ranks and the replicas would drift apart. Use "
-        "clip_grad_value (exact), or build the DDP model without "
-        f"{option}, or leave clip_grad_norm out and clip nothing in {technique}."
+        "the default clip_grad_norm_scope='global' (exact), clip_grad_value, or build "
+        f"the DDP model without {option} ({technique})."
     )
 
 
@@ -167,6 +171,7 @@ def set_up_on_ddp(
     technique: str,
     *,
     with_side_stream: bool = False,
+    grad_scaler: Any | None = None,
     **stepper_options: Any,
 ) -> tuple[OverlapEngine, BucketStepper]:
     """The DDP set-up of ``overlap_ddp`` and ``optimizer_in_backward``, in one order:
@@ -177,6 +182,7 @@ def set_up_on_ddp(
     gives it a side stream on the parameters' device."""
     hook_spec = get_plugin_manager().registry.comm_hook(comm_hook)
     hook_options = check_comm_hook_options(comm_hook_options)
+    check_grad_scaler(grad_scaler)
     check_clipping_for_model(model, clipping, technique)
     if params is None:
         params = ddp_params(model)
@@ -188,6 +194,8 @@ def set_up_on_ddp(
     check_unclaimed(owned, technique)
     if with_side_stream:
         stepper_options["side_stream"] = SideStream(owned)
+    if GlobalStep.needed(clipping, grad_scaler):
+        stepper_options["global_step"] = GlobalStep(clipping, grad_scaler)
     stepper = register_bucket_stepper(model, engine, hook_spec, hook_options, technique,
                                       clipping=clipping, **stepper_options)
     if stepper.side_stream is not None and stepper.side_stream.active:

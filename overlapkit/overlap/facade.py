@@ -19,6 +19,7 @@ import torch
 from overlapkit.errors import ConfigurationError
 from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.overlap.engine import OverlapEngine
+from overlapkit.overlap.global_step import GlobalStep
 from overlapkit.overlap.setup import (
     check_unclaimed,
     claim_params,
@@ -39,6 +40,9 @@ class BackwardSteps(Protocol):
     def register(self, params: Iterable[torch.Tensor]) -> None: ...
 
     def synchronize(self) -> None: ...
+
+    #: what waits for the end of backward (global clipping, a GradScaler), or None
+    global_step: GlobalStep | None
 
 
 class OverlappedOptimizerFacade(OptimizerWrapper):
@@ -95,7 +99,8 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
     _step_supports_amp_scaling = True
 
     def _refuse_grad_scaler(self) -> None:
-        """Raise if a ``GradScaler`` called :meth:`step`.
+        """Raise if a ``GradScaler`` that was not passed as ``grad_scaler=`` called
+        :meth:`step`; report the inf check to the one that was.
 
         The steps were taken during backward, on the gradients the scaler had *scaled*
         (and with no inf check); unscaling them now changes nothing, so the result
@@ -103,15 +108,23 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         """
         if "found_inf" not in self.__dict__ and "grad_scale" not in self.__dict__:
             return
-        self.__dict__.pop("found_inf", None)
-        self.__dict__.pop("grad_scale", None)
-        raise ConfigurationError(
-            f"a torch.amp.GradScaler is driving the optimizer of {self._technique}, which "
-            "steps during backward: its steps used the scaled gradients, with no inf "
-            "check. Mixed precision with a GradScaler is not supported by overlapped "
-            "steps yet; train without the scaler (bf16 autocast needs none), or use "
-            "the plain optimizer."
-        )
+        global_step = self._steps.global_step
+        scaler = None if global_step is None else global_step.grad_scaler
+        if global_step is None or scaler is None:
+            # GradScaler.step deletes them after a step that returns; this one raises
+            self.__dict__.pop("found_inf", None)
+            self.__dict__.pop("grad_scale", None)
+            raise ConfigurationError(
+                f"a torch.amp.GradScaler is driving the optimizer of {self._technique}, "
+                "which was built without grad_scaler=: its steps during backward used "
+                "the scaled gradients, with no inf check. Pass the scaler when setting "
+                f"up: {self._technique}(..., grad_scaler=scaler); the loop stays "
+                "scaler.scale(loss).backward(); scaler.step(opt); scaler.update()."
+            )
+        # The steps were taken (or skipped) at the end of backward; tell the scaler
+        # what they found, which GradScaler.update() reads.
+        state = scaler._per_optimizer_states[id(self)]
+        state["found_inf_per_device"] = dict(global_step.found_inf_per_device)
 
     def synchronize(self) -> None:
         """Wait (on the current stream) for every step enqueued on a side stream.

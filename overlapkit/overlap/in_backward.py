@@ -33,6 +33,7 @@ from overlapkit.overlap.ddp_setup import (
 )
 from overlapkit.overlap.engine import OverlapEngine
 from overlapkit.overlap.facade import BackwardSteps, OverlappedOptimizerFacade
+from overlapkit.overlap.global_step import GlobalStep, check_grad_scaler
 from overlapkit.overlap.param_stepper import ParamStepper
 from overlapkit.overlap.setup import (
     build_engine,
@@ -153,6 +154,8 @@ def optimizer_in_backward(
     clip_grad_value: float | None = None,
     clip_grad_norm: float | None = None,
     clip_norm_type: float = 2.0,
+    clip_grad_norm_scope: str = "global",
+    grad_scaler: Any | None = None,
     **optim_kwargs: Any,
 ) -> OptimizerInBackward:
     """Step ``optim_cls`` during backward, part by part as gradients become final, and
@@ -179,11 +182,19 @@ def optimizer_in_backward(
     :param comm_hook_options: DDP only: keyword options for the comm hook's builder.
     :param clip_grad_value: clamp each gradient to ``[-v, v]`` before its step
         (exactly ``clip_grad_value_`` after backward).
-    :param clip_grad_norm: clip the norm of each bucket's (DDP) or each parameter's
-        (FSDP2, plain) gradient to this value; never the global ``clip_grad_norm_``,
-        which needs every gradient at once (see the docs). Refused for a DDP model
-        with ``find_unused_parameters=True`` or ``static_graph=True``.
+    :param clip_grad_norm: clip the gradients' norm to this value: by default
+        exactly ``torch.nn.utils.clip_grad_norm_`` over every gradient the optimizer
+        steps, before the step. That needs every gradient at once: the steps wait for
+        the end of backward and the gradients are freed after them (the memory saving
+        of freeing them during backward is lost).
     :param clip_norm_type: the norm of ``clip_grad_norm``.
+    :param clip_grad_norm_scope: ``"global"`` (default, as above) or ``"bucket"``:
+        each bucket's (DDP) or parameter's (FSDP2, plain) gradient clipped by its own
+        norm and stepped at once (0.1's behaviour; refused for a DDP model with
+        ``find_unused_parameters`` or ``static_graph``).
+    :param grad_scaler: the ``torch.amp.GradScaler`` of an fp16 AMP loop (DDP and
+        plain modules): unscaled and inf-checked as ``scaler.step`` would, all steps
+        skipped on an overflow; the steps wait for the end of backward.
     :return: a ``torch.optim.Optimizer``; its ``step()`` is a no-op after a backward
         that already stepped.
     :raises UnsupportedModelError: not a module, or an FSDP1 model.
@@ -200,10 +211,18 @@ def optimizer_in_backward(
     ddp_model = check_ddp_model(module, TECHNIQUE) if kind == "ddp" else None
     overlapped_cls = resolve_overlapped_cls(optim_cls)
     clipping = GradClipping(value=clip_grad_value, norm=clip_grad_norm,
-                            norm_type=clip_norm_type)
+                            norm_type=clip_norm_type, scope=clip_grad_norm_scope)
+    check_grad_scaler(grad_scaler)
     if ddp_model is not None:
         return _on_ddp(ddp_model, overlapped_cls, optim_cls, args, optim_kwargs, params,
-                       comm_hook, comm_hook_options, clipping)
+                       comm_hook, comm_hook_options, clipping, grad_scaler)
+    if kind == "fsdp2" and GlobalStep.needed(clipping, grad_scaler):
+        raise ConfigurationError(
+            f"{TECHNIQUE} on an FSDP2 model supports neither global norm clipping nor a "
+            "GradScaler yet (both need every sharded gradient at once); pass "
+            "clip_grad_norm_scope='bucket' to clip each parameter's gradient by its own "
+            "norm, or clip_grad_value."
+        )
     if comm_hook is not None or comm_hook_options is not None:
         raise ConfigurationError(
             f"comm_hook applies to DistributedDataParallel models only, and this is "
@@ -227,7 +246,10 @@ def optimizer_in_backward(
     engine = build_engine(overlapped_cls, optim_cls, params, args, optim_kwargs, TECHNIQUE)
     owned = engine.parameters()
     check_unclaimed(owned, TECHNIQUE)
-    stepper = ParamStepper(engine, clipping=clipping, side_stream=_side_stream(owned))
+    global_step = (GlobalStep(clipping, grad_scaler)
+                   if GlobalStep.needed(clipping, grad_scaler) else None)
+    stepper = ParamStepper(engine, clipping=clipping, side_stream=_side_stream(owned),
+                           global_step=global_step)
     stepper.register(owned)
     if kind == "module":
         stepper.handles.append(module.register_forward_pre_hook(_refuse_inside_ddp))
@@ -271,11 +293,13 @@ def _on_ddp(
     comm_hook: str | None,
     comm_hook_options: Mapping[str, Any] | None,
     clipping: GradClipping,
+    grad_scaler: Any | None,
 ) -> OptimizerInBackward:
     engine, stepper = set_up_on_ddp(
         model, overlapped_cls, optim_cls, args, optim_kwargs, params,
         comm_hook or "allreduce", comm_hook_options, clipping, TECHNIQUE,
         with_side_stream=True, step_thread="backward", free_grads=True,
+        grad_scaler=grad_scaler,
     )
     return OptimizerInBackward(engine, stepper, model, "ddp",
                                lambda groups: check_params_in_ddp_model(model, groups))

@@ -25,6 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from overlapkit.overlap.clipping import GradClipping
 from overlapkit.overlap.engine import OverlapEngine
+from overlapkit.overlap.global_step import GlobalStep
 from overlapkit.overlap.side_stream import SideStream
 
 __all__ = ["ParamStepper"]
@@ -39,8 +40,11 @@ class ParamStepper:
     """
 
     def __init__(self, engine: OverlapEngine, *, clipping: GradClipping,
-                 side_stream: SideStream) -> None:
+                 side_stream: SideStream, global_step: GlobalStep | None = None) -> None:
         self.engine = engine
+        #: set when steps wait for a global decision (global norm clipping, a
+        #: GradScaler): gradients are kept, everything steps at the end of backward
+        self.global_step = global_step
         self.clipping = clipping
         self.side_stream = side_stream
         #: set when a backward has stepped; the optimizer's step() clears it
@@ -72,6 +76,8 @@ class ParamStepper:
             # edited); its gradient is left alone
             return
         queued = self._queue_end_of_backward()
+        if self.global_step is not None and queued:
+            return  # stepped with every other gradient at the end of backward
         if queued and self._step_error is not None:
             return  # a step of this backward raised: the rest keep their gradients
         params = [param]
@@ -115,6 +121,12 @@ class ParamStepper:
 
     def _after_backward(self) -> None:
         self._graph_task = None
+        if self.global_step is not None:
+            owned = self.engine.parameters()
+            with self.side_stream.running(owned):
+                self.global_step.step(self.engine, owned)
+            for param in owned:
+                param.grad = None
         self.side_stream.join()
         error, self._step_error = self._step_error, None
         if error is not None:

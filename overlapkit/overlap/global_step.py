@@ -1,0 +1,96 @@
+"""Steps that wait for a global decision: clipping by the global norm, and a
+``torch.amp.GradScaler``'s unscale and inf check.
+
+Both need every gradient of the backward: the total norm scales every gradient, and an
+inf anywhere skips the whole step. An overlapped step taken part by part during
+backward cannot know either, so with ``clip_grad_norm=`` (global scope, the default)
+or ``grad_scaler=`` the parts are not stepped as their gradients arrive: the
+allreduces still overlap backward, and at the end of backward — after DDP's finalize,
+when every reduced gradient is in ``.grad`` — the gradients are unscaled and checked as
+``GradScaler.unscale_`` does it, clipped as ``torch.nn.utils.clip_grad_norm_`` does it
+(same functions, same parameter order), and all owned parameters are stepped in one
+call, or none when an inf was found. That is plain DDP's step, moved into backward:
+bitwise the same result, and no overlap of the step itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from overlapkit.errors import ConfigurationError
+from overlapkit.overlap.clipping import GradClipping
+from overlapkit.overlap.engine import OverlapEngine
+
+__all__ = ["GlobalStep", "check_grad_scaler"]
+
+
+def check_grad_scaler(grad_scaler: Any) -> None:
+    """:raises ConfigurationError: ``grad_scaler`` is not a ``torch.amp.GradScaler``."""
+    if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+        raise ConfigurationError(
+            f"grad_scaler must be a torch.amp.GradScaler (or None), got "
+            f"{type(grad_scaler).__name__}; pass the scaler your loop calls "
+            "scaler.scale(loss), scaler.step(opt) and scaler.update() on."
+        )
+
+
+class GlobalStep:
+    """Unscale, check, clip and step every owned parameter at the end of backward.
+
+    :param clipping: the clipping options (norm clipping here is global).
+    :param grad_scaler: the ``torch.amp.GradScaler`` whose scaled loss the backward
+        ran on, or None.
+    """
+
+    def __init__(self, clipping: GradClipping, grad_scaler: Any | None) -> None:
+        self.clipping = clipping
+        self.grad_scaler = grad_scaler
+        #: per device, whether the last backward's gradients held an inf or a nan
+        #: (what ``GradScaler.update()`` reads); empty without a scaler
+        self.found_inf_per_device: dict[torch.device, torch.Tensor] = {}
+
+    @staticmethod
+    def needed(clipping: GradClipping, grad_scaler: Any | None) -> bool:
+        """Whether steps must wait for the end of backward."""
+        return grad_scaler is not None or (
+            clipping.norm is not None and clipping.scope == "global")
+
+    def step(self, engine: OverlapEngine, params: Sequence[torch.Tensor]) -> bool:
+        """Unscale and check (with a scaler), clip, then step ``params`` that have a
+        gradient, in the engine's parameter order; returns whether it stepped."""
+        order = {id(p): i for i, p in enumerate(engine.parameters())}
+        with_grad = sorted((p for p in params if p.grad is not None),
+                           key=lambda p: order.get(id(p), len(order)))
+        if not with_grad:
+            return False
+        found_inf = self._unscale(engine.optimizer)
+        with torch.no_grad():
+            if self.clipping.value is not None:
+                torch.nn.utils.clip_grad_value_(with_grad, self.clipping.value)
+            if self.clipping.norm is not None:
+                torch.nn.utils.clip_grad_norm_(with_grad, self.clipping.norm,
+                                               norm_type=self.clipping.norm_type)
+        if found_inf:
+            return False  # GradScaler.step skips the whole step
+        engine.step_params(with_grad)
+        return True
+
+    def _unscale(self, optimizer: torch.optim.Optimizer) -> bool:
+        """``GradScaler.unscale_``'s arithmetic on the optimizer's gradients (its own
+        ``_unscale_grads_``, with the scale the loss was scaled by); whether an inf or
+        nan was found."""
+        scaler = self.grad_scaler
+        self.found_inf_per_device = {}
+        if scaler is None or not scaler.is_enabled():
+            return False
+        scale = scaler._scale  # set by scaler.scale(loss), before this backward
+        if scale is None:
+            return False
+        inv_scale = scale.double().reciprocal().float()
+        found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
+        self.found_inf_per_device = scaler._unscale_grads_(optimizer, inv_scale, found_inf,
+                                                           False)
+        return bool(sum(v.item() for v in self.found_inf_per_device.values()))
