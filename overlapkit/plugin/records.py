@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "AveragerRecord",
@@ -56,6 +58,8 @@ def _callable(instance: object, attribute: attrs.Attribute[Any], value: object) 
 
 
 def _optimizer_class(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    import torch  # records are built at set-up; importing them stays light
+
     if not (isinstance(value, type) and issubclass(value, torch.optim.Optimizer)):
         raise TypeError(
             f"OptimizerRecord.optim_cls must be a subclass of torch.optim.Optimizer, got "
