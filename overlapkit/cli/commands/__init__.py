@@ -5,4 +5,4 @@ action and sets ``func`` to a function ``(args) -> int`` (the exit status).
 """
 
 #: modules under overlapkit.cli.commands, in the order ``overlapkit --help`` lists them
-COMMAND_MODULES: tuple[str, ...] = ("plugins", "demo", "bench", "checkpoint")
+COMMAND_MODULES: tuple[str, ...] = ("plugins", "new_plugin", "demo", "bench", "checkpoint")
