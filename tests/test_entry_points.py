@@ -194,3 +194,61 @@ def test_misspelled_hook_is_rejected(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "overlapkit_register_optimisers" in proc.stdout and "'typo'" in proc.stdout
+
+
+def test_two_distributions_with_one_entry_point_name_fail_naming_both(tmp_path: Path) -> None:
+    first = _hook_dist(tmp_path / "a", "overlapkit-first", "first_plugin", "one", ep="same")
+    second = _hook_dist(tmp_path / "b", "overlapkit-second", "second_plugin", "two", ep="same")
+    proc = run_python(
+        """
+        import overlapkit
+        try:
+            overlapkit.build_comm_hook("one")
+        except overlapkit.PluginConflictError as exc:
+            print(exc)
+        """,
+        first, second,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "two installed distributions register an overlapkit plugin named 'same'" in (
+        proc.stdout)
+    assert "overlapkit-first" in proc.stdout and "overlapkit-second" in proc.stdout
+
+
+def test_one_distribution_found_twice_is_loaded_once(tmp_path: Path) -> None:
+    path = _hook_dist(tmp_path, "overlapkit-twice", "twice_plugin", "twice_hook", ep="twice")
+    listed = plugins_json(path, path)
+    assert [p["name"] for p in listed].count("twice") == 1
+
+
+def test_an_entry_point_named_like_a_builtin_is_refused_keeping_the_builtin(
+        tmp_path: Path) -> None:
+    path = _hook_dist(tmp_path, "overlapkit-impostor", "impostor", "extra",
+                      ep="overlapkit.comm_hooks")
+    proc = run_python(
+        "import sys; from overlapkit.cli import main; sys.exit(main(['plugins']))", path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    message = proc.stderr.strip().splitlines()[-1]
+    assert "has the name of a built-in overlapkit plugin" in message
+    assert "overlapkit-impostor" in message and "Rename the entry point" in message
+    assert "OVERLAPKIT_DISABLE_PLUGINS" not in message
+
+
+def test_a_hook_that_raises_is_one_line_naming_plugin_distribution_and_hook(
+        tmp_path: Path) -> None:
+    path = make_plugin_dist(
+        tmp_path, dist="overlapkit-raises", entry_points={"raises": "raises_plugin"},
+        modules={"raises_plugin": """
+            import overlapkit
+
+            @overlapkit.hookimpl
+            def overlapkit_register_averagers():
+                raise RuntimeError("config file missing")
+            """},
+    )
+    proc = run_python(
+        "import sys; from overlapkit.cli import main; sys.exit(main(['plugins']))", path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    message = proc.stderr.strip().splitlines()[-1]
+    assert "'raises'" in message and "overlapkit-raises" in message
+    assert "overlapkit_register_averagers" in message and "config file missing" in message

@@ -154,12 +154,28 @@ class OverlapkitPluginManager(pluggy.PluginManager):
 
         :raises PluginLoadError: an entry point failed to import.
         """
-        seen: set[str] = set()
+        seen: dict[str, str] = {}
         for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
-            if ep.name in seen:  # one distribution found twice on sys.path
-                continue
-            seen.add(ep.name)
             dist_name, version = _distribution_of(ep)
+            if ep.name in BUILTIN_PLUGINS:
+                raise PluginConflictError(
+                    f"the entry point {ep.name!r} of distribution {dist_name} {version} "
+                    "has the name of a built-in overlapkit plugin. Rename the entry point "
+                    f"in {dist_name}'s pyproject.toml ([project.entry-points.overlapkit]), "
+                    f"e.g. to {ep.name.rsplit('.', 1)[-1] + '_' + dist_name.replace('-', '_')!r}, "
+                    f"or uninstall {dist_name}; the built-in stays as it is."
+                )
+            if ep.name in seen:
+                if seen[ep.name] == dist_name:  # one distribution found twice on sys.path
+                    continue
+                raise PluginConflictError(
+                    f"two installed distributions register an overlapkit plugin named "
+                    f"{ep.name!r}: {seen[ep.name]} and {dist_name}; which one is loaded "
+                    "would depend on sys.path order (and could differ between nodes). "
+                    "Uninstall one of them, or rename the entry point in one; "
+                    f"OVERLAPKIT_DISABLE_PLUGINS={ep.name} blocks both."
+                )
+            seen[ep.name] = dist_name
             info = PluginInfo(name=ep.name, source="entry point", status="active",
                               distribution=dist_name, version=version, target=ep.value)
             if self.is_blocked(ep.name):
