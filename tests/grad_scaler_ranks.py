@@ -23,4 +23,15 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
         out[technique] = error_of(lambda opt=opt, scaler=scaler: scaler.step(opt))
         # the refusal leaves no GradScaler attributes behind: a plain step works
         out[f"{technique} plain step after"] = error_of(opt.step)
+        # scaler.unscale_(opt), the first call of torch's clipping AMP loop, is refused
+        # too, before it touches a gradient
+        ddp.zero_grad()
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        scaler.scale(ddp(rank_batches(rank, 1)[0]).square().mean()).backward()
+        grads = [None if p.grad is None else p.grad.clone() for p in ddp.parameters()]
+        out[f"{technique} unscale_"] = error_of(lambda opt=opt, scaler=scaler:
+                                                scaler.unscale_(opt))
+        out[f"{technique} unscale_ left grads"] = all(
+            (g is None and p.grad is None) or (g is not None and torch.equal(g, p.grad))
+            for g, p in zip(grads, ddp.parameters(), strict=True))
     return out

@@ -70,16 +70,22 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
                 "scales": (plain["scales"], ours["scales"]),
                 "skipped": (plain["skipped"], ours["skipped"]),
             }
-    for setup in ("overlap_ddp", "optimizer_in_backward"):  # bf16 parameters
-        runs = []
-        for overlapped in (False, True):
-            ddp = DDP(_model(torch.bfloat16), bucket_cap_mb=0.001)
-            opt: Any = (getattr(overlapkit, setup)(ddp, torch.optim.AdamW, lr=0.01)
-                        if overlapped else torch.optim.AdamW(ddp.parameters(), lr=0.01))
-            for x in rank_batches(rank, STEPS):
-                ddp(x.to(torch.bfloat16)).float().square().mean().backward()
-                opt.step()
-                opt.zero_grad()
-            runs.append(values(ddp.module))
-        out[f"bf16 {setup}"] = compare(*runs)
+    for dtype in (torch.bfloat16, torch.float16):  # low-precision parameters
+        for setup in ("overlap_ddp", "optimizer_in_backward"):
+            runs = []
+            for overlapped in (False, True):
+                ddp = DDP(_model(dtype), bucket_cap_mb=0.001)
+                opt: Any = (getattr(overlapkit, setup)(ddp, torch.optim.AdamW, lr=0.01,
+                                                        eps=1e-4)
+                            if overlapped else
+                            torch.optim.AdamW(ddp.parameters(), lr=0.01, eps=1e-4))
+                for x in rank_batches(rank, STEPS):
+                    ddp(x.to(dtype)).float().square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                runs.append(values(ddp.module) + [t for s in opt.state.values()
+                                                  for t in s.values()])
+            name = "bf16" if dtype is torch.bfloat16 else "fp16"
+            out[f"{name} {setup}"] = compare(*runs)
+            out[f"{name} {setup} moved"] = not compare(values(_model(dtype)), runs[0][:6])
     return out

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from grad_scaler_ranks import run
+from helpers import compare
 from torch import nn
 
 import overlapkit
@@ -27,7 +28,12 @@ def test_a_grad_scaler_is_refused_on_ddp(results: list[dict[str, Any]], techniqu
         error = rank_results[technique]
         assert error is not None and error["type"] == "ConfigurationError", error
         assert "GradScaler" in error["message"] and "scaled gradients" in error["message"]
+        assert "grad_scaler=scaler" in error["message"]
         assert rank_results[f"{technique} plain step after"] is None
+        error = rank_results[f"{technique} unscale_"]
+        assert error is not None and error["type"] == "ConfigurationError", error
+        assert "grad_scaler=scaler" in error["message"]
+        assert rank_results[f"{technique} unscale_ left grads"]
 
 
 def test_a_grad_scaler_is_refused_on_a_plain_module() -> None:
@@ -37,3 +43,29 @@ def test_a_grad_scaler_is_refused_on_a_plain_module() -> None:
     scaler.scale(model(torch.ones(3, 4)).sum()).backward()
     with pytest.raises(overlapkit.ConfigurationError, match="GradScaler"):
         scaler.step(opt)
+
+
+def test_unscale_is_refused_on_a_plain_module_without_grad_scaler() -> None:
+    model = nn.Linear(4, 2)
+    opt = overlapkit.optimizer_in_backward(model, torch.optim.AdamW, lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.ones(3, 4)).sum()).backward()
+    with pytest.raises(overlapkit.ConfigurationError, match=r"grad_scaler=scaler"):
+        scaler.unscale_(opt)
+
+
+def test_unscale_with_grad_scaler_points_to_clip_grad_norm() -> None:
+    """With grad_scaler= the step was taken at the end of backward: clipping between
+    unscale_ and step would change nothing, so unscale_ says to use clip_grad_norm=."""
+    model = nn.Linear(4, 2)
+    scaler = torch.amp.GradScaler("cpu")
+    opt = overlapkit.optimizer_in_backward(model, torch.optim.AdamW, lr=0.1,
+                                           grad_scaler=scaler)
+    scaler.scale(model(torch.ones(3, 4)).sum()).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(overlapkit.ConfigurationError, match="clip_grad_norm=max_norm"):
+        scaler.unscale_(opt)
+    assert compare(before, [p.detach() for p in model.parameters()])  # untouched
+    scaler.step(opt)  # the loop without unscale_ goes on
+    scaler.update()
+    assert scaler.get_scale() == 65536.0

@@ -38,9 +38,15 @@ def test_grad_scaler_parity_with_an_overflow_on_one_rank(results: list[dict[str,
         assert result["skipped"][0] == result["skipped"][1]
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("setup", ["overlap_ddp", "optimizer_in_backward"])
-def test_bf16_parameters_equal_the_plain_run(results: list[dict[str, Any]], setup: str) -> None:
-    assert all(r[f"bf16 {setup}"] for r in results)
+def test_low_precision_parameters_equal_the_plain_run(results: list[dict[str, Any]],
+                                                      setup: str, dtype: str) -> None:
+    """``model.to(torch.bfloat16 / torch.float16)``: parameters and AdamW state
+    bitwise the plain DDP run's (and the run really trained)."""
+    for rank_results in results:
+        assert rank_results[f"{dtype} {setup}"], rank_results[f"{dtype} {setup}"]
+        assert rank_results[f"{dtype} {setup} moved"]
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))

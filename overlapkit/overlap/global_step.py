@@ -64,6 +64,7 @@ class GlobalStep:
         order = {id(p): i for i, p in enumerate(engine.parameters())}
         with_grad = sorted((p for p in params if p.grad is not None),
                            key=lambda p: order.get(id(p), len(order)))
+        self.found_inf_per_device = {}  # no gradient: no inf check, as GradScaler
         if not with_grad:
             return False
         found_inf = self._unscale(engine.optimizer)

@@ -1,0 +1,94 @@
+"""How a ``torch.amp.GradScaler`` meets an optimizer whose steps happen during backward.
+
+With ``grad_scaler=`` the gradients are unscaled, checked for infs and stepped (or the
+step skipped) at the end of backward (:mod:`overlapkit.overlap.global_step`); the
+user's ``scaler.step(opt)`` then only hands the scaler the inf check, which
+``scaler.update()`` reads. Everything else is refused with a clear error before it
+changes anything:
+
+- a scaler driving an optimizer built without ``grad_scaler=`` (its steps used the
+  scaled gradients, with no inf check): at ``scaler.step(opt)`` and at
+  ``scaler.unscale_(opt)``;
+- ``scaler.unscale_(opt)`` with ``grad_scaler=``: the step it would prepare (clipping
+  the unscaled gradients, typically) was already taken; clip with ``clip_grad_norm=``.
+
+``GradScaler.unscale_`` has no hook, but it reads ``optimizer.param_groups`` from
+``GradScaler._unscale_grads_`` before touching a gradient: :func:`guard_param_groups`
+recognises that caller by its code object (one frame look-up per ``param_groups``
+read).
+"""
+
+from __future__ import annotations
+
+from types import FrameType
+from typing import Any
+
+import torch
+
+from overlapkit.errors import ConfigurationError
+
+__all__ = ["guard_param_groups", "refuse_scaler_step", "scaler_refusal"]
+
+_UNSCALE_GRADS = torch.amp.GradScaler._unscale_grads_.__code__
+_UNSCALE = torch.amp.GradScaler.unscale_.__code__
+
+
+def scaler_refusal(technique: str) -> ConfigurationError:
+    """The error for a GradScaler driving an optimizer built without ``grad_scaler=``."""
+    return ConfigurationError(
+        f"a torch.amp.GradScaler is driving the optimizer of {technique}, which was "
+        "built without grad_scaler=: its steps during backward used the scaled "
+        "gradients, with no inf check. Pass the scaler when setting up: "
+        f"{technique}(..., grad_scaler=scaler); the loop stays "
+        "scaler.scale(loss).backward(); scaler.step(opt); scaler.update()."
+    )
+
+
+def guard_param_groups(caller: FrameType | None, technique: str,
+                       grad_scaler: Any | None) -> None:
+    """Called on each read of the facade's ``param_groups`` with the reader's frame.
+
+    :raises ConfigurationError: the reader is ``GradScaler.unscale_`` (through
+        ``_unscale_grads_``): without ``grad_scaler=`` the steps used scaled
+        gradients; with it the gradients are already unscaled and stepped, so what the
+        user meant to do between ``unscale_`` and ``step`` (clip) would change nothing.
+        Raised before any gradient is touched.
+    """
+    if caller is None or caller.f_code is not _UNSCALE_GRADS:
+        return
+    outer = caller.f_back
+    if outer is None or outer.f_code is not _UNSCALE:
+        return  # GradScaler.step's own inf check: step() answers it
+    if grad_scaler is None:
+        raise scaler_refusal(technique)
+    raise ConfigurationError(
+        f"scaler.unscale_(opt) on the optimizer of {technique}: with grad_scaler= the "
+        "gradients are unscaled, checked and stepped at the end of backward, so "
+        "whatever comes between unscale_ and step (clipping the unscaled gradients) "
+        "would no longer change the step. Leave out scaler.unscale_(opt) and clip with "
+        f"{technique}(..., clip_grad_norm=max_norm) (torch's global clip_grad_norm_, "
+        "on the unscaled gradients); the loop is scaler.scale(loss).backward(); "
+        "scaler.step(opt); scaler.update()."
+    )
+
+
+def refuse_scaler_step(optimizer: torch.optim.Optimizer, technique: str,
+                       grad_scaler: Any | None,
+                       found_inf_per_device: dict[torch.device, torch.Tensor]) -> None:
+    """Called by the facade's ``step()``. When a ``GradScaler`` calls it (it set
+    ``grad_scale``/``found_inf`` on the optimizer, ``_step_supports_amp_scaling``):
+    hand the scaler the inf check of the end of backward, which ``update()`` reads;
+    or, without ``grad_scaler=``, raise (leaving no attribute behind).
+
+    :raises ConfigurationError: a scaler drives an optimizer built without it.
+    """
+    attrs = optimizer.__dict__
+    if "found_inf" not in attrs and "grad_scale" not in attrs:
+        return
+    if grad_scaler is None:
+        # GradScaler.step deletes them after a step that returns; this one raises
+        attrs.pop("found_inf", None)
+        attrs.pop("grad_scale", None)
+        raise scaler_refusal(technique)
+    state = grad_scaler._per_optimizer_states[id(optimizer)]
+    state["found_inf_per_device"] = dict(found_inf_per_device)
