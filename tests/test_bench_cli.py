@@ -20,6 +20,8 @@ EXPECTED_VARIANTS = {
     "optimizer_in_backward": {"ddp/optimizer_in_backward", "ddp/plain",
                               "module/optimizer_in_backward", "module/plain",
                               "module/torch_apply_optimizer_in_backward"},
+    "mixed_precision": {"plain_amp", "overlap_ddp_amp", "optimizer_in_backward_amp",
+                        "plain_clip", "overlap_ddp_clip", "overlap_ddp_clip_bucket"},
     "local_sgd": {"overlapkit_post_local_sgd", "torch_post_local_sgd", "ddp"},
     "checkpoint": {"overlapkit", "torch"},
 }

@@ -27,6 +27,7 @@ __all__ = ["BENCHMARKS", "format_result", "machine_description", "plot_results",
 BENCHMARKS: dict[str, str] = {
     "ddp_overlap": "overlapkit.cli.bench.ddp_overlap",
     "optimizer_in_backward": "overlapkit.cli.bench.optimizer_in_backward",
+    "mixed_precision": "overlapkit.cli.bench.mixed_precision",
     "local_sgd": "overlapkit.cli.bench.local_sgd",
     "checkpoint": "overlapkit.cli.bench.checkpoint",
 }
