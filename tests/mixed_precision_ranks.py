@@ -70,6 +70,7 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
                 "scales": (plain["scales"], ours["scales"]),
                 "skipped": (plain["skipped"], ours["skipped"]),
             }
+    out.update(_fsdp2(rank))
     for dtype in (torch.bfloat16, torch.float16):  # low-precision parameters
         for setup in ("overlap_ddp", "optimizer_in_backward"):
             runs = []
@@ -88,4 +89,43 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
             name = "bf16" if dtype is torch.bfloat16 else "fp16"
             out[f"{name} {setup}"] = compare(*runs)
             out[f"{name} {setup} moved"] = not compare(values(_model(dtype)), runs[0][:6])
+    return out
+
+
+def _fsdp2_model() -> nn.Module:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _fsdp2(rank: int) -> dict[str, Any]:
+    """optimizer_in_backward on FSDP2 with grad_scaler= and global clipping against
+    plain FSDP2 + the same scaler + clip_grad_norm_ (DTensor gradients)."""
+    out: dict[str, Any] = {}
+    for name, (cls, kwargs) in OPTIMIZERS.items():
+        runs = []
+        for overlapped in (False, True):
+            model = _fsdp2_model()
+            scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+            opt: Any = (overlapkit.optimizer_in_backward(model, cls, grad_scaler=scaler,
+                                                         clip_grad_norm=1.0, **kwargs)
+                        if overlapped else cls(model.parameters(), **kwargs))
+            runs.append(_amp_loop(model, opt, scaler, rank, plain=not overlapped))
+        out[f"fsdp2 {name}"] = {
+            "values": compare(runs[0]["values"], runs[1]["values"]),
+            "state": compare([t.full_tensor() if hasattr(t, "full_tensor") else t
+                              for t in runs[0]["state"]],
+                             [t.full_tensor() if hasattr(t, "full_tensor") else t
+                              for t in runs[1]["state"]]),
+            "scales": (runs[0]["scales"], runs[1]["scales"]),
+            "skipped": (runs[0]["skipped"], runs[1]["skipped"]),
+        }
     return out

@@ -249,7 +249,7 @@ def _fsdp_run(rank: int, in_backward: bool, optim_cls: type[torch.optim.Optimize
     return values(model), info, opt, model
 
 
-#: per-parameter norm clipping (FSDP2 has no global clipping yet)
+#: per-parameter norm clipping (the opt-in scope; the default is global)
 BUCKET_CLIP = {"clip_grad_norm": 0.05, "clip_grad_norm_scope": "bucket"}
 
 
@@ -291,6 +291,9 @@ def fsdp_scenarios(rank: int, checkpoint_dir: str) -> dict[str, Any]:
         plain_before_step=clip_norm_per_param)
     out["fsdp2 clip_norm not global"] = _fsdp_parity(
         rank, torch.optim.SGD, sgd, oib_options=BUCKET_CLIP,
+        plain_before_step=clip_norm_global)
+    out["fsdp2 clip_norm global"] = _fsdp_parity(  # the default scope: torch's, exact
+        rank, torch.optim.SGD, sgd, oib_options={"clip_grad_norm": 0.05},
         plain_before_step=clip_norm_global)
     out["fsdp2 state_dict"] = _fsdp_state_dict_round_trip(rank)
     out["fsdp2 checkpoint"] = _fsdp_checkpoint_round_trip(rank, checkpoint_dir)

@@ -1,7 +1,8 @@
 """Mixed precision, bitwise (2 gloo ranks): the PyTorch fp16 AMP loop
 (``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()``) with
 ``grad_scaler=`` and global clipping equals plain DDP + the same GradScaler + the
-same clipping — the step where one rank's loss overflows is skipped on every rank,
+same clipping (also optimizer_in_backward on FSDP2) — the step where one rank's loss
+overflows is skipped on every rank,
 ``get_scale()`` follows, parameters and optimizer state are equal — for SGD and
 AdamW under overlap_ddp (both step threads) and optimizer_in_backward; bf16
 parameters equal the plain run; and on a plain module too."""
@@ -25,7 +26,7 @@ def results() -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("setup", sorted(SETUPS))
+@pytest.mark.parametrize("setup", [*sorted(SETUPS), "fsdp2"])
 def test_grad_scaler_parity_with_an_overflow_on_one_rank(results: list[dict[str, Any]],
                                                           setup: str, optimizer: str) -> None:
     for rank_results in results:
@@ -36,6 +37,7 @@ def test_grad_scaler_parity_with_an_overflow_on_one_rank(results: list[dict[str,
         assert result["state"], result["state"]
         assert result["scales"][0] == result["scales"][1]
         assert result["skipped"][0] == result["skipped"][1]
+        assert result["skipped"][1][OVERFLOW_STEP]
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])

@@ -487,14 +487,18 @@ def test_fsdp2_bitwise_parity_grads_freed_and_scheduler(
     _check_parity(two_ranks, f"fsdp2 {name}", OPTIMIZERS[name][1]["lr"])
 
 
-@pytest.mark.parametrize("scenario", ["no_step", "clip_value", "clip_norm per parameter"])
+@pytest.mark.parametrize("scenario", ["no_step", "clip_value", "clip_norm per parameter",
+                                      "clip_norm global"])
 def test_fsdp2_parity_with_accumulation_and_clipping(
     two_ranks: list[dict[str, Any]], scenario: str
 ) -> None:
     _check_parity(two_ranks, f"fsdp2 {scenario}")
 
 
-def test_fsdp2_norm_clipping_is_not_global(two_ranks: list[dict[str, Any]]) -> None:
+def test_fsdp2_bucket_scope_norm_clipping_is_not_global(
+        two_ranks: list[dict[str, Any]]) -> None:
+    """clip_grad_norm_scope='bucket' clips each parameter by its own norm: not the
+    global result (so the clipping in these scenarios is active)."""
     assert not any(r["fsdp2 clip_norm not global"]["equal"] for r in two_ranks)
 
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.clipping import GradClipping
@@ -43,11 +44,17 @@ class GlobalStep:
     :param clipping: the clipping options (norm clipping here is global).
     :param grad_scaler: the ``torch.amp.GradScaler`` whose scaled loss the backward
         ran on, or None.
+    :param sharded: the gradients are shards (FSDP2): an inf in one rank's shard
+        must skip the step on every rank, so the inf check is summed over the ranks
+        (what ``ShardedGradScaler.unscale_`` does); under DDP the allreduce already
+        put the inf in every rank's gradient.
     """
 
-    def __init__(self, clipping: GradClipping, grad_scaler: Any | None) -> None:
+    def __init__(self, clipping: GradClipping, grad_scaler: Any | None,
+                 sharded: bool = False) -> None:
         self.clipping = clipping
         self.grad_scaler = grad_scaler
+        self.sharded = sharded
         #: per device, whether the last backward's gradients held an inf or a nan
         #: (what ``GradScaler.update()`` reads); empty without a scaler
         self.found_inf_per_device: dict[torch.device, torch.Tensor] = {}
@@ -65,9 +72,11 @@ class GlobalStep:
         with_grad = sorted((p for p in params if p.grad is not None),
                            key=lambda p: order.get(id(p), len(order)))
         self.found_inf_per_device = {}  # no gradient: no inf check, as GradScaler
-        if not with_grad:
+        if not with_grad and not self.sharded:
             return False
         found_inf = self._unscale(engine.optimizer)
+        if not with_grad:
+            return False
         with torch.no_grad():
             if self.clipping.value is not None:
                 torch.nn.utils.clip_grad_value_(with_grad, self.clipping.value)
@@ -92,6 +101,14 @@ class GlobalStep:
             return False
         inv_scale = scale.double().reciprocal().float()
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
-        self.found_inf_per_device = scaler._unscale_grads_(optimizer, inv_scale, found_inf,
-                                                           False)
+        per_device = scaler._unscale_grads_(optimizer, inv_scale, found_inf, False)
+        if self.sharded:
+            # every rank calls this once per backward (FSDP2 gives each a shard of
+            # every gradient): one summed flag, on the scale's device
+            total = torch.zeros((), dtype=torch.float32, device=scale.device)
+            for value in per_device.values():
+                total += value.to(scale.device)
+            dist.all_reduce(total)
+            per_device = {scale.device: total}
+        self.found_inf_per_device = per_device
         return bool(sum(v.item() for v in self.found_inf_per_device.values()))

@@ -192,9 +192,10 @@ def optimizer_in_backward(
         each bucket's (DDP) or parameter's (FSDP2, plain) gradient clipped by its own
         norm and stepped at once (0.1's behaviour; refused for a DDP model with
         ``find_unused_parameters`` or ``static_graph``).
-    :param grad_scaler: the ``torch.amp.GradScaler`` of an fp16 AMP loop (DDP and
-        plain modules): unscaled and inf-checked as ``scaler.step`` would, all steps
-        skipped on an overflow; the steps wait for the end of backward.
+    :param grad_scaler: the ``torch.amp.GradScaler`` of an fp16 AMP loop (DDP, FSDP2
+        and plain modules): unscaled and inf-checked as ``scaler.step`` would, all
+        steps skipped on an overflow (FSDP2: on any rank's shard, as
+        ``ShardedGradScaler``); the steps wait for the end of backward.
     :return: a ``torch.optim.Optimizer``; its ``step()`` is a no-op after a backward
         that already stepped.
     :raises UnsupportedModelError: not a module, or an FSDP1 model.
@@ -216,13 +217,6 @@ def optimizer_in_backward(
     if ddp_model is not None:
         return _on_ddp(ddp_model, overlapped_cls, optim_cls, args, optim_kwargs, params,
                        comm_hook, comm_hook_options, clipping, grad_scaler)
-    if kind == "fsdp2" and GlobalStep.needed(clipping, grad_scaler):
-        raise ConfigurationError(
-            f"{TECHNIQUE} on an FSDP2 model supports neither global norm clipping nor a "
-            "GradScaler yet (both need every sharded gradient at once); pass "
-            "clip_grad_norm_scope='bucket' to clip each parameter's gradient by its own "
-            "norm, or clip_grad_value."
-        )
     if comm_hook is not None or comm_hook_options is not None:
         raise ConfigurationError(
             f"comm_hook applies to DistributedDataParallel models only, and this is "
@@ -246,7 +240,7 @@ def optimizer_in_backward(
     engine = build_engine(overlapped_cls, optim_cls, params, args, optim_kwargs, TECHNIQUE)
     owned = engine.parameters()
     check_unclaimed(owned, TECHNIQUE)
-    global_step = (GlobalStep(clipping, grad_scaler)
+    global_step = (GlobalStep(clipping, grad_scaler, sharded=kind == "fsdp2")
                    if GlobalStep.needed(clipping, grad_scaler) else None)
     stepper = ParamStepper(engine, clipping=clipping, side_stream=_side_stream(owned),
                            global_step=global_step)
