@@ -52,6 +52,25 @@ def test_a_path_that_is_not_a_path(call: str) -> None:
         getattr(checkpoint, call)(5, *args)
 
 
+@pytest.mark.parametrize(("planner", "text"), [
+    (5, "got int"),
+    (torch.distributed.checkpoint.DefaultSavePlanner(), "got DefaultSavePlanner"),
+    (torch.distributed.checkpoint.DefaultLoadPlanner,
+     r"the class DefaultLoadPlanner \(pass an instance"),
+])
+def test_a_planner_of_the_wrong_kind_is_refused_naming_it(tmp_path: Path, planner: Any,
+                                                          text: str) -> None:
+    model, opt = _trained()
+    checkpoint.save(tmp_path / "ck", model, opt)
+    fresh_model, fresh_opt = _trained(seed=1)
+    fresh_opt.state.clear()
+    before = values(fresh_model)
+    with pytest.raises(CheckpointError, match=rf"load: planner must be .*{text}"):
+        checkpoint.load(tmp_path / "ck", fresh_model, fresh_opt, planner=planner)
+    assert compare(before, values(fresh_model))
+    assert not fresh_opt.state
+
+
 def test_a_failed_final_rename_puts_the_previous_checkpoint_back(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "ck"
