@@ -74,18 +74,18 @@ def load(
     check_model_and_optimizer(model, optimizer, "load")
     check_load_planner(planner, "load")
     metadata = read_metadata(path)
-    _verify_on_rank_zero(path)
+    _verify_on_rank_zero(path, metadata)
     with unwrapped(optimizer) if optimizer is not None else nullcontext() as real:
         _load_into_real(path, metadata, model, real, planner)
 
 
-def _verify_on_rank_zero(path: Path) -> None:
+def _verify_on_rank_zero(path: Path, metadata: Metadata) -> None:
     """Check the files against the manifest written at save, once (rank 0), and raise
     the same CheckpointError on every rank if any is damaged."""
     error: str | None = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
-            verify_files(path)
+            verify_files(path, metadata.storage_data)
         except CheckpointError as exc:
             error = str(exc)
     if dist.is_initialized() and dist.get_world_size() > 1:
