@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -17,6 +17,7 @@ import overlapkit
 from overlapkit import checkpoint
 from overlapkit.checkpoint import saving
 from overlapkit.errors import CheckpointError
+from overlapkit.local_sgd.comm_hook import PostLocalSGDHookState
 
 
 def _trained(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -52,6 +53,25 @@ def test_a_path_that_is_not_a_path(call: str) -> None:
         getattr(checkpoint, call)(5, *args)
 
 
+@pytest.mark.parametrize(("planner", "text"), [
+    (5, "got int"),
+    (torch.distributed.checkpoint.DefaultSavePlanner(), "got DefaultSavePlanner"),
+    (torch.distributed.checkpoint.DefaultLoadPlanner,
+     r"the class DefaultLoadPlanner \(pass an instance"),
+])
+def test_a_planner_of_the_wrong_kind_is_refused_naming_it(tmp_path: Path, planner: Any,
+                                                          text: str) -> None:
+    model, opt = _trained()
+    checkpoint.save(tmp_path / "ck", model, opt)
+    fresh_model, fresh_opt = _trained(seed=1)
+    fresh_opt.state.clear()
+    before = values(fresh_model)
+    with pytest.raises(CheckpointError, match=rf"load: planner must be .*{text}"):
+        checkpoint.load(tmp_path / "ck", fresh_model, fresh_opt, planner=planner)
+    assert compare(before, values(fresh_model))
+    assert not fresh_opt.state
+
+
 def test_a_failed_final_rename_puts_the_previous_checkpoint_back(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "ck"
@@ -82,7 +102,10 @@ def _post_local_sgd() -> overlapkit.PostLocalSGDOptimizer:
     model = nn.Linear(3, 2)
     local = torch.optim.SGD(model.parameters(), lr=0.1)
     averager = overlapkit.create_averager("periodic", period=2, warmup_steps=0)
-    opt = overlapkit.PostLocalSGDOptimizer(local, averager)
+    hook = PostLocalSGDHookState(process_group=cast(Any, None), subgroup=None,
+                                 start_localSGD_iter=10)
+    hook.iter = 1
+    opt = overlapkit.PostLocalSGDOptimizer(local, averager, comm_hook_state=hook)
     averager.step = 2
     return opt
 
@@ -91,6 +114,12 @@ def _post_local_sgd() -> overlapkit.PostLocalSGDOptimizer:
     (lambda sd: sd.update(averager=5), "'averager' entry is a int"),
     (lambda sd: sd.update(averager={"step": -1}), "no valid 'step'"),
     (lambda sd: sd.update(averager={"step": "x"}), "no valid 'step'"),
+    (lambda sd: sd.pop("state"), "no 'state' entry"),
+    (lambda sd: sd.update(comm_hook={"iter": -3}), "no valid 'iter'"),
+    (lambda sd: sd.update(comm_hook=[1]), "'comm_hook' entry is a list"),
+    # torch's own check of the groups, after the averager entry was accepted
+    (lambda sd: sd.update(param_groups=sd["param_groups"] * 2, averager={"step": 7}),
+     "different number of parameter groups"),
 ])
 def test_post_local_sgd_load_state_dict_changes_nothing_when_refused(edit: Any,
                                                                      text: str) -> None:
@@ -98,7 +127,16 @@ def test_post_local_sgd_load_state_dict_changes_nothing_when_refused(edit: Any,
     state = opt.state_dict()
     state["param_groups"][0]["lr"] = 0.5
     edit(state)
-    with pytest.raises(CheckpointError, match=text):
+    with pytest.raises(ValueError, match=text):  # CheckpointError is a ValueError
         opt.load_state_dict(state)
     assert opt.param_groups[0]["lr"] == 0.1
+    assert opt.averager.step == 2
+    assert opt.comm_hook_state is not None and opt.comm_hook_state.iter == 1
+
+
+@pytest.mark.parametrize("state", [None, 5, "state"])
+def test_post_local_sgd_load_state_dict_of_something_else(state: Any) -> None:
+    opt = _post_local_sgd()
+    with pytest.raises(CheckpointError, match="state_dict must be a dict"):
+        opt.load_state_dict(state)
     assert opt.averager.step == 2

@@ -13,7 +13,7 @@ import torch
 
 from overlapkit.errors import CheckpointError
 
-__all__ = ["check_model_and_optimizer", "check_path"]
+__all__ = ["check_load_planner", "check_model_and_optimizer", "check_path"]
 
 
 def check_path(path: Any, call: str) -> Path:
@@ -57,3 +57,24 @@ def check_model_and_optimizer(model: Any, optimizer: Any, call: str) -> None:
                     f"{tuple(param.shape)} that is not a parameter of the model; pass "
                     "the model whose parameters the optimizer steps."
                 )
+
+
+def check_load_planner(planner: Any, call: str) -> None:
+    """:raises CheckpointError: ``planner`` is neither ``None``, a name, nor a DCP
+    ``LoadPlanner`` instance (a registered name that is unknown is left to the
+    registry, which lists the valid ones)."""
+    from torch.distributed.checkpoint.planner import LoadPlanner
+
+    if planner is None or isinstance(planner, (str, LoadPlanner)):
+        return
+    if isinstance(planner, type) and issubclass(planner, LoadPlanner):
+        got = f"the class {planner.__qualname__} (pass an instance: {planner.__name__}())"
+    elif isinstance(planner, type):
+        got = f"the class {planner.__qualname__}"
+    else:
+        got = type(planner).__name__
+    raise CheckpointError(
+        f"{call}: planner must be None, the name of a registered load planner "
+        f"('default', 'offset_2d', or a plugin's) or a torch.distributed.checkpoint "
+        f"LoadPlanner instance, got {got}; leave it out to choose one from the model."
+    )

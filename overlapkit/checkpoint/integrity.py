@@ -5,7 +5,8 @@ anything is loaded.
 the local shard), so damage found while reading would leave the model half-overwritten.
 A manifest written at save time — each file's size and CRC-32 — lets ``load`` find a
 truncated, zeroed or overwritten file first, and refuse it with nothing changed.
-Checkpoints written before the manifest existed load as before, unverified.
+Checkpoints written before the manifest existed (or by torch's DCP) get a lesser check:
+each data file must be long enough for the chunks the metadata places in it.
 """
 
 from __future__ import annotations
@@ -42,14 +43,42 @@ def write_manifest(directory: Path) -> None:
     (directory / MANIFEST_FILE).write_text(json.dumps({"version": 1, "files": files}))
 
 
-def verify_files(directory: Path) -> bool:
-    """Check every file the manifest lists; False when there is no manifest.
+def _check_extents(directory: Path, storage_data: Any) -> None:
+    """Without a manifest: every file the metadata points into exists and is long
+    enough to hold every chunk stored in it, so a truncated file is still refused
+    before anything is read (other damage is found while reading, as DCP finds it)."""
+    needed: dict[str, int] = {}
+    for info in (storage_data.values() if isinstance(storage_data, dict) else ()):
+        name = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if isinstance(name, str) and isinstance(offset, int) and isinstance(length, int):
+            needed[name] = max(needed.get(name, 0), offset + length)
+    for name, end in sorted(needed.items()):
+        file = directory / name
+        if not file.is_file():
+            problem = "is missing"
+        elif (actual := file.stat().st_size) < end:
+            problem = f"has {actual} bytes where its metadata needs {end} (truncated)"
+        else:
+            continue
+        raise CheckpointError(
+            f"the checkpoint at {directory} is damaged: its file {name} {problem}. "
+            "Nothing was loaded: the model and optimizer are as they were. Load an earlier "
+            "checkpoint, or save again from a run that has this state."
+        )
+
+
+def verify_files(directory: Path, storage_data: Any = None) -> bool:
+    """Check every file the manifest lists; False when there is no manifest (a
+    checkpoint of an earlier version, or written by torch's DCP), after checking the
+    files' sizes against ``storage_data`` (the metadata's) instead.
 
     :raises CheckpointError: a file is missing, has another size, or another checksum
         (naming it and what to do).
     """
     manifest_path = directory / MANIFEST_FILE
     if not manifest_path.is_file():
+        _check_extents(directory, storage_data)
         return False
     try:
         files = json.loads(manifest_path.read_text())["files"]

@@ -15,7 +15,11 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner
 
-from overlapkit.checkpoint.arguments import check_model_and_optimizer, check_path
+from overlapkit.checkpoint.arguments import (
+    check_load_planner,
+    check_model_and_optimizer,
+    check_path,
+)
 from overlapkit.checkpoint.integrity import verify_files
 from overlapkit.checkpoint.metadata import SafeFileSystemReader, read_metadata
 from overlapkit.checkpoint.optimizer_state import allocate_optimizer_state
@@ -61,25 +65,27 @@ def load(
 
     :param planner: a DCP ``LoadPlanner``, the name of a registered load planner, or
         ``None`` to choose one from the model state dict's layout.
-    :raises CheckpointError: no checkpoint at ``path``; truncated or corrupt metadata;
+    :raises CheckpointError: an argument of the wrong type (naming it); no checkpoint at
+        ``path``; a damaged file (nothing is changed); truncated or corrupt metadata;
         a checkpoint of a different model or optimizer; a tensor whose shape differs.
     :raises UnknownNameError: ``planner`` names no registered load planner.
     """
     path = check_path(path, "load")
     check_model_and_optimizer(model, optimizer, "load")
+    check_load_planner(planner, "load")
     metadata = read_metadata(path)
-    _verify_on_rank_zero(path)
+    _verify_on_rank_zero(path, metadata)
     with unwrapped(optimizer) if optimizer is not None else nullcontext() as real:
         _load_into_real(path, metadata, model, real, planner)
 
 
-def _verify_on_rank_zero(path: Path) -> None:
+def _verify_on_rank_zero(path: Path, metadata: Metadata) -> None:
     """Check the files against the manifest written at save, once (rank 0), and raise
     the same CheckpointError on every rank if any is damaged."""
     error: str | None = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
-            verify_files(path)
+            verify_files(path, metadata.storage_data)
         except CheckpointError as exc:
             error = str(exc)
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -32,7 +32,12 @@ from overlapkit.checkpoint.arguments import check_model_and_optimizer, check_pat
 from overlapkit.checkpoint.integrity import write_manifest
 from overlapkit.checkpoint.metadata import METADATA_FILE
 from overlapkit.checkpoint.optimizer_state import remove_state_except
-from overlapkit.checkpoint.state_dicts import MODEL_KEY, converted_dcp_errors, state_dicts
+from overlapkit.checkpoint.state_dicts import (
+    MODEL_KEY,
+    OPTIMIZER_KEY,
+    converted_dcp_errors,
+    state_dicts,
+)
 from overlapkit.errors import CheckpointError
 from overlapkit.optimizer_wrapper import unwrapped
 
@@ -137,6 +142,20 @@ def with_rank_zero_buffers(model: torch.nn.Module,
     return out
 
 
+def without_created_state(state: dict[str, Any]) -> None:
+    """Leave out of the checkpoint the optimizer state that was created for the save.
+
+    A fresh optimizer (no step yet) has no state; DCP's ``get_state_dict`` gives it
+    some first (Adam: ``step`` 1 and zero moments). Saved, that state would make a
+    resumed run take its first step as a second one (Adam's bias correction differs), so
+    the checkpoint holds none, as a parameter that never got a gradient has none; a
+    load then leaves the optimizer with no state, exactly as the saving run had.
+    """
+    optimizer_state = state.get(OPTIMIZER_KEY)
+    if isinstance(optimizer_state, dict) and "state" in optimizer_state:
+        optimizer_state["state"] = {}
+
+
 def save(
     path: str | os.PathLike[str],
     model: torch.nn.Module,
@@ -155,10 +174,10 @@ def save(
     The save is atomic: it is written aside and moved into place, so an interrupted
     save leaves the previous checkpoint at ``path`` intact.
 
-    The optimizer is left exactly as it was. A fresh optimizer (no state yet) has its
-    state created for the save, as a step with a learning rate of 0 and zero gradients
-    creates it (Adam: ``step`` 1 and zero moments), and removed again afterwards, so its
-    first real step is still a first step.
+    The optimizer is left exactly as it was, and the checkpoint holds the state it has:
+    none for a parameter that never got a gradient, and none at all for a fresh
+    optimizer (no step yet), so a run resumed from it takes its first step as a first
+    step, as the uninterrupted run does.
 
     :return: ``path`` as a ``Path``.
     :raises CheckpointError: ``path`` exists and is not a checkpoint, or writing or
@@ -179,6 +198,8 @@ def save(
         try:
             state = state_dicts(model, real)
             state[MODEL_KEY] = with_rank_zero_buffers(model, state[MODEL_KEY])
+            if real is not None and not had_state:
+                without_created_state(state)
             writer = dcp.FileSystemWriter(saving, sync_files=True)
             converted_dcp_errors("saving the checkpoint to", path,
                                  lambda: dcp.save(state, storage_writer=writer))

@@ -131,7 +131,19 @@ class PostLocalSGDOptimizer(OptimizerWrapper):
         averager's step. Without an averager entry a warning is raised and the averager
         keeps its current state. Without a comm hook entry the hook's counter is
         inferred from the averager's step (one backward per step), with a warning.
+
+        All or nothing: if any entry is refused, the optimizer, the averager and the
+        comm hook are left exactly as they were.
+
+        :raises CheckpointError: ``state_dict`` is not a dict, lacks ``state`` or
+            ``param_groups``, or its averager or comm hook entry is not valid.
         """
+        if not isinstance(state_dict, Mapping):
+            raise CheckpointError(
+                f"load_state_dict: state_dict must be a dict, got "
+                f"{type(state_dict).__name__}; pass what PostLocalSGDOptimizer."
+                "state_dict() returned. Nothing was loaded."
+            )
         for key in ("averager", "comm_hook"):
             if key in state_dict and not isinstance(state_dict[key], Mapping):
                 raise CheckpointError(
@@ -139,21 +151,28 @@ class PostLocalSGDOptimizer(OptimizerWrapper):
                     "not a dict; load the state_dict() of a PostLocalSGDOptimizer. "
                     "Nothing was loaded."
                 )
-        # All or nothing: the three parts load one after the other, so a part that
-        # refuses its entry puts the ones already loaded back as they were.
-        before = (self.optim.state_dict(), self.averager.state_dict(),
+        # All or nothing, and the optimizer last: torch's load_state_dict checks the
+        # groups before it changes anything, so the averager and the comm hook (a
+        # counter each) load first, and are put back if a later part refuses its
+        # entry; the optimizer's state is only replaced once everything else loaded.
+        before = (self.averager.state_dict(),
                   None if self.comm_hook_state is None else self.comm_hook_state.state_dict())
         try:
-            self._load_parts(state_dict)
+            self._load_averager_and_hook(state_dict)
+            self.optim.load_state_dict(state_dict)
         except BaseException:
-            self.optim.load_state_dict(before[0])
-            self.averager.load_state_dict(before[1])
-            if self.comm_hook_state is not None and before[2] is not None:
-                self.comm_hook_state.load_state_dict(before[2])
+            self.averager.load_state_dict(before[0])
+            if self.comm_hook_state is not None and before[1] is not None:
+                self.comm_hook_state.load_state_dict(before[1])
             raise
 
-    def _load_parts(self, state_dict: dict[str, Any]) -> None:
-        self.optim.load_state_dict(state_dict)
+    def _load_averager_and_hook(self, state_dict: dict[str, Any]) -> None:
+        for key in ("state", "param_groups"):
+            if key not in state_dict:
+                raise CheckpointError(
+                    f"the state dict has no {key!r} entry; load the state_dict() of a "
+                    "PostLocalSGDOptimizer (or of its local optimizer). Nothing was loaded."
+                )
         if "averager" in state_dict:
             self.averager.load_state_dict(state_dict["averager"])
         elif "step" in state_dict:
@@ -163,7 +182,7 @@ class PostLocalSGDOptimizer(OptimizerWrapper):
                 "the loaded state dict has no 'averager' (or 'step') entry, so the model "
                 f"averager keeps its current step {self.averager.step}; with fewer steps "
                 "than warm-up, warm-up runs again. Save with PostLocalSGDOptimizer."
-                "state_dict() to resume exactly.", UserWarning, stacklevel=2,
+                "state_dict() to resume exactly.", UserWarning, stacklevel=3,
             )
         hook = self.comm_hook_state
         if hook is None:
@@ -175,7 +194,7 @@ class PostLocalSGDOptimizer(OptimizerWrapper):
             warnings.warn(
                 "the loaded state dict has no 'comm_hook' entry; the post-local-SGD comm "
                 f"hook's warm-up counter is set from the averager's step to {hook.iter} "
-                f"(of {hook.start_localSGD_iter}).", UserWarning, stacklevel=2,
+                f"(of {hook.start_localSGD_iter}).", UserWarning, stacklevel=3,
             )
 
 
