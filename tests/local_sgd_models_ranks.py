@@ -42,9 +42,23 @@ class WithIntegerAndFrozen(nn.Module):
         return self.out(torch.tanh(self.hidden(torch.tanh(self.frozen(x)))))
 
 
-def _ddp() -> DDP:
+class WithUnused(WithIntegerAndFrozen):
+    """Also a trainable layer that no rank uses, registered before the used ones: it
+    has no gradient, so torch does not average it, and the flat buffer (whose layout
+    decides the order of a ring all-reduce's sums) must not hold it either."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        used = {name: self._modules.pop(name) for name in ("hidden", "out")}
+        self.unused = nn.Linear(8, 24)
+        for name, module in used.items():
+            self.add_module(name, module)
+
+
+def _ddp(model: type[nn.Module] = WithIntegerAndFrozen) -> DDP:
     torch.manual_seed(0)
-    return DDP(WithIntegerAndFrozen(), bucket_cap_mb=0.0002)
+    return DDP(model(), bucket_cap_mb=0.0002,
+               find_unused_parameters=model is WithUnused)
 
 
 def _train(model: DDP, opt: Any, rank: int) -> list[torch.Tensor]:
@@ -60,8 +74,9 @@ def _sgd(model: nn.Module) -> torch.optim.SGD:
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)  # frozen ones too
 
 
-def _torch_run(rank: int, averager: Any, subgroup_size: int) -> list[torch.Tensor]:
-    model = _ddp()
+def _torch_run(rank: int, averager: Any, subgroup_size: int,
+               model_cls: type[nn.Module] = WithIntegerAndFrozen) -> list[torch.Tensor]:
+    model = _ddp(model_cls)
     subgroup, _ = dist.new_subgroups(group_size=subgroup_size)
     state = PostLocalSGDState(process_group=None, subgroup=subgroup,
                               start_localSGD_iter=WARMUP)
@@ -87,5 +102,15 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
         averager="hierarchical", period_group_size_dict=plan)
     out["hierarchical"] = compare(torch_hierarchical, _train(ours, ours_opt, rank), names)
     out["integer parameter unchanged"] = int(ours.module.calls.item()) == 3
+
+    names = [n for n, _ in _ddp(WithUnused).module.named_parameters()]
+    torch_unused = _torch_run(rank, PeriodicModelAverager(period=2, warmup_steps=WARMUP), 2,
+                              WithUnused)
+    ours = _ddp(WithUnused)
+    ours_opt = overlapkit.post_local_sgd(ours, _sgd(ours), period=2, warmup_steps=WARMUP,
+                                         subgroup_size=2)
+    out["unused trainable parameter"] = compare(torch_unused, _train(ours, ours_opt, rank),
+                                                names)
     dist.barrier()
     return out
+

@@ -100,11 +100,20 @@ def test_wrapper_rejects_what_is_not_an_optimizer_or_averager() -> None:
             torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1), object())  # type: ignore[arg-type]
 
 
-def test_parameters_to_average_takes_every_parameter_once_with_or_without_grad() -> None:
+def test_parameters_to_average_takes_those_with_a_gradient_once_as_torch_does() -> None:
     a, b = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(2))
+    counter = torch.nn.Parameter(torch.zeros(1, dtype=torch.int64), requires_grad=False)
     a.grad = torch.ones(1)
-    assert parameters_to_average([{"params": [a, b]}, {"params": [a]}]) == [a, b]
-    assert parameters_to_average([b, a, b]) == [b, a]
+    assert parameters_to_average([{"params": [a, b, counter]}, {"params": [a]}]) == [a]
+    b.grad = torch.ones(2)
+    assert parameters_to_average([b, a, counter, b]) == [b, a]
+
+
+def test_parameters_to_average_without_any_gradient_takes_every_trainable_one() -> None:
+    a, b = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(2))
+    frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    counter = torch.nn.Parameter(torch.zeros(1, dtype=torch.int64), requires_grad=False)
+    assert parameters_to_average([b, frozen, counter, a, b]) == [b, a]
     with pytest.raises(overlapkit.ConfigurationError, match="param_groups"):
         parameters_to_average([3])  # type: ignore[list-item]
 

@@ -29,3 +29,9 @@ def test_bitwise_torch_with_integer_and_frozen_parameters(results: list[dict[str
 
 def test_the_integer_parameter_is_left_alone(results: list[dict[str, Any]]) -> None:
     assert failures(results, "integer parameter unchanged") == {}
+
+
+def test_a_trainable_parameter_no_rank_uses_is_not_averaged_as_in_torch(
+        results: list[dict[str, Any]]) -> None:
+    assert failures(results, "unused trainable parameter") == {}
+

@@ -6,17 +6,14 @@ follow torch's ``PeriodicModelAverager`` and ``HierarchicalModelAverager`` (the 
 schedule, the same arithmetic, bitwise the same results) and fix three things that
 users of torch's hit:
 
-- which parameters are averaged does not depend on gradients: every floating-point
-  parameter that can learn (``requires_grad=True``; plain floating-point tensors too).
-  torch's skip parameters whose ``.grad`` is ``None``: after
-  ``zero_grad(set_to_none=True)`` that is all of them and ``torch.cat`` fails on the
-  empty list; a parameter that got no gradient on some ranks only is left out of the
-  flat buffer there and not elsewhere, so the ranks sum mismatched slices (a silent
-  accuracy loss, pytorch #74157). A rule that reads only the parameters keeps the
-  layout the same on every rank. Integer parameters and frozen ones
-  (``requires_grad=False``) never get a gradient, so torch never averages them
-  either: they are left out (averaging an integer tensor is not even defined), and
-  the flat buffer is exactly torch's, so results are bitwise torch's;
+- which parameters are averaged is torch's rule (those with a gradient at this step),
+  so the flat buffer and the results are bitwise torch's on any number of ranks;
+  integer parameters (which torch would fail to average), frozen ones and unused ones
+  are left out. The ranks agree on the choice first, so a parameter with a gradient
+  on some ranks only is averaged everywhere, where torch sums mismatched slices of
+  its flat buffers (a silent accuracy loss, pytorch #74157). Where torch fails — no
+  parameter has a gradient, e.g. after ``zero_grad(set_to_none=True)`` — every
+  floating-point parameter that can learn is averaged instead (see :func:`parameters_to_average`);
 - their state (the step counter, and whatever a subclass keeps) is saved and restored
   with :meth:`ModelAverager.state_dict` / :meth:`ModelAverager.load_state_dict`, so a
   resumed run neither re-runs warm-up nor shifts its averaging schedule (pytorch
@@ -145,8 +142,8 @@ class ModelAverager(abc.ABC):
 
         Call it after ``optimizer.step()`` on every rank of the process group (it is a
         collective on averaging steps), with the same parameters in the same order on
-        every rank. Parameters without a gradient are averaged too; integer and frozen
-        (``requires_grad=False``) parameters are not (see :func:`parameters_to_average`).
+        every rank. As torch's averagers, only parameters with a gradient are averaged
+        (see :func:`parameters_to_average`).
 
         :param params: ``model.parameters()`` or an optimizer's ``param_groups``.
         :return: whether parameters were averaged at this step.
@@ -155,7 +152,7 @@ class ModelAverager(abc.ABC):
         if self.step >= self.warmup_steps:
             group = self.group_for_step(self.step)
             if group is not None:
-                self.average(parameters_to_average(params), group)
+                self.average(parameters_to_average(params, group), group)
                 averaged = True
         self.step += 1
         return averaged

@@ -1,9 +1,9 @@
 """The arithmetic of model averaging: which tensors are averaged, and how.
 
-Shared by every averager (:mod:`overlapkit.local_sgd.averagers`, DiLoCo's): the
-selection rule — floating-point tensors that can learn, whatever their gradients — and
-torch's flat-buffer arithmetic (divide by the group size, then all-reduce), so results
-are bitwise torch's.
+Shared by every averager (:mod:`overlapkit.local_sgd.averagers`, DiLoCo's): torch's
+selection rule — the parameters that have a gradient at this step — and torch's
+flat-buffer arithmetic (one buffer, divided by the group size, then all-reduced), so
+results are bitwise torch's.
 """
 
 from __future__ import annotations
@@ -21,19 +21,35 @@ __all__ = ["average_in_place", "parameters_to_average"]
 
 def parameters_to_average(
     params: Iterable[torch.Tensor] | Iterable[Mapping[str, Any]],
+    group: dist.ProcessGroup | None = None,
 ) -> list[torch.Tensor]:
     """The tensors of ``params`` (parameters, or an optimizer's ``param_groups``) that
-    are averaged, once each, in order, whether or not they have a gradient: every
-    floating-point tensor but ``nn.Parameter`` objects with ``requires_grad=False``.
+    are averaged, once each, in order: those torch's ``get_params_to_average`` picks,
+    the floating-point ones whose ``.grad`` is not ``None``.
 
-    Integer parameters (step counters, index tables) and frozen parameters are left
-    out: they never get a gradient, so torch's averagers leave them out too, and the
-    flat buffer — whose layout decides the order in which a ring all-reduce sums each
-    element — stays exactly torch's.
+    Parameters without a gradient at this step are left out as torch leaves them out:
+    integer parameters (which cannot have one: averaging them is not even defined),
+    frozen ones, and trainable ones no rank used. The flat buffer — whose layout
+    decides the order in which a ring all-reduce sums each element — is then exactly
+    torch's, and so are the results, bitwise, on any number of ranks. Under DDP every
+    rank has gradients for the same parameters (DDP reduces them, and agrees on the
+    unused ones), so the layout is the same on every rank.
+
+    With ``group``, the ranks of the group agree first (one small all-reduce of a
+    flag per tensor): a tensor that has a gradient on *some* ranks only is averaged
+    on all of them. torch leaves it out where it has no gradient, so its ranks sum
+    mismatched slices of their flat buffers (a silent accuracy loss, pytorch #74157);
+    where every rank agrees — always under DDP — the choice is torch's. Call it with
+    ``group`` on every rank of the group, with the same tensors in the same order.
+
+    Where torch fails — no parameter has a gradient, e.g. averaging after
+    ``zero_grad(set_to_none=True)`` — every floating-point parameter that can learn
+    (``requires_grad=True``; plain tensors too) is averaged instead, a rule that reads
+    only the parameters and so is the same on every rank.
 
     :raises ConfigurationError: an item is neither a tensor nor a parameter group.
     """
-    out: list[torch.Tensor] = []
+    candidates: list[torch.Tensor] = []
     seen: set[int] = set()
     for item in params:
         if isinstance(item, torch.Tensor):
@@ -46,26 +62,38 @@ def parameters_to_average(
                 "or an optimizer's param_groups."
             )
         for tensor in tensors:
-            if id(tensor) not in seen and _learns(tensor):
+            if id(tensor) not in seen and _floating(tensor):
                 seen.add(id(tensor))
-                out.append(tensor)
-    return out
+                candidates.append(tensor)
+    has_grad = [t.grad is not None for t in candidates]
+    if group is not None and candidates and not dist._rank_not_in_group(group) \
+            and dist.get_world_size(group) > 1:
+        flags = torch.tensor(has_grad, dtype=torch.int32, device=candidates[0].device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        has_grad = [bool(flag) for flag in flags.tolist()]
+    with_grad = [t for t, grad in zip(candidates, has_grad, strict=True) if grad]
+    if with_grad:
+        return with_grad
+    return [t for t in candidates if _learns(t)]
+
+
+def _floating(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
 
 
 def _learns(tensor: torch.Tensor) -> bool:
-    if not (tensor.is_floating_point() or tensor.is_complex()):
-        return False
     return tensor.requires_grad or not isinstance(tensor, torch.nn.Parameter)
 
 
 def average_in_place(params: list[torch.Tensor], group: dist.ProcessGroup) -> None:
     """Replace each tensor in ``params`` by its mean over ``group``, in place.
 
-    Tensors are flattened into one buffer per (device, dtype), divided by the group
-    size, then all-reduced: torch's ``average_parameters`` arithmetic, so results are
-    bitwise equal to it. The values are copied back into the parameters rather than
-    rebinding ``p.data`` to views of the flat buffer as torch does, so code that holds
-    a parameter's storage (fused optimizers, bucket views) keeps seeing it.
+    Tensors are flattened into one buffer per device (of the promoted dtype when the
+    dtypes differ, as ``torch.cat`` makes it), divided by the group size, then
+    all-reduced, and cast back on the copy: torch's ``average_parameters`` arithmetic,
+    so results are bitwise equal to it. The values are copied back into the parameters
+    rather than rebinding ``p.data`` to views of the flat buffer as torch does, so code
+    that holds a parameter's storage (fused optimizers, bucket views) keeps seeing it.
     Ranks outside ``group`` and groups of one rank do nothing.
     """
     if dist._rank_not_in_group(group):
@@ -73,10 +101,11 @@ def average_in_place(params: list[torch.Tensor], group: dist.ProcessGroup) -> No
     size = dist.get_world_size(group)
     if size == 1 or not params:
         return
-    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
     for p in params:
-        by_kind.setdefault((p.device, p.dtype), []).append(p)
-    for tensors in by_kind.values():
+        by_device.setdefault(p.device, []).append(p)
+    for tensors in by_device.values():
+        # torch.cat promotes mixed dtypes (bf16 and fp32 -> fp32) as torch's does
         flat = torch.cat([p.detach().reshape(-1) for p in tensors])
         flat.div_(size)
         dist.all_reduce(flat, group=group)
@@ -85,3 +114,4 @@ def average_in_place(params: list[torch.Tensor], group: dist.ProcessGroup) -> No
             for p in tensors:
                 p.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
+
