@@ -4,12 +4,14 @@ backward, and optimizer_in_backward called before DDP wraps the module."""
 from __future__ import annotations
 
 import datetime
+import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from helpers import compare, error_of, rank_batches, values
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlapkit
@@ -34,10 +36,10 @@ def _model() -> nn.Module:
                          nn.Linear(32, 4))
 
 
-def _train(ddp: DDP, opt: Any, rank: int) -> dict[str, Any]:
+def _train(ddp: DDP, opt: Any, rank: int, checkpoint: str) -> dict[str, Any]:
     fail = Fail()
     opt.register_step_pre_hook(fail)
-    errors = []
+    errors, saved, grads = [], None, []
     for step, x in enumerate(rank_batches(rank, STEPS)):
         fail.on = step == FAILING_STEP
         try:
@@ -45,16 +47,29 @@ def _train(ddp: DDP, opt: Any, rank: int) -> dict[str, Any]:
             opt.step()
         except RuntimeError as error:
             errors.append((step, str(error)))
+        if step == FAILING_STEP:  # the reduced gradients, as plain DDP leaves them
+            grads = [torch.full_like(p, float("nan")) if p.grad is None else p.grad.clone()
+                     for p in ddp.parameters()]
         opt.zero_grad()
         # a collective right after: hangs (or fails) if the ranks fell out of step
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
-    return {"errors": errors, "values": values(ddp.module)}
+        if step == FAILING_STEP:  # and a checkpoint save (collectives of its own)
+            saved = error_of(lambda: overlapkit.checkpoint.save(checkpoint, ddp, opt))
+    return {"errors": errors, "values": values(ddp.module), "save error": saved,
+            "grads": grads}
 
 
-def step_errors(rank: int, world_size: int) -> dict[str, Any]:
+def step_errors(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     plain_ddp = DDP(_model(), bucket_cap_mb=0.001)
-    plain = _train(plain_ddp, torch.optim.AdamW(plain_ddp.parameters(), lr=0.01), rank)
-    out: dict[str, Any] = {"plain errors": plain["errors"]}
+    plain = _train(plain_ddp, torch.optim.AdamW(plain_ddp.parameters(), lr=0.01), rank,
+                   os.path.join(directory, "plain"))
+    plain_fp16_ddp = DDP(_model(), bucket_cap_mb=0.001)
+    plain_fp16_ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    plain_fp16 = _train(plain_fp16_ddp, torch.optim.AdamW(plain_fp16_ddp.parameters(),
+                                                          lr=0.01),
+                        rank, os.path.join(directory, "plain-fp16"))
+    out: dict[str, Any] = {"plain errors": plain["errors"],
+                           "plain save error": plain["save error"]}
     setups = {
         "overlap_ddp backward": lambda ddp: overlapkit.overlap_ddp(
             ddp, torch.optim.AdamW, lr=0.01, step_thread="backward"),
@@ -62,12 +77,16 @@ def step_errors(rank: int, world_size: int) -> dict[str, Any]:
             ddp, torch.optim.AdamW, lr=0.01, step_thread="comm"),
         "optimizer_in_backward ddp": lambda ddp: overlapkit.optimizer_in_backward(
             ddp, torch.optim.AdamW, lr=0.01),
+        "overlap_ddp fp16_compress": lambda ddp: overlapkit.overlap_ddp(
+            ddp, torch.optim.AdamW, lr=0.01, comm_hook="fp16_compress"),
     }
     for name, make in setups.items():
         ddp = DDP(_model(), bucket_cap_mb=0.001)
-        ours = _train(ddp, make(ddp), rank)
-        out[name] = {"errors": ours["errors"], "same as plain": compare(plain["values"],
-                                                                       ours["values"])}
+        ours = _train(ddp, make(ddp), rank, os.path.join(directory, name.replace(" ", "-")))
+        reference = plain_fp16 if "fp16" in name else plain
+        out[name] = {"errors": ours["errors"], "save error": ours["save error"],
+                     "same as plain": compare(reference["values"], ours["values"]),
+                     "same gradients": compare(reference["grads"], ours["grads"])}
     # plain module (no DDP): the error reaches the caller too, the module is intact
     module = _model()
     opt = overlapkit.optimizer_in_backward(module, torch.optim.AdamW, lr=0.01)

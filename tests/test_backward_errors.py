@@ -12,12 +12,14 @@ from backward_errors_ranks import FAILING_STEP, step_errors, wrapped_after
 
 from overlapkit.distributed import run_distributed
 
-TECHNIQUES = ["overlap_ddp backward", "overlap_ddp comm", "optimizer_in_backward ddp"]
+TECHNIQUES = ["overlap_ddp backward", "overlap_ddp comm", "optimizer_in_backward ddp",
+              "overlap_ddp fp16_compress"]
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict[str, Any]]:
-    return run_distributed(step_errors, 2, timeout=180)
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    directory = str(tmp_path_factory.mktemp("step-errors"))
+    return run_distributed(step_errors, 2, args=(directory,), timeout=240)
 
 
 @pytest.mark.parametrize("technique", TECHNIQUES)
@@ -34,6 +36,22 @@ def test_training_goes_on_exactly_as_plain_ddp(results: list[dict[str, Any]],
     for rank_results in results:
         same = rank_results[technique]["same as plain"]
         assert same, same
+
+
+@pytest.mark.parametrize("technique", TECHNIQUES)
+def test_the_gradients_after_the_error_are_the_reduced_ones_as_with_plain_ddp(
+        results: list[dict[str, Any]], technique: str) -> None:
+    for rank_results in results:
+        same = rank_results[technique]["same gradients"]
+        assert same, same
+
+
+@pytest.mark.parametrize("technique", TECHNIQUES)
+def test_a_checkpoint_save_right_after_the_error_works(results: list[dict[str, Any]],
+                                                       technique: str) -> None:
+    for rank_results in results:
+        assert rank_results["plain save error"] is None, rank_results["plain save error"]
+        assert rank_results[technique]["save error"] is None, rank_results[technique]
 
 
 def test_on_a_plain_module_the_error_reaches_the_caller(results: list[dict[str, Any]]
