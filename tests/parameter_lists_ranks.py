@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from helpers import error_of
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -51,7 +50,7 @@ def bad_inputs() -> dict[str, Any]:
             kwargs = {k: (_swap(v, body.weight, weight)) for k, v in kwargs.items()}
             kwargs.setdefault("lr", 0.1)
             call = getattr(overlapkit, technique)
-            out[f"{technique}: {case}"] = error_of(
+            out[f"{technique}: {case}"] = _error_and_cause(
                 lambda call=call, kwargs=kwargs, ddp=ddp: call(ddp, torch.optim.AdamW, **kwargs))
         # nothing was registered by the refusals: a valid call still works and trains
         opt = getattr(overlapkit, technique)(ddp, torch.optim.AdamW, lr=0.1)
@@ -61,6 +60,18 @@ def bad_inputs() -> dict[str, Any]:
         out[f"{technique}: valid call after refusals trains"] = not torch.equal(
             before, ddp.module.body.weight)
     return out
+
+
+def _error_and_cause(call: Any) -> dict[str, Any] | None:
+    """The class name and message of what ``call`` raised, and the class name of the
+    error it was raised from (None: not chained), or None."""
+    try:
+        call()
+    except Exception as error:
+        cause = error.__cause__
+        return {"type": type(error).__name__, "message": str(error),
+                "cause": None if cause is None else type(cause).__name__}
+    return None
 
 
 def _swap(value: Any, old: torch.Tensor, new: torch.Tensor) -> Any:

@@ -73,10 +73,38 @@ def test_plain_module_bad_input_is_a_configuration_error(case: str) -> None:
     assert all(p.grad is not None for p in model.parameters())
 
 
+#: case the optimizer's own constructor rejects -> the error it raises for it
+OPTIMIZER_REJECTS = {
+    "betas too short": IndexError,
+    "negative lr": ValueError,
+    "group without params": KeyError,
+    "params is an int": TypeError,
+    "params is one tensor": TypeError,
+}
+
+
 def test_the_optimizers_own_error_is_chained() -> None:
     with pytest.raises(overlapkit.ConfigurationError) as caught:
         overlapkit.optimizer_in_backward(TiedHead(), torch.optim.AdamW, lr=0.1, betas=(0.9,))
     assert isinstance(caught.value.__cause__, IndexError)
+
+
+@pytest.mark.parametrize("case", sorted(OPTIMIZER_REJECTS))
+def test_every_rejection_by_the_optimizer_is_chained_to_its_error(case: str) -> None:
+    model = TiedHead()
+    kwargs = {"lr": 0.1, **_plain_cases(model)[case]}
+    with pytest.raises(overlapkit.ConfigurationError) as caught:
+        overlapkit.optimizer_in_backward(model, torch.optim.AdamW, **kwargs)
+    assert isinstance(caught.value.__cause__, OPTIMIZER_REJECTS[case]), caught.value.__cause__
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+@pytest.mark.parametrize("case", sorted(OPTIMIZER_REJECTS))
+def test_ddp_rejections_by_the_optimizer_are_chained_to_its_error(
+        ddp_results: list[dict[str, Any]], technique: str, case: str) -> None:
+    for rank_results in ddp_results:
+        cause = rank_results[f"{technique}: {case}"]["cause"]
+        assert cause == OPTIMIZER_REJECTS[case].__name__, rank_results[f"{technique}: {case}"]
 
 
 def test_a_tied_weight_is_one_parameter_and_is_accepted() -> None:

@@ -24,6 +24,7 @@ from overlapkit.overlap.setup import (
     check_unclaimed,
     claim_params,
     materialise_params,
+    optimizer_probe,
 )
 from overlapkit.overlap.side_stream import SideStream
 from overlapkit.plugin.manager import get_plugin_manager
@@ -187,7 +188,7 @@ def set_up_on_ddp(
     if params is None:
         params = ddp_params(model)
     else:
-        params = materialise_params(params)
+        params = materialise_params(params, optimizer_probe(optim_cls, args, optim_kwargs))
         check_params_in_ddp_model(model, params)
     engine = build_engine(overlapped_cls, optim_cls, params, args, optim_kwargs, technique)
     owned = engine.parameters()

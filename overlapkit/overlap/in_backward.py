@@ -42,6 +42,7 @@ from overlapkit.overlap.setup import (
     claim_params,
     flatten_params,
     materialise_params,
+    optimizer_probe,
     resolve_overlapped_cls,
 )
 from overlapkit.overlap.side_stream import SideStream
@@ -232,7 +233,7 @@ def optimizer_in_backward(
                 "parameters (or unfreeze some)."
             )
     else:
-        params = materialise_params(params)
+        params = materialise_params(params, optimizer_probe(optim_cls, args, optim_kwargs))
         _check_params_in_module(module, params)
         if not flatten_params(params):
             raise ConfigurationError(f"params is empty; pass the parameters {TECHNIQUE} "

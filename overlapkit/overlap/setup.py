@@ -9,7 +9,7 @@ registered.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from overlapkit.overlap.engine import OverlapEngine
 from overlapkit.plugin.manager import get_plugin_manager
 
 __all__ = ["build_engine", "check_unclaimed", "claim_params", "flatten_params",
-           "materialise_params", "resolve_overlapped_cls"]
+           "materialise_params", "optimizer_probe", "resolve_overlapped_cls"]
 
 # parameter -> the technique stepping it during backward. Weak keys: a parameter's
 # claim dies with it (and is never pickled with it, unlike a tensor attribute).
@@ -52,7 +52,26 @@ def resolve_overlapped_cls(optim_cls: Any) -> type[OverlapEngine]:
     return overlapped_cls
 
 
-def materialise_params(params: Any) -> list[Any]:
+#: what the optimizer's own constructor raises for some ``params`` (None: accepted)
+ParamsProbe = Callable[[Any], "BaseException | None"]
+
+
+def optimizer_probe(optim_cls: Any, args: Sequence[Any],
+                    optim_kwargs: Mapping[str, Any]) -> ParamsProbe:
+    """A :data:`ParamsProbe` building ``optim_cls(params, *args, **optim_kwargs)``, so
+    a refusal of ``params`` is chained to the optimizer's own error for it. Building an
+    optimizer only records its arguments (state is created at the first step), so the
+    probe changes nothing; it is called only on input already known to be bad."""
+    def probe(params: Any) -> BaseException | None:
+        try:
+            optim_cls(params, *args, **optim_kwargs)
+        except Exception as exc:  # the optimizer's own error, to chain to
+            return exc
+        return None
+    return probe
+
+
+def materialise_params(params: Any, probe: ParamsProbe | None = None) -> list[Any]:
     """``params`` as a list whose group dicts are copies holding their ``"params"`` as a
     list, when given as a one-shot iterator (``module.parameters()``).
 
@@ -60,20 +79,25 @@ def materialise_params(params: Any) -> list[Any]:
     generator would leave the optimizer an empty group, whose parameters would then
     silently never be trained.
 
+    :param probe: what the optimizer raises for the bad ``params`` (see
+        :func:`optimizer_probe`); the ConfigurationError is chained to it.
     :raises ConfigurationError: ``params`` is a single tensor or not iterable, or a
         param-group dict has no ``"params"``.
     """
+    def original(bad: Any) -> BaseException | None:
+        return probe(bad) if probe is not None else None
+
     if isinstance(params, torch.Tensor):
         raise ConfigurationError(
             f"params must be an iterable of parameters or param-group dicts, got a single "
             f"tensor of shape {tuple(params.shape)}; pass a list: params=[tensor]."
-        )
+        ) from original(params)
     if isinstance(params, (str, bytes, Mapping)) or not isinstance(params, Iterable):
         raise ConfigurationError(
             f"params must be an iterable of parameters or param-group dicts, got "
             f"{type(params).__name__}; pass e.g. model.parameters() or "
             "[{'params': [...], 'lr': ...}, ...]."
-        )
+        ) from original(params)
     out: list[Any] = []
     for index, item in enumerate(params):
         if isinstance(item, Mapping):
@@ -81,7 +105,7 @@ def materialise_params(params: Any) -> list[Any]:
                 raise ConfigurationError(
                     f"param group {index} has no 'params' entry (keys: {sorted(item)}); "
                     "each group dict needs 'params': [the group's parameters]."
-                )
+                ) from original([item])
             inner = item["params"]
             if isinstance(inner, Iterator):
                 item = {**item, "params": list(inner)}
