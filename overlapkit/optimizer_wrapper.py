@@ -57,6 +57,12 @@ class OptimizerWrapper(torch.optim.Optimizer):
             inner = inner.wrapped
         return inner
 
+    def checkpoint_refusal(self) -> str | None:
+        """Why :mod:`overlapkit.checkpoint` cannot save or load this wrapper exactly
+        (it saves the real optimizer's state, one copy of what DDP replicates), with
+        what to do instead; None (the default) when it can."""
+        return None
+
     def quiesced(self) -> AbstractContextManager[Any]:
         """Held while code outside the training loop (checkpoint save or load) works on
         the wrapped optimizer directly: nothing this wrapper runs may step it meanwhile.

@@ -4,12 +4,13 @@ layers), against torch's PostLocalSGDOptimizer on 4 ranks."""
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from helpers import compare
+from helpers import compare, error_of
 from local_sgd_ranks import _torch_post_local_sgd_optimizer, batch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
@@ -114,3 +115,23 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
     dist.barrier()
     return out
 
+
+
+def checkpoint_refused(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    """overlapkit.checkpoint.save and load with a PostLocalSGDOptimizer: refused on
+    every rank before anything is written or changed (it holds one copy of the DDP
+    model, so each rank's own parameters and the counters would be lost)."""
+    model = _ddp()
+    opt = overlapkit.post_local_sgd(model, _sgd(model), period=2, warmup_steps=WARMUP,
+                                    subgroup_size=1)
+    _train(model, opt, rank)
+    path = os.path.join(directory, "post-local-sgd")
+    before = [p.detach().clone() for p in model.parameters()]
+    state = opt.state_dict()
+    out = {"save": error_of(lambda: overlapkit.checkpoint.save(path, model, opt)),
+           "written": os.path.exists(path)}
+    out["load"] = error_of(lambda: overlapkit.checkpoint.load(path, model, opt))
+    out["unchanged"] = compare(before, [p.detach() for p in model.parameters()])
+    out["averager step kept"] = opt.state_dict()["step"] == state["step"]
+    dist.barrier()
+    return out

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from helpers import failures
-from local_sgd_models_ranks import run
+from local_sgd_models_ranks import checkpoint_refused, run
 
 from overlapkit.distributed import run_distributed
 
@@ -35,3 +35,18 @@ def test_a_trainable_parameter_no_rank_uses_is_not_averaged_as_in_torch(
         results: list[dict[str, Any]]) -> None:
     assert failures(results, "unused trainable parameter") == {}
 
+
+
+def test_an_overlapkit_checkpoint_of_post_local_sgd_is_refused_on_every_rank(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    directory = str(tmp_path_factory.mktemp("post-local-sgd"))
+    for rank_results in run_distributed(checkpoint_refused, 2, args=(directory,),
+                                        timeout=120):
+        for call in ("save", "load"):
+            error = rank_results[call]
+            assert error is not None and error["type"] == "CheckpointError", error
+            assert "cannot go into an overlapkit checkpoint" in error["message"]
+            assert "torch.save" in error["message"]
+        assert not rank_results["written"]
+        assert rank_results["unchanged"], rank_results["unchanged"]
+        assert rank_results["averager step kept"]

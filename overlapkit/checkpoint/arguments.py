@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from overlapkit.errors import CheckpointError
+from overlapkit.optimizer_wrapper import OptimizerWrapper
 
 __all__ = ["check_load_planner", "check_model_and_optimizer", "check_path"]
 
@@ -28,7 +29,9 @@ def check_path(path: Any, call: str) -> Path:
 
 def check_model_and_optimizer(model: Any, optimizer: Any, call: str) -> None:
     """:raises CheckpointError: ``model`` is not a module, ``optimizer`` is not an
-    optimizer instance (or None), or it holds parameters that are not ``model``'s."""
+    optimizer instance (or None), a wrapper the checkpoint cannot hold exactly
+    (:meth:`~overlapkit.OptimizerWrapper.checkpoint_refusal`), or it holds parameters
+    that are not ``model``'s."""
     if not isinstance(model, torch.nn.Module):
         hint = (" (an optimizer was passed as the model: the order is path, model, "
                 "optimizer)" if isinstance(model, torch.optim.Optimizer) else "")
@@ -48,6 +51,12 @@ def check_model_and_optimizer(model: Any, optimizer: Any, call: str) -> None:
             f"{call}: optimizer must be a torch.optim.Optimizer, got "
             f"{type(optimizer).__name__}; pass the optimizer you step (or None)."
         )
+    level: Any = optimizer
+    while isinstance(level, OptimizerWrapper):
+        refusal = level.checkpoint_refusal()
+        if refusal is not None:
+            raise CheckpointError(f"{call}: {refusal} Nothing was written or changed.")
+        level = level.wrapped
     names = {id(p): n for n, p in model.named_parameters()}
     for group in optimizer.param_groups:
         for param in group["params"]:

@@ -102,6 +102,20 @@ class PostLocalSGDOptimizer(OptimizerWrapper):
     def __repr__(self) -> str:
         return f"PostLocalSGDOptimizer({self.optim!r}, averager={self.averager!r})"
 
+    def checkpoint_refusal(self) -> str:
+        """Always a reason: :mod:`overlapkit.checkpoint` saves the real optimizer's
+        state and one copy (rank 0's) of what DDP replicates, so it would lose the
+        averager's and the comm hook's counters (a resumed run would re-run warm-up)
+        and, after warm-up, every other rank's own parameters and optimizer state."""
+        return (
+            "a PostLocalSGDOptimizer cannot go into an overlapkit checkpoint: it keeps "
+            "one copy of the DDP model and the real optimizer's state only, so the "
+            "averager's and the comm hook's counters and, after warm-up, each rank's "
+            "own parameters and optimizer state would be lost. Save each rank's own: "
+            "torch.save({'model': ddp_model.state_dict(), 'optimizer': opt.state_dict()}, "
+            "f'ckpt-rank{rank}.pt'), and resume with load_state_dict on each."
+        )
+
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         """Step the local optimizer, then count a step on the averager (which averages
         all parameters on its averaging steps). Returns the closure's loss, if any."""

@@ -24,7 +24,20 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlapkit
 
-STEPS, RESUME_AT, LR, CLIP_VALUE = 8, 4, 1e-3, 0.05
+STEPS, RESUME_AT, LR, CLIP_VALUE, CLIP_NORM = 10, 5, 1e-3, 0.05, 0.5
+
+
+class Refused:
+    """A case the technique refused with an OverlapkitError: false, with its message."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"Refused({self.message!r})"
 
 
 # -- models ---------------------------------------------------------------------------
@@ -96,35 +109,38 @@ def _scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRSchedul
 
 
 def _train(name: str, model: DDP, opt: Any, sched: Any, rank: int, steps: range, *,
-           plain_clip: bool) -> None:
+           plain_clip: str | None) -> None:
     for step in steps:
         _loss(name, model, _batch(name, rank, step)).backward()
-        if plain_clip:
+        if plain_clip == "value":
             torch.nn.utils.clip_grad_value_(model.parameters(), CLIP_VALUE)
+        elif plain_clip == "norm":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
         opt.step()
         opt.zero_grad()
         sched.step()
 
 
-def _make(technique: str, model: DDP) -> tuple[Any, bool]:
-    """The optimizer of ``technique`` on ``model``; whether the loop clips itself."""
+def _make(technique: str, model: DDP, clip: str = "value") -> tuple[Any, str | None]:
+    """The optimizer of ``technique`` on ``model``, clipping by ``clip`` ("value" or
+    "norm"); how the loop clips itself (None: the optimizer clips)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if technique == "plain":
-        return torch.optim.AdamW(params, lr=LR), True
-    if technique == "overlap_ddp":
-        return overlapkit.overlap_ddp(model, torch.optim.AdamW, lr=LR,
-                                      clip_grad_value=CLIP_VALUE), False
-    if technique == "optimizer_in_backward":
-        return overlapkit.optimizer_in_backward(model, torch.optim.AdamW, lr=LR,
-                                                clip_grad_value=CLIP_VALUE), False
+        return torch.optim.AdamW(params, lr=LR), clip
+    clipping = ({"clip_grad_value": CLIP_VALUE} if clip == "value"
+                else {"clip_grad_norm": CLIP_NORM})
+    if technique in ("overlap_ddp", "optimizer_in_backward"):
+        return getattr(overlapkit, technique)(model, torch.optim.AdamW, lr=LR,
+                                              **clipping), None
     raise ValueError(technique)
 
 
-def _run(name: str, technique: str, rank: int, directory: str | None) -> dict[str, Any]:
+def _run(name: str, technique: str, rank: int, directory: str | None,
+         clip: str = "value") -> dict[str, Any]:
     """Train STEPS steps; with ``directory``, save at RESUME_AT and go on from a fresh
     model and optimizer loaded from it."""
     model = _build(name)
-    opt, plain_clip = _make(technique, model)
+    opt, plain_clip = _make(technique, model, clip)
     sched = _scheduler(opt)
     if directory is None:
         _train(name, model, opt, sched, rank, range(STEPS), plain_clip=plain_clip)
@@ -135,7 +151,7 @@ def _run(name: str, technique: str, rank: int, directory: str | None) -> dict[st
     sched_state = copy.deepcopy(sched.state_dict())
     torch.manual_seed(123)  # other initial values: everything must come from the file
     fresh = _build(name)
-    fresh_opt, _ = _make(technique, fresh)
+    fresh_opt, _ = _make(technique, fresh, clip)
     fresh_sched = _scheduler(fresh_opt)  # the usual resume: build all, then load
     overlapkit.checkpoint.load(path, fresh, fresh_opt)
     fresh_sched.load_state_dict(sched_state)
@@ -144,7 +160,9 @@ def _run(name: str, technique: str, rank: int, directory: str | None) -> dict[st
     return named_values(fresh.module)
 
 
-def _post_local_sgd(name: str, rank: int) -> dict[str, Any]:
+def _torch_post_local_sgd(name: str, rank: int) -> dict[str, Any]:
+    """torch's post-local SGD (hook, PostLocalSGDOptimizer, PeriodicModelAverager) with
+    the same scheduler and clipping, uninterrupted: the reference."""
     from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
         PostLocalSGDState,
         post_localSGD_hook,
@@ -152,22 +170,53 @@ def _post_local_sgd(name: str, rank: int) -> dict[str, Any]:
     from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
     from torch.distributed.optim import PostLocalSGDOptimizer
 
-    theirs = _build(name)
+    model = _build(name)
     subgroup, _ = dist.new_subgroups(group_size=1)
-    theirs.register_comm_hook(
+    model.register_comm_hook(
         PostLocalSGDState(process_group=None, subgroup=subgroup, start_localSGD_iter=2),
         post_localSGD_hook)
-    their_opt = PostLocalSGDOptimizer(torch.optim.AdamW(theirs.parameters(), lr=LR),
-                                      PeriodicModelAverager(period=2, warmup_steps=2))
-    ours = _build(name)
-    our_opt = overlapkit.post_local_sgd(ours, torch.optim.AdamW(ours.parameters(), lr=LR),
-                                        period=2, warmup_steps=2, subgroup_size=1)
-    for step in range(STEPS):
-        for model, opt in ((theirs, their_opt), (ours, our_opt)):
-            _loss(name, model, _batch(name, rank, step)).backward()
-            opt.step()
-            opt.zero_grad()
-    return {"torch": named_values(theirs.module), "ours": named_values(ours.module)}
+    opt = PostLocalSGDOptimizer(torch.optim.AdamW(model.parameters(), lr=LR),
+                                PeriodicModelAverager(period=2, warmup_steps=2))
+    _train(name, model, opt, _scheduler(opt), rank, range(STEPS), plain_clip="value")
+    return named_values(model.module)
+
+
+def _our_post_local_sgd(name: str) -> tuple[DDP, Any, Any]:
+    model = _build(name)
+    opt = overlapkit.post_local_sgd(model, torch.optim.AdamW(model.parameters(), lr=LR),
+                                    period=2, warmup_steps=2, subgroup_size=1)
+    return model, opt, _scheduler(opt)
+
+
+def _post_local_sgd(name: str, rank: int, directory: str | None,
+                    via: str = "torch.save") -> dict[str, Any]:
+    """overlapkit's post-local SGD; with ``directory``, save the model, optimizer and
+    scheduler at RESUME_AT and go on from fresh objects loaded from them: each rank its
+    own file with ``torch.save`` (after warm-up the ranks differ: the documented way),
+    or one ``overlapkit.checkpoint`` for all."""
+    model, opt, sched = _our_post_local_sgd(name)
+    if directory is None:
+        _train(name, model, opt, sched, rank, range(STEPS), plain_clip="value")
+        return named_values(model.module)
+    _train(name, model, opt, sched, rank, range(RESUME_AT), plain_clip="value")
+    sched_state = copy.deepcopy(sched.state_dict())
+    if via == "torch.save":
+        path = os.path.join(directory, f"{name}-post-local-sgd-rank{rank}.pt")
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    else:
+        path = os.path.join(directory, f"{name}-post-local-sgd")
+        overlapkit.checkpoint.save(path, model, opt)
+    torch.manual_seed(123)  # other initial values: everything must come from the file
+    model, opt, sched = _our_post_local_sgd(name)
+    if via == "torch.save":
+        saved = torch.load(path, weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+    else:
+        overlapkit.checkpoint.load(path, model, opt)
+    sched.load_state_dict(sched_state)
+    _train(name, model, opt, sched, rank, range(RESUME_AT, STEPS), plain_clip="value")
+    return named_values(model.module)
 
 
 def run(rank: int, world_size: int, name: str, directory: str) -> dict[str, Any]:
@@ -178,7 +227,24 @@ def run(rank: int, world_size: int, name: str, directory: str) -> dict[str, Any]
         out[technique] = compare(plain, _run(name, technique, rank, None))
         out[f"{technique} resumed"] = compare(plain, _run(name, technique, rank, directory))
     out["plain resumed"] = compare(plain, _run(name, "plain", rank, directory))
-    local = _post_local_sgd(name, rank)
-    out["post_local_sgd"] = compare(local["torch"], local["ours"])
+    plain_norm = _run(name, "plain", rank, None, clip="norm")
+    for technique in ("overlap_ddp", "optimizer_in_backward"):
+        try:
+            ours = _run(name, technique, rank, None, clip="norm")
+        except overlapkit.OverlapkitError as error:  # refused up front: not the same
+            out[f"{technique} clip_grad_norm"] = Refused(str(error))
+        else:
+            out[f"{technique} clip_grad_norm"] = compare(plain_norm, ours)
+    theirs = _torch_post_local_sgd(name, rank)
+    out["post_local_sgd"] = compare(theirs, _post_local_sgd(name, rank, None))
+    out["post_local_sgd resumed"] = compare(theirs, _post_local_sgd(name, rank, directory))
+    # overlapkit.checkpoint holds one copy of a DDP model: exact, or refused up front
+    try:
+        ours = _post_local_sgd(name, rank, directory, via="overlapkit.checkpoint")
+    except overlapkit.CheckpointError as error:
+        refused = "cannot go into an overlapkit checkpoint" in str(error)
+        out["post_local_sgd overlapkit.checkpoint"] = refused or Refused(str(error))
+    else:
+        out["post_local_sgd overlapkit.checkpoint"] = compare(theirs, ours)
     dist.barrier()
     return out

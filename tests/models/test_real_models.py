@@ -25,7 +25,12 @@ pytestmark = [pytest.mark.models,
               pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")]
 
 #: (model, case) -> the open issue that still makes it differ (strict xfail)
-KNOWN: dict[tuple[str, str], str] = {}
+KNOWN: dict[tuple[str, str], str] = {
+    (model, f"{technique} clip_grad_norm"): (
+        "issue 12: clip_grad_norm clips each bucket (or parameter), not the global norm "
+        "torch.nn.utils.clip_grad_norm_ computes; refused with find_unused_parameters")
+    for model in MODELS for technique in ("overlap_ddp", "optimizer_in_backward")
+}
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -37,7 +42,9 @@ def model_results(request: pytest.FixtureRequest,
 
 
 CASES = ["overlap_ddp", "optimizer_in_backward", "post_local_sgd", "plain resumed",
-         "overlap_ddp resumed", "optimizer_in_backward resumed"]
+         "overlap_ddp resumed", "optimizer_in_backward resumed", "post_local_sgd resumed",
+         "overlap_ddp clip_grad_norm", "optimizer_in_backward clip_grad_norm",
+         "post_local_sgd overlapkit.checkpoint"]
 
 
 @pytest.mark.parametrize("case", CASES)
