@@ -109,3 +109,18 @@ def wrapped_after(rank: int, world_size: int) -> dict[str, Any]:
     error = error_of(lambda: ddp(rank_batches(rank, 1)[0]).square().mean().backward())
     dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
     return {"error": error, "unchanged": compare(before, values(model))}
+
+
+def sharded_after(rank: int, world_size: int) -> dict[str, Any]:
+    """optimizer_in_backward(model), then fully_shard(model): its parameters are new
+    objects, the step hooks on the old ones would never run; refused at the first
+    forward, on every rank, before anything is stepped."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    overlapkit.optimizer_in_backward(model, torch.optim.SGD, lr=0.1)
+    fully_shard(model)
+    before = values(model)
+    error = error_of(lambda: model(rank_batches(rank, 1)[0]).square().mean().backward())
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+    return {"error": error, "unchanged": compare(before, values(model))}

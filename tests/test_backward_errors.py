@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from backward_errors_ranks import FAILING_STEP, step_errors, wrapped_after
+from backward_errors_ranks import FAILING_STEP, sharded_after, step_errors, wrapped_after
 
 from overlapkit.distributed import run_distributed
 
@@ -69,4 +69,13 @@ def test_optimizer_in_backward_before_ddp_is_refused_at_the_first_forward() -> N
         assert error is not None and error["type"] == "ConfigurationError", error
         assert "before DistributedDataParallel wrapped it" in error["message"]
         assert "optimizer_in_backward(ddp" in error["message"]
+        assert rank_results["unchanged"], rank_results["unchanged"]
+
+
+def test_optimizer_in_backward_before_fully_shard_is_refused_at_the_first_forward() -> None:
+    for rank_results in run_distributed(sharded_after, 2, timeout=120):
+        error = rank_results["error"]
+        assert error is not None and error["type"] == "ConfigurationError", error
+        assert "no longer the one optimizer_in_backward was set up on" in error["message"]
+        assert "fully_shard(model); opt = optimizer_in_backward(model" in error["message"]
         assert rank_results["unchanged"], rank_results["unchanged"]
