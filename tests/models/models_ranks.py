@@ -109,26 +109,42 @@ def _scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRSchedul
 
 
 def _train(name: str, model: DDP, opt: Any, sched: Any, rank: int, steps: range, *,
-           plain_clip: str | None) -> None:
+           plain_clip: str | None, scaler: torch.amp.GradScaler | None = None) -> None:
+    """The training loop; with ``scaler``, the PyTorch AMP loop under bf16 autocast."""
     for step in steps:
-        _loss(name, model, _batch(name, rank, step)).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=scaler is not None):
+            loss = _loss(name, model, _batch(name, rank, step)).float()
+        if scaler is None:
+            loss.backward()
+        else:
+            scaler.scale(loss).backward()
+            if plain_clip is not None:
+                scaler.unscale_(opt)
         if plain_clip == "value":
             torch.nn.utils.clip_grad_value_(model.parameters(), CLIP_VALUE)
         elif plain_clip == "norm":
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
-        opt.step()
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
         opt.zero_grad()
         sched.step()
 
 
-def _make(technique: str, model: DDP, clip: str = "value") -> tuple[Any, str | None]:
+def _make(technique: str, model: DDP, clip: str = "value",
+          scaler: torch.amp.GradScaler | None = None) -> tuple[Any, str | None]:
     """The optimizer of ``technique`` on ``model``, clipping by ``clip`` ("value" or
-    "norm"); how the loop clips itself (None: the optimizer clips)."""
+    "norm") and driven by ``scaler``; how the loop clips itself (None: the optimizer
+    clips)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if technique == "plain":
         return torch.optim.AdamW(params, lr=LR), clip
-    clipping = ({"clip_grad_value": CLIP_VALUE} if clip == "value"
-                else {"clip_grad_norm": CLIP_NORM})
+    clipping: dict[str, Any] = ({"clip_grad_value": CLIP_VALUE} if clip == "value"
+                                else {"clip_grad_norm": CLIP_NORM})
+    if scaler is not None:
+        clipping["grad_scaler"] = scaler
     if technique in ("overlap_ddp", "optimizer_in_backward"):
         return getattr(overlapkit, technique)(model, torch.optim.AdamW, lr=LR,
                                               **clipping), None
@@ -136,28 +152,39 @@ def _make(technique: str, model: DDP, clip: str = "value") -> tuple[Any, str | N
 
 
 def _run(name: str, technique: str, rank: int, directory: str | None,
-         clip: str = "value") -> dict[str, Any]:
+         clip: str = "value", amp: bool = False) -> dict[str, Any]:
     """Train STEPS steps; with ``directory``, save at RESUME_AT and go on from a fresh
-    model and optimizer loaded from it."""
+    model and optimizer loaded from it; with ``amp``, the AMP loop with a GradScaler."""
     model = _build(name)
-    opt, plain_clip = _make(technique, model, clip)
+    scaler = _scaler() if amp else None
+    opt, plain_clip = _make(technique, model, clip, scaler)
     sched = _scheduler(opt)
     if directory is None:
-        _train(name, model, opt, sched, rank, range(STEPS), plain_clip=plain_clip)
+        _train(name, model, opt, sched, rank, range(STEPS), plain_clip=plain_clip,
+               scaler=scaler)
         return named_values(model.module)
-    _train(name, model, opt, sched, rank, range(RESUME_AT), plain_clip=plain_clip)
-    path = os.path.join(directory, f"{name}-{technique}")
+    _train(name, model, opt, sched, rank, range(RESUME_AT), plain_clip=plain_clip,
+           scaler=scaler)
+    path = os.path.join(directory, f"{name}-{technique}{'-amp' if amp else ''}")
     overlapkit.checkpoint.save(path, model, opt)
     sched_state = copy.deepcopy(sched.state_dict())
+    scaler_state = None if scaler is None else copy.deepcopy(scaler.state_dict())
     torch.manual_seed(123)  # other initial values: everything must come from the file
     fresh = _build(name)
-    fresh_opt, _ = _make(technique, fresh, clip)
+    fresh_scaler = _scaler() if amp else None
+    if fresh_scaler is not None and scaler_state is not None:
+        fresh_scaler.load_state_dict(scaler_state)
+    fresh_opt, _ = _make(technique, fresh, clip, fresh_scaler)
     fresh_sched = _scheduler(fresh_opt)  # the usual resume: build all, then load
     overlapkit.checkpoint.load(path, fresh, fresh_opt)
     fresh_sched.load_state_dict(sched_state)
     _train(name, fresh, fresh_opt, fresh_sched, rank, range(RESUME_AT, STEPS),
-           plain_clip=plain_clip)
+           plain_clip=plain_clip, scaler=fresh_scaler)
     return named_values(fresh.module)
+
+
+def _scaler() -> torch.amp.GradScaler:
+    return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
 
 
 def _torch_post_local_sgd(name: str, rank: int) -> dict[str, Any]:
@@ -235,6 +262,14 @@ def run(rank: int, world_size: int, name: str, directory: str) -> dict[str, Any]
             out[f"{technique} clip_grad_norm"] = Refused(str(error))
         else:
             out[f"{technique} clip_grad_norm"] = compare(plain_norm, ours)
+    plain_amp = _run(name, "plain", rank, directory, clip="norm", amp=True)
+    for technique in ("overlap_ddp", "optimizer_in_backward"):
+        try:
+            ours = _run(name, technique, rank, directory, clip="norm", amp=True)
+        except overlapkit.OverlapkitError as error:  # refused up front: not the same
+            out[f"{technique} GradScaler resumed"] = Refused(str(error))
+        else:
+            out[f"{technique} GradScaler resumed"] = compare(plain_amp, ours)
     theirs = _torch_post_local_sgd(name, rank)
     out["post_local_sgd"] = compare(theirs, _post_local_sgd(name, rank, None))
     out["post_local_sgd resumed"] = compare(theirs, _post_local_sgd(name, rank, directory))

@@ -1,8 +1,10 @@
 """Real architectures, bitwise: tiny GPT-2 (tied weights, a frozen and an integer
 parameter), BERT (an unused pooler) and ResNet (BatchNorm buffers) from ``transformers``
-configs, trained on 2 gloo ranks with AdamW + an LR scheduler + value clipping, by
-overlap_ddp, optimizer_in_backward and post_local_sgd, against the plain PyTorch loop
-each replaces; with a checkpoint save and resume in the middle.
+configs, trained on 2 gloo ranks with AdamW + an LR scheduler + clipping (by value; by
+global norm), by overlap_ddp, optimizer_in_backward and post_local_sgd, against the
+plain PyTorch loop each replaces (torch's PostLocalSGDOptimizer for post_local_sgd);
+with a checkpoint save and resume in the middle, also under the AMP loop (bf16
+autocast, GradScaler, global norm clipping).
 
 Runs in the ``models`` tox environment (which installs transformers); skipped elsewhere.
 """
@@ -25,12 +27,7 @@ pytestmark = [pytest.mark.models,
               pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")]
 
 #: (model, case) -> the open issue that still makes it differ (strict xfail)
-KNOWN: dict[tuple[str, str], str] = {
-    (model, f"{technique} clip_grad_norm"): (
-        "issue 12: clip_grad_norm clips each bucket (or parameter), not the global norm "
-        "torch.nn.utils.clip_grad_norm_ computes; refused with find_unused_parameters")
-    for model in MODELS for technique in ("overlap_ddp", "optimizer_in_backward")
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -44,7 +41,8 @@ def model_results(request: pytest.FixtureRequest,
 CASES = ["overlap_ddp", "optimizer_in_backward", "post_local_sgd", "plain resumed",
          "overlap_ddp resumed", "optimizer_in_backward resumed", "post_local_sgd resumed",
          "overlap_ddp clip_grad_norm", "optimizer_in_backward clip_grad_norm",
-         "post_local_sgd overlapkit.checkpoint"]
+         "post_local_sgd overlapkit.checkpoint", "overlap_ddp GradScaler resumed",
+         "optimizer_in_backward GradScaler resumed"]
 
 
 @pytest.mark.parametrize("case", CASES)
