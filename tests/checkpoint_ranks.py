@@ -288,3 +288,26 @@ def overlap_and_failing_swap(rank: int, ws: int, root: str) -> dict[str, Any]:
         results["swap_error"] = str(exc)
     results["previous_intact"] = (path / ".metadata").is_file()
     return results
+
+
+def resume_from_before_the_first_step(rank: int, world_size: int, directory: str
+                                      ) -> dict[str, Any]:
+    """Save a fresh model + AdamW (no step yet), train 2 steps on; load that checkpoint
+    into another model and fresh optimizer, train the same 2 steps: per wrapper, how
+    many parameters have optimizer state after the load (0, as in the uninterrupted
+    run) and how the resumed parameters compare with the uninterrupted ones."""
+    from helpers import compare, values
+
+    import overlapkit
+
+    out: dict[str, Any] = {}
+    for kind in ("ddp", "fsdp2", "fsdp1"):
+        model, opt = build(kind)
+        overlapkit.checkpoint.save(f"{directory}/{kind}", model, opt)
+        train(model, opt, 2)
+        resumed, resumed_opt = build(kind, seed=3)
+        overlapkit.checkpoint.load(f"{directory}/{kind}", resumed, resumed_opt)
+        out[f"{kind}/state after load"] = len(resumed_opt.state)
+        train(resumed, resumed_opt, 2)
+        out[f"{kind}/resumed"] = compare(values(model), values(resumed))
+    return out

@@ -138,3 +138,15 @@ class TestTorchIsWrongOn2DFsdp1TensorParallel:
         for rank in chain["fsdp1_tp/ranks"]:
             assert rank["our_warnings"] == []
             assert len(rank["torch_warnings"]) >= 3
+
+
+def test_a_checkpoint_saved_before_the_first_step_resumes_exactly(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    # It held Adam's step 1 and zero moments (what get_state_dict creates): the resumed
+    # run took its first step as a second one.
+    root = str(tmp_path_factory.mktemp("fresh"))
+    for rank_results in run_distributed(scenarios.resume_from_before_the_first_step, 2,
+                                        args=(root,), timeout=240):
+        for kind in ("ddp", "fsdp2", "fsdp1"):
+            assert rank_results[f"{kind}/state after load"] == 0, kind
+            assert rank_results[f"{kind}/resumed"], (kind, rank_results[f"{kind}/resumed"])
