@@ -15,7 +15,7 @@ from textwrap import dedent
 
 from overlapkit.errors import ConfigurationError
 
-__all__ = ["KINDS", "plugin_files", "write_plugin"]
+__all__ = ["KINDS", "overlapkit_requirement", "plugin_files", "write_plugin"]
 
 #: what ``--kind`` may be
 KINDS = ("optimizer", "averager", "comm-hook")
@@ -63,16 +63,43 @@ def _pyproject(name: str, module: str, kind: str) -> str:
         ''')
 
 
-def _tox(name: str) -> str:
-    return dedent('''\
+def overlapkit_requirement() -> str:
+    """The requirement that installs the overlapkit this scaffold comes from.
+
+    overlapkit is installed from a checkout (no package index has it yet), so the
+    plugin's ``tox.ini`` names the same source: the folder or wheel pip recorded in
+    ``direct_url.json`` (PEP 610) when overlapkit was installed; the released version
+    otherwise.
+    """
+    import json
+
+    import importlib_metadata
+
+    try:
+        distribution = importlib_metadata.distribution("overlapkit")
+    except importlib_metadata.PackageNotFoundError:
+        return "overlapkit"
+    recorded = distribution.read_text("direct_url.json")
+    url = json.loads(recorded).get("url", "") if recorded else ""
+    if url.startswith("file://"):
+        return f"overlapkit @ {url}"
+    return f"overlapkit=={distribution.version}"
+
+
+def _tox(requirement: str) -> str:
+    # tox installs deps before the package, so the package's own "overlapkit>=0.1"
+    # is already met by the source named here
+    return dedent(f'''\
         [tox]
         env_list = py311
 
         [testenv]
         description = the plugin's tests, installed as users install it
-        deps = torch==2.13.0
+        deps =
+            torch==2.13.0
+            {requirement}
         extras = test
-        commands = pytest -q {posargs}
+        commands = pytest -q {{posargs}}
         ''')
 
 
@@ -222,7 +249,7 @@ def plugin_files(name: str, kind: str = "optimizer") -> dict[str, str]:
             "comm-hook": _comm_hook_files}[kind]
     files = {
         "pyproject.toml": _pyproject(name, module, kind),
-        "tox.ini": _tox(name),
+        "tox.ini": _tox(overlapkit_requirement()),
         "README.md": f"# overlapkit-{name.replace('_', '-')}\n\nAn overlapkit {kind} plugin. "
                      "Install it with `pip install -e .[test]`, test it with `pytest` (or "
                      "`tox`); `overlapkit plugins` lists it once installed.\n",

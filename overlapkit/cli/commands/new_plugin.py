@@ -15,7 +15,7 @@ def run(args: argparse.Namespace) -> int:
     written = write_plugin(directory, args.name, args.kind)
     for path in written:
         print(path)
-    print(f"\nNext: cd {directory} && pip install -e '.[test]' && pytest "
+    print(f"\nNext: cd {directory} && python -m pip install -e '.[test]' && python -m pytest "
           "(or: tox). 'overlapkit plugins' lists it once installed.")
     return 0
 
