@@ -253,12 +253,12 @@ def fsdp1_tp_regression(rank: int, ws: int, path: str) -> dict[str, Any]:
 
 def overlap_and_failing_swap(rank: int, ws: int, root: str) -> dict[str, Any]:
     """overlap_ddp with state-free SGD, saved after a stepping backward, against the
-    same run without the save; then a save whose swap on rank 0 fails for real (a file
-    stands where the old checkpoint would be moved)."""
+    same run without the save; then a save whose final rename on rank 0 is refused."""
     from pathlib import Path
 
     import overlapkit
     from overlapkit import checkpoint
+    from overlapkit.checkpoint import saving
     from overlapkit.errors import CheckpointError
 
     finals = []
@@ -279,13 +279,24 @@ def overlap_and_failing_swap(rank: int, ws: int, root: str) -> dict[str, Any]:
 
     path = Path(root) / "swap"
     checkpoint.save(path, model)
-    if rank == 0:
-        (path.parent / ".swap.old").write_text("in the way")
+    real_replace = saving.os.replace
+    renames = []
+
+    def second_rename_refused(src: Any, dst: Any) -> None:
+        renames.append(dst)
+        if len(renames) == 2:
+            raise PermissionError("refused by the file system")
+        real_replace(src, dst)
+
+    if rank == 0:  # only rank 0 renames; the others learn of its failure
+        saving.os.replace = second_rename_refused  # type: ignore[assignment]
     try:
         checkpoint.save(path, model)
         results["swap_error"] = None
     except CheckpointError as exc:
         results["swap_error"] = str(exc)
+    finally:
+        saving.os.replace = real_replace  # type: ignore[assignment]
     results["previous_intact"] = (path / ".metadata").is_file()
     return results
 

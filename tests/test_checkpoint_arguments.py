@@ -127,7 +127,7 @@ def test_post_local_sgd_load_state_dict_changes_nothing_when_refused(edit: Any,
     state = opt.state_dict()
     state["param_groups"][0]["lr"] = 0.5
     edit(state)
-    with pytest.raises(ValueError, match=text):  # CheckpointError is a ValueError
+    with pytest.raises(CheckpointError, match=text):
         opt.load_state_dict(state)
     assert opt.param_groups[0]["lr"] == 0.1
     assert opt.averager.step == 2

@@ -74,7 +74,7 @@ def _layouts_on_ranks(rank: int, ws: int) -> dict[str, dict[str, Any]]:
         out[kind] = {
             "meta_step_ran": ok,
             "untouched": untouched,
-            "created": created,
+            "created": bool(created),
             "meta": _state_layouts(opt.state, params),
             "real": _state_layouts(real_opt.state, real_params),
             "steps": sorted(float(opt.state[p]["step"]) for p in params if p in opt.state),

@@ -17,12 +17,17 @@ from overlapkit.optimizer_wrapper import OptimizerWrapper
 __all__ = ["check_load_planner", "check_model_and_optimizer", "check_path"]
 
 
+#: how each call is made, for messages
+_SIGNATURES = {"save": "path, model, optimizer", "load": "path, model, optimizer",
+               "inspect": "path"}
+
+
 def check_path(path: Any, call: str) -> Path:
     """``path`` as a ``Path``. :raises CheckpointError: it is not a str or PathLike."""
     if not isinstance(path, (str, os.PathLike)):
         raise CheckpointError(
             f"{call}: path must be a str or os.PathLike (the checkpoint directory), got "
-            f"{type(path).__name__}; call {call}(path, model, optimizer)."
+            f"{type(path).__name__}; call {call}({_SIGNATURES.get(call, 'path, ...')})."
         )
     return Path(path)
 

@@ -10,7 +10,9 @@ import attrs
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from overlapkit.checkpoint.arguments import check_path
+from overlapkit.checkpoint.integrity import verify_files
 from overlapkit.checkpoint.metadata import find_checkpoint, read_metadata
+from overlapkit.errors import CheckpointError
 
 __all__ = ["CheckpointInfo", "EntryInfo", "inspect"]
 
@@ -46,6 +48,12 @@ class CheckpointInfo:
     size_on_disk: int
     files: int
     dcp_version: str | None = None
+    #: ``"verified"`` (every file matches the size and CRC-32 recorded at save),
+    #: ``"unverified"`` (no file list: an older or torch-written checkpoint; the files
+    #: are long enough for the metadata) or ``"damaged"`` (see :attr:`problem`)
+    integrity: str = "unverified"
+    #: what is wrong with the files, when ``integrity`` is ``"damaged"``
+    problem: str | None = None
 
     @property
     def tensors(self) -> tuple[EntryInfo, ...]:
@@ -68,12 +76,19 @@ def _stored_bytes(storage_data: Any) -> dict[str, int]:
 
 def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
     """Describe the checkpoint at ``path``: every tensor's shape, dtype and stored chunks,
-    every plain value, and the size on disk. Reads only the (safely unpickled) metadata.
+    every plain value, the size on disk, and whether its files are intact (checked
+    against the sizes and checksums recorded at save, as :func:`load` checks them).
+    Reads the (safely unpickled) metadata, and the files once for their checksums.
 
     :raises CheckpointError: no checkpoint at ``path``, or corrupt metadata.
     """
     directory = find_checkpoint(check_path(path, "inspect"))
     metadata = read_metadata(directory)
+    try:
+        integrity = "verified" if verify_files(directory, metadata.storage_data) else "unverified"
+        problem = None
+    except CheckpointError as damage:
+        integrity, problem = "damaged", str(damage)
     stored = _stored_bytes(metadata.storage_data)
     entries = []
     for key, md in metadata.state_dict_metadata.items():
@@ -89,5 +104,5 @@ def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
     return CheckpointInfo(
         path=str(directory), entries=tuple(entries),
         size_on_disk=sum(f.stat().st_size for f in files), files=len(files),
-        dcp_version=getattr(metadata, "version", None),
+        dcp_version=getattr(metadata, "version", None), integrity=integrity, problem=problem,
     )

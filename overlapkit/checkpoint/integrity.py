@@ -5,8 +5,10 @@ anything is loaded.
 the local shard), so damage found while reading would leave the model half-overwritten.
 A manifest written at save time — each file's size and CRC-32 — lets ``load`` find a
 truncated, zeroed or overwritten file first, and refuse it with nothing changed.
-Checkpoints written before the manifest existed (or by torch's DCP) get a lesser check:
-each data file must be long enough for the chunks the metadata places in it.
+Checkpoints written before the manifest existed (or by torch's DCP) get a lesser check
+— each data file must be long enough for the chunks the metadata places in it — and are
+loaded with a copy of the destination kept aside, so damage found while reading still
+changes nothing (see :mod:`overlapkit.checkpoint.loading`).
 """
 
 from __future__ import annotations
@@ -43,52 +45,80 @@ def write_manifest(directory: Path) -> None:
     (directory / MANIFEST_FILE).write_text(json.dumps({"version": 1, "files": files}))
 
 
-def _check_extents(directory: Path, storage_data: Any) -> None:
-    """Without a manifest: every file the metadata points into exists and is long
-    enough to hold every chunk stored in it, so a truncated file is still refused
-    before anything is read (other damage is found while reading, as DCP finds it)."""
+def _needed_extents(storage_data: Any) -> dict[str, int]:
+    """data file name -> the end of the last chunk the metadata places in it."""
     needed: dict[str, int] = {}
     for info in (storage_data.values() if isinstance(storage_data, dict) else ()):
         name = getattr(info, "relative_path", None)
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if isinstance(name, str) and isinstance(offset, int) and isinstance(length, int):
             needed[name] = max(needed.get(name, 0), offset + length)
+    return needed
+
+
+def _damaged(directory: Path, name: str, problem: str) -> CheckpointError:
+    return CheckpointError(
+        f"the checkpoint at {directory} is damaged: its file {name} {problem}. "
+        "Nothing was loaded: the model and optimizer are as they were. Load an earlier "
+        "checkpoint, or save again from a run that has this state."
+    )
+
+
+def _check_extents(directory: Path, needed: dict[str, int]) -> None:
+    """Every file the metadata points into exists and is long enough to hold every
+    chunk stored in it, so a truncated file is refused before anything is read."""
     for name, end in sorted(needed.items()):
         file = directory / name
         if not file.is_file():
-            problem = "is missing"
-        elif (actual := file.stat().st_size) < end:
-            problem = f"has {actual} bytes where its metadata needs {end} (truncated)"
-        else:
-            continue
+            raise _damaged(directory, name, "is missing")
+        if (actual := file.stat().st_size) < end:
+            raise _damaged(directory, name,
+                           f"has {actual} bytes where its metadata needs {end} (truncated)")
+
+
+def _read_manifest(directory: Path) -> dict[str, tuple[int, int]]:
+    try:
+        files = json.loads((directory / MANIFEST_FILE).read_text())["files"]
+        return {str(name): (int(v["size"]), int(v["crc32"])) for name, v in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError,
+            OverflowError) as error:
         raise CheckpointError(
-            f"the checkpoint at {directory} is damaged: its file {name} {problem}. "
-            "Nothing was loaded: the model and optimizer are as they were. Load an earlier "
-            "checkpoint, or save again from a run that has this state."
-        )
+            f"the checkpoint at {directory} has a damaged file list ({MANIFEST_FILE}: "
+            f"{type(error).__name__}: {error}); it cannot be verified. Load an earlier "
+            "checkpoint. Nothing was loaded."
+        ) from error
 
 
 def verify_files(directory: Path, storage_data: Any = None) -> bool:
-    """Check every file the manifest lists; False when there is no manifest (a
-    checkpoint of an earlier version, or written by torch's DCP), after checking the
-    files' sizes against ``storage_data`` (the metadata's) instead.
+    """Check the checkpoint's files before anything is read from them; whether they were
+    verified against a file list (False: a checkpoint of an earlier version, or written
+    by torch's DCP, whose data can only be checked for length).
 
-    :raises CheckpointError: a file is missing, has another size, or another checksum
-        (naming it and what to do).
+    Every file the metadata (``storage_data``) points into must exist and be long
+    enough; with a file list, it must also be listed (a list that leaves a data file
+    out verifies nothing), and every listed file must have its recorded size and
+    CRC-32.
+
+    :raises CheckpointError: a file is missing, unlisted, unreadable, has another size,
+        or another checksum; the file list is damaged (naming it and what to do).
     """
-    manifest_path = directory / MANIFEST_FILE
-    if not manifest_path.is_file():
-        _check_extents(directory, storage_data)
-        return False
     try:
-        files = json.loads(manifest_path.read_text())["files"]
-        listed = {str(name): (int(v["size"]), int(v["crc32"])) for name, v in files.items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        return _verify(directory, _needed_extents(storage_data))
+    except OSError as error:
         raise CheckpointError(
-            f"the checkpoint at {directory} has a damaged file list ({MANIFEST_FILE}: "
-            f"{error}); it cannot be verified. Load an earlier checkpoint. Nothing was "
-            "loaded."
+            f"the checkpoint at {directory} cannot be read ({type(error).__name__}: "
+            f"{error}). Nothing was loaded. Check that every rank's process may read it."
         ) from error
+
+
+def _verify(directory: Path, needed: dict[str, int]) -> bool:
+    _check_extents(directory, needed)
+    if not (directory / MANIFEST_FILE).exists():
+        return False
+    listed = _read_manifest(directory)
+    for name in sorted(set(needed) - set(listed)):
+        raise _damaged(directory, name, f"is not in its file list ({MANIFEST_FILE}), so "
+                       "it cannot be verified (the list was replaced or damaged)")
     for name, (size, crc) in sorted(listed.items()):
         file = directory / name
         if not file.is_file():
@@ -99,9 +129,5 @@ def verify_files(directory: Path, storage_data: Any = None) -> bool:
             problem = "has the size it was saved with but other contents (damaged or altered)"
         else:
             continue
-        raise CheckpointError(
-            f"the checkpoint at {directory} is damaged: its file {name} {problem}. "
-            "Nothing was loaded: the model and optimizer are as they were. Load an earlier "
-            "checkpoint, or save again from a run that has this state."
-        )
+        raise _damaged(directory, name, problem)
     return True

@@ -12,15 +12,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner
+from torch.distributed.tensor import DTensor
 
+from overlapkit.checkpoint.agreement import checks_on_every_rank
 from overlapkit.checkpoint.arguments import (
     check_load_planner,
     check_model_and_optimizer,
     check_path,
 )
-from overlapkit.checkpoint.integrity import verify_files
+from overlapkit.checkpoint.integrity import MANIFEST_FILE, verify_files
 from overlapkit.checkpoint.metadata import SafeFileSystemReader, read_metadata
 from overlapkit.checkpoint.optimizer_state import allocate_optimizer_state
 from overlapkit.checkpoint.planners import SafeLoadPlanner, resolve_load_planner
@@ -31,8 +33,7 @@ from overlapkit.checkpoint.state_dicts import (
     load_into,
     state_dicts,
 )
-from overlapkit.checkpoint.validation import check_against_metadata
-from overlapkit.errors import CheckpointError
+from overlapkit.checkpoint.validation import check_against_metadata, check_param_groups
 from overlapkit.optimizer_wrapper import unwrapped
 
 __all__ = ["load"]
@@ -54,10 +55,14 @@ def load(
     back included. Parameters and every optimizer-state tensor end up bitwise equal to
     the saved ones.
 
-    Before anything is read the checkpoint's metadata (read without unpickling arbitrary
-    objects) is compared with the model and optimizer, so a mismatch is one clear
-    :class:`~overlapkit.errors.CheckpointError` on every rank rather than a traceback from
-    inside DCP.
+    All or nothing: before anything is read, the files are verified against the sizes
+    and checksums recorded at save, and the checkpoint's metadata (read without
+    unpickling arbitrary objects) and settings are compared with the model and
+    optimizer — on every rank, and if any rank refuses, every rank raises, so a
+    mismatch is one clear :class:`~overlapkit.errors.CheckpointError` everywhere rather
+    than a traceback from inside DCP or a hang. A checkpoint without the file list
+    (older, or written by torch's DCP) is read with a copy of the destination kept
+    aside, and put back if reading fails.
 
     A fresh optimizer's state tensors are created empty, with the layout its own step
     gives them, and the load writes each byte once; if the load fails, that state is
@@ -67,48 +72,54 @@ def load(
         ``None`` to choose one from the model state dict's layout.
     :raises CheckpointError: an argument of the wrong type (naming it); no checkpoint at
         ``path``; a damaged file (nothing is changed); truncated or corrupt metadata;
-        a checkpoint of a different model or optimizer; a tensor whose shape differs.
+        a checkpoint of a different model or optimizer (class, settings or parameter
+        groups); a tensor whose shape differs; any of these on another rank.
     :raises UnknownNameError: ``planner`` names no registered load planner.
     """
-    path = check_path(path, "load")
-    check_model_and_optimizer(model, optimizer, "load")
-    check_load_planner(planner, "load")
-    metadata = read_metadata(path)
-    _verify_on_rank_zero(path, metadata)
+    with checks_on_every_rank("load"):
+        directory = check_path(path, "load")
+        check_model_and_optimizer(model, optimizer, "load")
+        check_load_planner(planner, "load")
+        metadata = read_metadata(directory)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            verify_files(directory, metadata.storage_data)  # once: the files are shared
+    verified = (directory / MANIFEST_FILE).is_file()
     with unwrapped(optimizer) if optimizer is not None else nullcontext() as real:
-        _load_into_real(path, metadata, model, real, planner)
+        _load_into_real(directory, metadata, model, real, planner, verified=verified)
 
 
-def _verify_on_rank_zero(path: Path, metadata: Metadata) -> None:
-    """Check the files against the manifest written at save, once (rank 0), and raise
-    the same CheckpointError on every rank if any is damaged."""
-    error: str | None = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            verify_files(path, metadata.storage_data)
-        except CheckpointError as exc:
-            error = str(exc)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        outcome = [error]
-        dist.broadcast_object_list(outcome, src=0)
-        error = outcome[0]
-    if error is not None:
-        raise CheckpointError(error)
-
-
-def _read_values_first(path: Path, metadata: Metadata, flat: dict[str, Any]) -> None:
-    """Read every non-tensor entry (param-group settings, counters) into scratch before
-    any tensor is read: a hostile or damaged entry is refused while the destination
-    tensors are still untouched. The entries are small; they are read again by the
-    main pass."""
-    values = {key: None for key, value in flat.items()
-              if not isinstance(value, (torch.Tensor, ShardedTensor))}
+def _read_values_first(path: Path, metadata: Metadata, flat: dict[str, Any]
+                       ) -> dict[str, Any]:
+    """Read every non-tensor entry (param-group settings and members, counters) into
+    scratch, on this rank alone, before any tensor is read: a hostile or damaged entry
+    is refused, and the settings can be compared with the optimizer's, while the
+    destination tensors are still untouched. The entries are small; they are read
+    again by the main pass."""
+    values: dict[str, Any] = {key: None for key, value in flat.items()
+                              if not isinstance(value, (torch.Tensor, ShardedTensor))}
+    values.update({key: None for key, stored in metadata.state_dict_metadata.items()
+                   if key.endswith(".params") and isinstance(stored, BytesStorageMetadata)})
     if not values:
-        return
+        return values
     reader = SafeFileSystemReader(path, metadata=metadata)
     converted_dcp_errors("reading the settings in the checkpoint at", path,
                          lambda: dcp.load(values, storage_reader=reader,
-                                          planner=SafeLoadPlanner()))
+                                          planner=SafeLoadPlanner(), no_dist=True))
+    return values
+
+
+def _local_tensors(flat: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors a load writes into: each plain tensor, each DTensor's local shard,
+    each ShardedTensor's local shards."""
+    tensors: list[torch.Tensor] = []
+    for value in flat.values():
+        if isinstance(value, ShardedTensor):
+            tensors += [shard.tensor for shard in value.local_shards()]
+        elif isinstance(value, DTensor):
+            tensors.append(value.to_local())
+        elif isinstance(value, torch.Tensor):
+            tensors.append(value)
+    return tensors
 
 
 def follow_saved_group_keys(optim_state_dict: dict[str, Any], metadata: Metadata) -> None:
@@ -161,25 +172,41 @@ def skip_state_never_saved(optim_state_dict: dict[str, Any], metadata: Metadata)
 
 def _load_into_real(path: Path, metadata: Metadata, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None,
-                    planner: LoadPlanner | str | None) -> None:
-    created = optimizer is not None and allocate_optimizer_state(optimizer)
+                    planner: LoadPlanner | str | None, *, verified: bool) -> None:
+    created: list[torch.Tensor] = []
     try:
-        state = state_dicts(model, optimizer)
-        skipped = False
-        if optimizer is not None:
-            follow_saved_group_keys(state[OPTIMIZER_KEY], metadata)
-            skipped = skip_state_never_saved(state[OPTIMIZER_KEY], metadata)
-        flat, _ = flatten_state_dict(state)
-        check_against_metadata(flat, metadata, path=path, model_key=MODEL_KEY,
-                               optimizer_key=OPTIMIZER_KEY if optimizer is not None else None)
-        _read_values_first(path, metadata, flat)
-        _, chosen = resolve_load_planner(planner, state[MODEL_KEY])
-        reader = SafeFileSystemReader(path, metadata=metadata)
-        converted_dcp_errors("loading the checkpoint at", path,
-                             lambda: dcp.load(state, storage_reader=reader, planner=chosen))
-        load_into(model, optimizer, state, partial_optimizer_state=skipped)
+        with checks_on_every_rank("load"):
+            if optimizer is not None:
+                created = allocate_optimizer_state(optimizer)
+            state = state_dicts(model, optimizer)
+            skipped = False
+            if optimizer is not None:
+                follow_saved_group_keys(state[OPTIMIZER_KEY], metadata)
+                skipped = skip_state_never_saved(state[OPTIMIZER_KEY], metadata)
+            flat, _ = flatten_state_dict(state)
+            check_against_metadata(flat, metadata, path=path, model_key=MODEL_KEY,
+                                   optimizer_key=OPTIMIZER_KEY if optimizer else None)
+            values = _read_values_first(path, metadata, flat)
+            if optimizer is not None:
+                check_param_groups(values, metadata, state[OPTIMIZER_KEY]["param_groups"],
+                                   optimizer.defaults, path=path, optimizer_key=OPTIMIZER_KEY)
+            _, chosen = resolve_load_planner(planner, state[MODEL_KEY])
+        # Verified files read as they were saved; others may fail partway through, so
+        # what they are read into is kept aside first (the price: a second copy).
+        kept = [] if verified else [(t, t.detach().clone()) for t in _local_tensors(flat)]
+        try:
+            reader = SafeFileSystemReader(path, metadata=metadata)
+            converted_dcp_errors("loading the checkpoint at", path,
+                                 lambda: dcp.load(state, storage_reader=reader,
+                                                  planner=chosen))
+            load_into(model, optimizer, state, partial_optimizer_state=skipped)
+        except BaseException:
+            with torch.no_grad():
+                for tensor, copy in kept:
+                    tensor.copy_(copy)
+            raise
     except BaseException:
-        if created:
-            assert optimizer is not None
-            optimizer.state.clear()  # its state was created here, uninitialised
+        if optimizer is not None:
+            for param in created:  # created here, uninitialised
+                optimizer.state.pop(param, None)
         raise

@@ -23,7 +23,7 @@ def remove_state_except(optimizer: torch.optim.Optimizer, kept: set[int]) -> Non
         del optimizer.state[param]
 
 
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+def init_optimizer_state(optimizer: torch.optim.Optimizer, *, missing: bool = False) -> None:
     """Create the optimizer's state tensors (the tensors a load then fills in place) by
     stepping each parameter alone with a zero gradient and a learning rate of 0.
 
@@ -38,15 +38,20 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     parameter's worth. torch also skips its step when any parameter has a gradient,
     and then loads no optimizer state at all; gradients are put aside here and
     restored after.
+
+    :param missing: also when the optimizer has state already: then only the
+        parameters without any get it (a load fills it). By default an optimizer with
+        state is left as it is (a save writes the state it has: none for a parameter
+        that never got a gradient).
     """
-    if optimizer.state:
-        return
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    if optimizer.state and not (missing and _keeps_state_per_parameter(optimizer)):
+        return
     try:
         meta_state = _state_from_meta_step(optimizer)
     except Exception:
         meta_state = None
-    stepped = [p for p in params if p.requires_grad
+    stepped = [p for p in params if p.requires_grad and p not in optimizer.state
                and (meta_state is None or p in meta_state)]
     if not stepped:
         return
@@ -71,9 +76,15 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             p.grad = grad
 
 
-def allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:
-    """Give a fresh optimizer its state tensors, uninitialised, for a load to fill in
-    place; whether this created any state (so a failed load can remove it again).
+def allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Give each parameter that has no optimizer state yet its state tensors,
+    uninitialised, for a load to fill in place; the parameters it gave state to (so a
+    failed load can remove it again).
+
+    An optimizer loaded after some steps may lack state for parameters that got no
+    gradient yet (a branch not used so far), while the checkpoint has it: those get
+    their state tensors too, so the load gives them the saved state (as torch's
+    ``load_state_dict`` does). State the optimizer already has is left as it is.
 
     The optimizer steps once with a learning rate of 0 over meta-device twins of its
     parameters (same shapes, dtypes and ``DTensor`` layouts, no memory), which shows
@@ -87,21 +98,26 @@ def allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:
     1.5x the local shard instead of 1.1x. Optimizers whose step cannot run on meta
     tensors, or keeps state that is not per parameter, get :func:`init_optimizer_state`.
     """
-    if optimizer.state:
-        return False
+    before = {id(p) for p in optimizer.state}
     try:
         meta_state = _state_from_meta_step(optimizer)
         state = None if meta_state is None else {
             param: {key: _materialised(value, param) for key, value in values.items()}
-            for param, values in meta_state.items()}
+            for param, values in meta_state.items() if id(param) not in before}
     except Exception:
         state = None
     if state is None:
-        init_optimizer_state(optimizer)
+        init_optimizer_state(optimizer, missing=True)
     else:
         for param, values in state.items():
             optimizer.state[param] = values
-    return bool(optimizer.state)
+    return [p for p in optimizer.state if id(p) not in before]
+
+
+def _keeps_state_per_parameter(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every key of the optimizer's ``state`` is one of its parameters."""
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return all(id(key) in params for key in optimizer.state)
 
 
 def _state_from_meta_step(optimizer: torch.optim.Optimizer
@@ -138,8 +154,7 @@ def _state_from_meta_step(optimizer: torch.optim.Optimizer
                 group["lr"] = lr
         for twin in twins:
             optimizer.state.pop(twin, None)
-    if optimizer.state:  # state the step kept under other keys: not per parameter
-        optimizer.state.clear()
+    if not _keeps_state_per_parameter(optimizer):  # state kept under other keys
         return None
     return {real_of[id(twin)]: values for twin, values in meta_state.items()}
 

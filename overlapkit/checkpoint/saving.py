@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.nn.parallel import DistributedDataParallel
 
+from overlapkit.checkpoint.agreement import checks_on_every_rank
 from overlapkit.checkpoint.arguments import check_model_and_optimizer, check_path
 from overlapkit.checkpoint.integrity import write_manifest
 from overlapkit.checkpoint.metadata import METADATA_FILE
@@ -84,11 +85,19 @@ def _check_destination(path: Path) -> None:
         )
 
 
+def _remove(path: Path) -> None:
+    """Remove what is at ``path``: a directory tree, a file or a link (not its target)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
 def _recover_and_clean(path: Path, saving: Path, old: Path) -> None:
-    if (old / METADATA_FILE).is_file() and not path.exists():
+    if (old / METADATA_FILE).is_file() and not old.is_symlink() and not path.exists():
         os.replace(old, path)  # a previous save died between its two renames
-    shutil.rmtree(old, ignore_errors=True)
-    shutil.rmtree(saving, ignore_errors=True)  # left by a save that was killed
+    _remove(old)
+    _remove(saving)  # left by a save that was killed
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -113,7 +122,7 @@ def _swap_into_place(path: Path, saving: Path, old: Path) -> None:
         raise
     _fsync_dir(path.parent)
     if had_previous:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
 
 
 def with_rank_zero_buffers(model: torch.nn.Module,
@@ -183,10 +192,11 @@ def save(
     :raises CheckpointError: ``path`` exists and is not a checkpoint, or writing or
         moving it into place failed (on every rank alike).
     """
-    path = check_path(path, "save")
-    check_model_and_optimizer(model, optimizer, "save")
-    saving, old = _siblings(path)
-    _check_destination(path)
+    with checks_on_every_rank("save"):
+        path = check_path(path, "save")
+        check_model_and_optimizer(model, optimizer, "save")
+        saving, old = _siblings(path)
+        _check_destination(path)
 
     def prepare() -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from overlapkit.errors import CheckpointError
 
-__all__ = ["check_against_metadata"]
+__all__ = ["check_against_metadata", "check_param_groups"]
 
 _SHOWN = 5
 
@@ -110,4 +110,63 @@ def check_against_metadata(
                 f"{key!r} is a tensor of shape {tuple(stored.size)} in the checkpoint at "
                 f"{path} but a {type(value).__name__} here; load it into the model and "
                 "optimizer that saved it."
+            )
+
+
+def check_param_groups(
+    saved_values: Mapping[str, Any],
+    metadata: Metadata,
+    live_groups: list[dict[str, Any]],
+    defaults: Mapping[str, Any],
+    *,
+    path: object,
+    optimizer_key: str = "optimizer",
+) -> None:
+    """Raise a :class:`CheckpointError` unless each saved param group holds the same
+    parameters as the live group at its position and every hyperparameter the live
+    optimizer's class defines.
+
+    DCP maps saved optimizer state to parameters by name and group settings by group,
+    so a checkpoint whose groups split the parameters differently loads without an
+    error and leaves a group without its settings (measured in torch 2.13: ``lr`` and
+    ``betas`` gone, a ``KeyError`` at the next step); a checkpoint of another optimizer
+    class (or one saved before any state existed) would bring another class's settings
+    (``momentum`` for SGD where Adam needs ``betas``).
+
+    :param saved_values: the checkpoint's non-tensor entries, flattened
+        (``optimizer.param_groups.0.params`` -> the parameter names of group 0).
+    :param live_groups: the ``param_groups`` of the state dict being loaded into
+        (parameter names in ``params``).
+    :param defaults: the live optimizer's ``defaults``: every group has these keys.
+    """
+    prefix = f"{optimizer_key}.param_groups."
+    saved_keys: dict[int, set[str]] = {}
+    for key in metadata.state_dict_metadata:
+        if key.startswith(prefix):
+            position, _, name = key[len(prefix):].partition(".")
+            if position.isdigit() and name and "." not in name:
+                saved_keys.setdefault(int(position), set()).add(name)
+    todo = ("Create the optimizer with the same class and the same parameter groups as "
+            "the run that saved it, then load.")
+    for index, group in enumerate(live_groups):
+        names = saved_keys.get(index, set())
+        lacking = sorted(set(defaults) - names)
+        if names and lacking:
+            raise CheckpointError(
+                f"the checkpoint at {path} is from a different optimizer class: its param "
+                f"group {index} has no {_few(lacking)}, which this optimizer needs. {todo}"
+            )
+        saved = saved_values.get(f"{prefix}{index}.params")
+        if not isinstance(saved, (list, tuple)):
+            continue
+        mine, theirs = {str(n) for n in group.get("params", ())}, {str(n) for n in saved}
+        if mine != theirs:
+            detail = []
+            if theirs - mine:
+                detail.append(f"only the checkpoint's has {_few(theirs - mine)}")
+            if mine - theirs:
+                detail.append(f"only this optimizer's has {_few(mine - theirs)}")
+            raise CheckpointError(
+                f"the checkpoint at {path} groups the parameters differently: of param "
+                f"group {index}, {'; '.join(detail)}. {todo}"
             )

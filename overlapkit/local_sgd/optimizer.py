@@ -173,7 +173,14 @@ class PostLocalSGDOptimizer(OptimizerWrapper):
                   None if self.comm_hook_state is None else self.comm_hook_state.state_dict())
         try:
             self._load_averager_and_hook(state_dict)
-            self.optim.load_state_dict(state_dict)
+            try:
+                self.optim.load_state_dict(state_dict)
+            except ValueError as refused:  # torch's: other group count or sizes
+                raise CheckpointError(
+                    f"the state dict does not fit the local optimizer ({refused}); load "
+                    "the state_dict() of a PostLocalSGDOptimizer over the same parameter "
+                    "groups. Nothing was loaded."
+                ) from refused
         except BaseException:
             self.averager.load_state_dict(before[0])
             if self.comm_hook_state is not None and before[1] is not None:

@@ -38,10 +38,11 @@ def inspect_command(args: argparse.Namespace) -> int:
     from overlapkit.checkpoint import inspect
 
     info = inspect(args.path)
+    status = 1 if info.integrity == "damaged" else 0
     if args.json:
         json.dump(info.to_json(), sys.stdout, indent=2)
         sys.stdout.write("\n")
-        return 0
+        return status
     print(f"{info.path}: {len(info.tensors)} tensors, "
           f"{len(info.entries) - len(info.tensors)} values, "
           f"{_human(info.size_on_disk)} on disk in {info.files} files "
@@ -55,7 +56,14 @@ def inspect_command(args: argparse.Namespace) -> int:
         else:
             rows.append((e.key, "-", "value", _human(e.stored_bytes), "-"))
     print(format_table(rows))
-    return 0
+    if info.integrity == "damaged":
+        print(f"DAMAGED: {info.problem}", file=sys.stderr)
+    elif info.integrity == "unverified":
+        print("files: no file list (an older or torch-written checkpoint): only their "
+              "lengths were checked")
+    else:
+        print("files: verified (every size and CRC-32 as recorded at save)")
+    return status
 
 
 def register(commands: Any) -> None:
