@@ -10,6 +10,9 @@ settings:
   node or many): this process *is* one rank; :func:`launch` joins torchrun's
   rendezvous, runs the function here, and gathers every rank's result on rank 0 (other
   ranks get ``None``).
+
+The checks (:func:`under_torchrun`, :func:`check_world_size`, :func:`check_port_free`)
+import no torch, so the command line validates its arguments before paying for it.
 """
 
 from __future__ import annotations
@@ -21,10 +24,6 @@ import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from overlapkit.distributed import run_distributed
 from overlapkit.errors import ConfigurationError
 
 __all__ = [
@@ -91,6 +90,8 @@ def launch(
     """
     if under_torchrun():
         return _launch_here(fn, args, timeout)
+    from overlapkit.distributed import run_distributed  # imports torch: not at start-up
+
     check_world_size(world_size)
     if port is not None:
         check_port_free(port)
@@ -98,6 +99,9 @@ def launch(
 
 
 def _launch_here(fn: Callable[..., Any], args: Sequence[Any], timeout: float) -> list[Any] | None:
+    import torch
+    import torch.distributed as dist
+
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if not dist.is_initialized():
         # One process group for the whole command: torchrun's store keeps the keys of
@@ -116,6 +120,8 @@ def _launch_here(fn: Callable[..., Any], args: Sequence[Any], timeout: float) ->
 def _leave_group() -> None:
     """Leave the process group cleanly at exit (gloo may abort at interpreter exit
     otherwise)."""
+    import torch.distributed as dist
+
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
