@@ -1,4 +1,4 @@
-"""``overlapkit demo``: every technique on the same small model, side by side.
+"""Run the demo: every technique on the same small model, side by side.
 
 Trains an MLP on synthetic data on N CPU ranks with plain DDP and with each overlapkit
 technique, each in fresh processes, then saves a checkpoint and reloads it at another
@@ -18,13 +18,12 @@ from typing import Any
 
 import torch
 
-from overlapkit.cli.demo.config import TECHNIQUES, DemoConfig, parse_techniques
-from overlapkit.cli.demo.report import TechniqueRow, format_table, median_ms, plot
+from overlapkit.cli.demo.config import DemoConfig
+from overlapkit.cli.demo.report import TechniqueRow, median_ms
 from overlapkit.cli.demo.worker import reload_checkpoint, save_checkpoint, train_technique
 from overlapkit.launch import launch, under_torchrun
 
-__all__ = ["TECHNIQUES", "DemoConfig", "TechniqueRow", "format_table", "parse_techniques",
-           "plot", "run_demo"]
+__all__ = ["run_demo"]
 
 
 def _max_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float | None:
@@ -54,7 +53,7 @@ def _train_row(cfg: DemoConfig, technique: str, plain_params: torch.Tensor | Non
     row = TechniqueRow(
         technique=technique,
         step_ms=median_ms(results[0]["step_times"]),
-        peak_rss_mb=[r["peak_rss_mb"] for r in results],
+        peak_rss_mib=[r["peak_rss_mib"] for r in results],
         final_loss=results[0]["losses"][-1],
         max_param_diff=0.0 if technique == "plain" else _max_diff(params, plain_params),
         losses=results[0]["losses"],
@@ -86,11 +85,9 @@ def _checkpoint_path(cfg: DemoConfig) -> Iterator[str]:
 
 
 def _checkpoint_row(cfg: DemoConfig) -> TechniqueRow | None:
-    # torchrun fixes the world size: there the checkpoint is reloaded at the same one.
-    reload_world_size = cfg.world_size if under_torchrun() else cfg.reload_world_size
     with _checkpoint_path(cfg) as path:
         saved = launch(save_checkpoint, cfg.world_size, args=(cfg, path), port=cfg.port)
-        loaded = launch(reload_checkpoint, reload_world_size, args=(cfg, path),
+        loaded = launch(reload_checkpoint, cfg.reload_world_size, args=(cfg, path),
                         port=cfg.port)
     if saved is None or loaded is None:  # a non-zero torchrun rank
         return None
@@ -98,11 +95,13 @@ def _checkpoint_row(cfg: DemoConfig) -> TechniqueRow | None:
     return TechniqueRow(
         technique="checkpoint",
         step_ms=1000 * max(r["load_seconds"] for r in loaded),
-        peak_rss_mb=[r["peak_rss_mb"] for r in loaded],
+        peak_rss_mib=[r["peak_rss_mib"] for r in loaded],
         final_loss=saved[0]["losses"][-1],
         max_param_diff=_max_state_diff(saved[0]["saved"], loaded[0]["loaded"]),
-        note=(f"saved at world size {saved_at}, reloaded at {len(loaded)}; "
-              "the time is the load, the difference is saved vs reloaded state "
+        note=(f"saved at world size {saved_at}, reloaded at {len(loaded)}"
+              + (" (torchrun fixes the world size; without torchrun the demo reloads at "
+                 "another one)" if under_torchrun() else "")
+              + "; the time is the load, the difference is saved vs reloaded state "
               "(parameters and every optimizer-state tensor)"),
     )
 
