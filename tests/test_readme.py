@@ -102,3 +102,10 @@ def test_the_training_loop_example_resumes_bitwise(tmp_path: Path) -> None:
     assert expected.keys() == got.keys() and any("exp_avg" in k for k in expected)
     differ = [k for k in expected if not torch.equal(expected[k], got[k])]
     assert differ == []
+
+
+def test_the_changelog_has_the_unreleased_and_the_first_release() -> None:
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    headings = [line for line in changelog.splitlines() if line.startswith("## ")]
+    assert headings[:2] == ["## 0.2.0 (unreleased)", "## 0.1.0"]
+    assert "CHANGELOG.md" in README
