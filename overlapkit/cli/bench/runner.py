@@ -131,7 +131,8 @@ def _met(met: bool | None) -> str:
 
 
 def format_result(result: dict[str, Any]) -> str:
-    """One benchmark's result as a text table: a row per variant, then the ratios."""
+    """One benchmark's result as text: a row per variant, the ratios, then a table of
+    its goals with value, target and met/MISSED."""
     if "error" in result:
         return f"== {result['benchmark']}: FAILED: {result['error']}"
     variants: dict[str, dict[str, Any]] = result.get("variants", {})
