@@ -113,3 +113,17 @@ def test_unknown_benchmark_is_a_clear_error() -> None:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "unknown benchmark 'warp'" in proc.stderr
+
+
+def test_a_goal_is_met_missed_or_not_measured() -> None:
+    from overlapkit.cli.bench import goal
+    from overlapkit.cli.bench.runner import format_result
+
+    goals = [goal("ratio a", 0.9, at_most=0.95), goal("ratio b", 0.8, at_least=0.9),
+             goal("ratio c", None, at_most=1.0)]
+    assert [g["met"] for g in goals] == [True, False, None]
+    table = format_result({"benchmark": "x", "variants": {}, "goals": goals})
+    assert [line.split()[-1] for line in table.splitlines()[-3:]] == ["met", "MISSED",
+                                                                     "measured"]
+    with pytest.raises(ValueError, match="exactly one"):
+        goal("both", 1.0, at_most=1.0, at_least=0.5)

@@ -25,11 +25,12 @@ def goal(name: str, value: float | None, *, at_most: float | None = None,
     :param name: what is compared, e.g. ``"mlp: overlapkit / torch_fused step time"``.
     :param at_most: the goal is ``value <= at_most``; ``at_least``: ``value >= at_least``.
     """
-    if (at_most is None) == (at_least is None):
+    if at_most is not None and at_least is None:
+        target, met = f"<= {at_most:g}", None if value is None else value <= at_most
+    elif at_least is not None and at_most is None:
+        target, met = f">= {at_least:g}", None if value is None else value >= at_least
+    else:
         raise ValueError("give exactly one of at_most and at_least")
-    target = f"<= {at_most:g}" if at_most is not None else f">= {at_least:g}"
-    met = None if value is None else (
-        value <= at_most if at_most is not None else value >= at_least)  # type: ignore[operator]
     return {"goal": name, "value": value, "target": target, "met": met}
 
 
