@@ -2,7 +2,7 @@
 
     python benchmarks/ddp_overlap.py [--quick] [--rounds N] [--json] [--plot FILE.png]
 
-The same as `overlapkit bench --only ddp_overlap`: the figures in docs/benchmarks.md.
+The same as `overlapkit bench --only overlap_ddp`: the figures in docs/benchmarks.md.
 """
 
 import sys
@@ -10,4 +10,4 @@ import sys
 from overlapkit.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["bench", "--only", "ddp_overlap", *sys.argv[1:]]))
+    sys.exit(main(["bench", "--only", "overlap_ddp", *sys.argv[1:]]))

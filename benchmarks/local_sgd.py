@@ -1,4 +1,5 @@
-"""Post-local SGD against plain DDP and torch's: bytes per step and step time.
+"""Post-local SGD against plain DDP and torch's: bytes per step and step time
+(`overlapkit bench --only post_local_sgd` with the period and subgroup size as options).
 
     python benchmarks/local_sgd.py [--rounds 5] [--world-size 2] [--period 4]
                                    [--subgroup-size 1] [--quick] [--json]
@@ -10,6 +11,7 @@ import argparse
 import json
 
 from overlapkit.cli.bench.local_sgd import run_benchmark
+from overlapkit.cli.bench.runner import format_result
 
 
 def main() -> None:
@@ -26,16 +28,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    print(result["command"])
-    print(f"{'variant':<28}{'step ms':>10}{'global B/step':>16}{'subgroup B/step':>18}")
-    for name, figures in result["variants"].items():
-        print(f"{name:<28}{figures['step_time_ms']:>10.2f}"
-              f"{figures['global_bytes_per_step']:>16.0f}"
-              f"{figures['subgroup_bytes_per_step']:>18.0f}")
-    for name, value in result["ratios"].items():
-        print(f"{name:<36}{value:>8.3f}")
+    print(format_result(result))
     print("peak RSS MiB per rank:", [round(v) for v in result["peak_rss_mib_per_rank"]])
-
 
 if __name__ == "__main__":
     main()

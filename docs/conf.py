@@ -2,6 +2,8 @@
 
 project = "overlapkit"
 author = "overlapkit maintainers"
+# the footer reads "© <copyright>": without it Sphinx writes "©. |"
+copyright = "2026, overlapkit maintainers"
 extensions = ["sphinx.ext.autodoc", "sphinx.ext.napoleon", "sphinx.ext.intersphinx", "myst_parser"]
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 exclude_patterns = ["_build"]

@@ -10,6 +10,9 @@ settings:
   node or many): this process *is* one rank; :func:`launch` joins torchrun's
   rendezvous, runs the function here, and gathers every rank's result on rank 0 (other
   ranks get ``None``).
+
+The checks (:func:`under_torchrun`, :func:`check_world_size`, :func:`check_port_free`)
+import no torch, so the command line validates its arguments before paying for it.
 """
 
 from __future__ import annotations
@@ -18,17 +21,15 @@ import atexit
 import datetime
 import os
 import socket
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from overlapkit.distributed import run_distributed
 from overlapkit.errors import ConfigurationError
 
 __all__ = [
-    "check_port_free", "check_world_size", "launch", "max_local_world_size", "under_torchrun",
+    "check_port_free", "check_world_size", "exit_torchrun_rank", "launch",
+    "max_local_world_size", "under_torchrun",
 ]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -91,6 +92,8 @@ def launch(
     """
     if under_torchrun():
         return _launch_here(fn, args, timeout)
+    from overlapkit.distributed import run_distributed  # imports torch: not at start-up
+
     check_world_size(world_size)
     if port is not None:
         check_port_free(port)
@@ -98,12 +101,16 @@ def launch(
 
 
 def _launch_here(fn: Callable[..., Any], args: Sequence[Any], timeout: float) -> list[Any] | None:
+    import torch
+    import torch.distributed as dist
+
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if not dist.is_initialized():
         # One process group for the whole command: torchrun's store keeps the keys of
         # a destroyed group, and a second init_process_group on it fails to connect.
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
         atexit.register(_leave_group)
+        _JOINED.append(True)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(
             os.environ.get("LOCAL_WORLD_SIZE", world_size))))
     result = fn(rank, world_size, *args)
@@ -113,9 +120,30 @@ def _launch_here(fn: Callable[..., Any], args: Sequence[Any], timeout: float) ->
     return gathered
 
 
+#: not empty once this process joined torchrun's group in :func:`_launch_here`
+_JOINED: list[bool] = []
+
+
+def exit_torchrun_rank(status: int) -> None:
+    """End a torchrun rank that joined the group: leave it cleanly, flush the output
+    and ``os._exit(status)``, as :func:`overlapkit.distributed.run_distributed`'s
+    ranks do. gloo sometimes aborts a process at interpreter exit after all its work
+    ("terminate called without an active exception"; measured: ``torchrun ... -m
+    overlapkit demo`` failed so once in a full test run), and torchrun then reports the
+    whole job as failed. Does nothing in a process that joined no group."""
+    if not _JOINED:
+        return
+    _leave_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def _leave_group() -> None:
     """Leave the process group cleanly at exit (gloo may abort at interpreter exit
     otherwise)."""
+    import torch.distributed as dist
+
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

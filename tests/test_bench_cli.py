@@ -10,19 +10,19 @@ from typing import Any
 
 import pytest
 
-from overlapkit.cli.bench.runner import BENCHMARKS
+from overlapkit.cli.bench.runner import ALIASES, BENCHMARKS
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 #: per benchmark, the variants that must be present: ours, torch's own, plain
 EXPECTED_VARIANTS = {
-    "ddp_overlap": {"mlp/overlapkit", "mlp/torch_fused", "mlp/plain"},
+    "overlap_ddp": {"mlp/overlapkit", "mlp/torch_fused", "mlp/plain"},
     "optimizer_in_backward": {"ddp/optimizer_in_backward", "ddp/plain",
                               "module/optimizer_in_backward", "module/plain",
                               "module/torch_apply_optimizer_in_backward"},
     "mixed_precision": {"plain_amp", "overlap_ddp_amp", "optimizer_in_backward_amp",
                         "plain_clip", "overlap_ddp_clip", "overlap_ddp_clip_bucket"},
-    "local_sgd": {"overlapkit_post_local_sgd", "torch_post_local_sgd", "ddp"},
+    "post_local_sgd": {"overlapkit_post_local_sgd", "torch_post_local_sgd", "ddp"},
     "checkpoint": {"overlapkit", "torch"},
 }
 
@@ -59,8 +59,53 @@ def test_bench_shows_progress_and_draws_a_png(
     bench: tuple[list[dict[str, Any]], Path, str],
 ) -> None:
     _, plot, stderr = bench
-    assert f"[1/{len(BENCHMARKS)}] ddp_overlap" in stderr
+    assert f"[1/{len(BENCHMARKS)}] overlap_ddp (1 round, quick) ..." in stderr
     assert plot.read_bytes()[:8] == PNG_SIGNATURE
+    assert "goals: " in stderr.splitlines()[-1]
+
+
+def test_bench_prints_no_torchscript_deprecation_warning(
+    bench: tuple[list[dict[str, Any]], Path, str],
+) -> None:
+    assert "DeprecationWarning" not in bench[2]
+
+
+def _keys(value: Any) -> list[str]:
+    if isinstance(value, dict):
+        return [k for key, v in value.items() for k in [str(key), *_keys(v)]]
+    if isinstance(value, list):
+        return [k for v in value for k in _keys(v)]
+    return []
+
+
+def test_bench_spells_memory_in_mib_and_times_as_step_ms(
+    bench: tuple[list[dict[str, Any]], Path, str],
+) -> None:
+    keys = set(_keys(bench[0]))
+    assert [k for k in keys if "_mb" in k.replace("_mib", "")] == []
+    assert [k for k in keys if "step_time" in k] == []
+
+
+def test_bench_says_whether_each_goal_was_met(
+    bench: tuple[list[dict[str, Any]], Path, str],
+) -> None:
+    from overlapkit.cli.bench.runner import format_result
+
+    stated = {r["benchmark"]: r["goals"] for r in bench[0] if r.get("goals")}
+    assert {"overlap_ddp", "optimizer_in_backward", "post_local_sgd", "checkpoint",
+            "mixed_precision"} <= set(stated)
+    for name, goals in stated.items():
+        for g in goals:
+            assert g["met"] in (True, False), (name, g)
+        table = format_result(next(r for r in bench[0] if r["benchmark"] == name))
+        header = next(line for line in table.splitlines() if line.startswith("goal "))
+        assert header.split() == ["goal", "value", "target", "met"]
+
+
+def test_old_benchmark_names_still_work() -> None:
+    from overlapkit.cli.bench.runner import parse_benchmarks
+
+    assert parse_benchmarks(",".join(ALIASES)) == list(ALIASES.values())
 
 
 def test_unknown_benchmark_is_a_clear_error() -> None:
@@ -68,3 +113,17 @@ def test_unknown_benchmark_is_a_clear_error() -> None:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "unknown benchmark 'warp'" in proc.stderr
+
+
+def test_a_goal_is_met_missed_or_not_measured() -> None:
+    from overlapkit.cli.bench import goal
+    from overlapkit.cli.bench.runner import format_result
+
+    goals = [goal("ratio a", 0.9, at_most=0.95), goal("ratio b", 0.8, at_least=0.9),
+             goal("ratio c", None, at_most=1.0)]
+    assert [g["met"] for g in goals] == [True, False, None]
+    table = format_result({"benchmark": "x", "variants": {}, "goals": goals})
+    assert [line.split()[-1] for line in table.splitlines()[-3:]] == ["met", "MISSED",
+                                                                     "measured"]
+    with pytest.raises(ValueError, match="exactly one"):
+        goal("both", 1.0, at_most=1.0, at_least=0.5)

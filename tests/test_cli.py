@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
+
+import pytest
 
 
 def _overlapkit(*args: str) -> subprocess.CompletedProcess[str]:
@@ -32,3 +35,46 @@ def test_unknown_command_is_a_usage_error() -> None:
     proc = _overlapkit("frobnicate")
     assert proc.returncode == 2
     assert "invalid choice" in proc.stderr
+
+
+def test_plugins_lists_the_techniques_each_builtin_serves() -> None:
+    proc = _overlapkit("plugins", "--json")
+    listed = {p["name"]: p["techniques"] for p in json.loads(proc.stdout)}
+    assert listed["overlapkit.overlap"] == ["overlap_ddp", "optimizer_in_backward"]
+    assert listed["overlapkit.local_sgd"] == ["post_local_sgd"]
+    assert listed["overlapkit.checkpoint"] == ["checkpoint"]
+    table = _overlapkit("plugins").stdout
+    assert "techniques: overlap_ddp, optimizer_in_backward" in table
+
+
+@pytest.mark.parametrize("command", ["plugins", "demo", "bench", "new-plugin", "checkpoint"])
+def test_every_command_has_a_description(command: str) -> None:
+    from overlapkit.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert (sub.choices[command].description or "").strip(), command
+
+
+def test_help_and_version_import_no_torch() -> None:
+    # the timings are in benchmarks/cli_startup.py; here, the cause of a slow start
+    code = ("import sys; from overlapkit.cli import main\n"
+            "for argv in (['--help'], ['--version'], ['demo', '--help'], ['bench', '--help'],"
+            " ['plugins', '--help']):\n"
+            "    try: main(argv)\n"
+            "    except SystemExit: pass\n"
+            "import overlapkit; overlapkit.hookimpl; overlapkit.OverlapkitError\n"
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_public_api_still_resolves_lazily() -> None:
+    import overlapkit
+
+    assert overlapkit.overlap_ddp.__module__ == "overlapkit.overlap.ddp"
+    assert overlapkit.checkpoint.save.__module__.startswith("overlapkit.checkpoint")
+    assert set(overlapkit.__all__) <= set(dir(overlapkit))
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        overlapkit.nope  # noqa: B018

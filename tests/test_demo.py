@@ -37,7 +37,7 @@ def test_demo_runs_every_technique(demo_rows: dict[str, dict[str, object]]) -> N
         "plain", "overlap_ddp", "optimizer_in_backward", "post_local_sgd", "checkpoint"}
     for name, row in demo_rows.items():
         if name != "_plot":
-            assert len(row["peak_rss_mb"]) >= 1 and row["step_ms"] > 0
+            assert len(row["peak_rss_mib"]) >= 1 and row["step_ms"] > 0
 
 
 @pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
@@ -67,6 +67,17 @@ def test_demo_table_for_people() -> None:
     assert header.split()[:3] == ["technique", "step", "(ms)"]
     assert [row.split()[0] for row in rows[:2]] == ["plain", "overlap_ddp"]
     assert "overlap_ddp [" in proc.stderr  # the progress bar
+    assert proc.stderr.startswith("overlapkit demo: 2,128-parameter MLP (tiny), 2 CPU ranks")
+
+
+def test_the_progress_bar_shows_the_loss_the_table_shows() -> None:
+    proc = _overlapkit("demo", "--model-size", "tiny", "--steps", "3", "--technique", "plain")
+    assert proc.returncode == 0, proc.stderr
+    last_bar = [line for line in proc.stderr.splitlines() if "plain [" in line][-1]
+    shown = float(last_bar.split("loss ")[1].split()[0])
+    table_loss = float(proc.stdout.splitlines()[2].split()[4])
+    assert "(mean over ranks)" in last_bar
+    assert shown == round(table_loss, 4)
 
 
 @pytest.mark.parametrize(
@@ -75,13 +86,45 @@ def test_demo_table_for_people() -> None:
         (["--technique", "magic"], "unknown technique 'magic'"),
         (["--world-size", "1000"], "more than this machine runs usefully"),
         (["--steps", "1"], "--steps must be at least 2"),
+        (["--checkpoint-dir", "{file}"], "is a file, or lies under one"),
+        (["--checkpoint-dir", "{file}/sub"], "is a file, or lies under one"),
+        (["--plot", "{tmp}/demo.xyz"], "'xyz' file format; end the name with one of"),
+        (["--plot", "{tmp}/demo"], "no file format"),
+        (["--plot", "{tmp}"], "is a directory"),
+        (["--plot", "{file}/demo.png"], "cannot be written"),
     ],
 )
-def test_demo_bad_input_is_one_clear_line(args: list[str], message: str) -> None:
-    proc = _overlapkit("demo", *args)
+def test_demo_bad_input_is_one_clear_line_before_training(
+    args: list[str], message: str, tmp_path: Path
+) -> None:
+    (tmp_path / "a-file").write_text("")
+    args = [a.format(file=tmp_path / "a-file", tmp=tmp_path) for a in args]
+    proc = _overlapkit("demo", *args, timeout=60)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1  # one line, no training started
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # nothing written
+
+
+def test_demo_without_matplotlib_refuses_plot_before_training(tmp_path: Path) -> None:
+    (tmp_path / "matplotlib").mkdir()  # a package that fails to import shadows the real one
+    (tmp_path / "matplotlib" / "__init__.py").write_text("raise ImportError('no matplotlib')")
+    proc = subprocess.run(
+        [sys.executable, "-m", "overlapkit", "demo", "--plot", str(tmp_path / "d.png")],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--plot needs matplotlib" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_demo_help_shows_the_defaults() -> None:
+    proc = _overlapkit("demo", "--help", timeout=60)
+    assert proc.returncode == 0
+    for default in ("(default: 40)", "(default: 2)", "(default: small)", "(default: all)"):
+        assert default in " ".join(proc.stdout.split()), default
 
 
 def test_demo_port_in_use_is_a_clear_error() -> None:
@@ -147,8 +190,22 @@ def test_demo_under_torchrun_uses_its_ranks() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {row["technique"]: row for row in json.loads(proc.stdout)}  # rank 0 reports alone
     assert rows["overlap_ddp"]["max_param_diff"] == 0.0
-    assert len(rows["overlap_ddp"]["peak_rss_mb"]) == 2
+    assert len(rows["overlap_ddp"]["peak_rss_mib"]) == 2
     assert rows["checkpoint"]["max_param_diff"] == 0.0
+    assert "reloaded at 2 (torchrun fixes the world size" in rows["checkpoint"]["note"]
+
+
+def test_demo_under_torchrun_prints_its_header_once() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(_free_port()), "-m", "overlapkit", "demo", "--model-size",
+         "tiny", "--steps", "2", "--technique", "plain"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    headers = [line for line in proc.stderr.splitlines() if line.startswith("overlapkit demo:")]
+    assert headers == ["overlapkit demo: 2,128-parameter MLP (tiny), 2 CPU ranks (gloo, "
+                       "torchrun), 2 steps per technique"]
 
 
 def _free_port() -> int:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from overlapkit.cli.commands import COMMAND_MODULES
 from overlapkit.errors import OverlapkitError
+from overlapkit.launch import exit_torchrun_rank
 
 __all__ = ["build_parser", "main"]
 
@@ -43,10 +44,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args))
+        status = int(args.func(args))
     except OverlapkitError as exc:
         print(f"overlapkit: error: {exc}", file=sys.stderr)
-        return 2
+        status = 2
     except KeyboardInterrupt:
         print("overlapkit: interrupted", file=sys.stderr)
         return 130
+    exit_torchrun_rank(status)  # under torchrun, after a command that used the group
+    return status

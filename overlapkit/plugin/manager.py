@@ -55,6 +55,14 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "overlapkit.checkpoint": "overlapkit.checkpoint.plugin",
 }
 
+#: built-in plugin name -> the public techniques it serves (what users call, beside
+#: the records it registers)
+BUILTIN_TECHNIQUES: dict[str, tuple[str, ...]] = {
+    "overlapkit.overlap": ("overlap_ddp", "optimizer_in_backward"),
+    "overlapkit.local_sgd": ("post_local_sgd",),
+    "overlapkit.checkpoint": ("checkpoint",),
+}
+
 ENV_DISABLE_AUTOLOAD = "OVERLAPKIT_DISABLE_PLUGIN_AUTOLOAD"
 ENV_DISABLE_PLUGINS = "OVERLAPKIT_DISABLE_PLUGINS"
 ENV_TRACE = "OVERLAPKIT_TRACE_PLUGINS"
@@ -85,6 +93,8 @@ class PluginInfo:
     target: str = ""
     #: record kind (``optimizers``, ``comm_hooks``, ...) -> names it provides
     provides: dict[str, list[str]] = attrs.field(factory=dict)
+    #: the public techniques a built-in serves (``overlap_ddp``, ...); empty for others
+    techniques: list[str] = attrs.field(factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """A plain dict for ``overlapkit plugins --json``."""
@@ -139,7 +149,8 @@ class OverlapkitPluginManager(pluggy.PluginManager):
         """Register the built-in plugins that are not blocked."""
         for name, module in BUILTIN_PLUGINS.items():
             info = PluginInfo(name=name, source="builtin", status="active", target=module,
-                              distribution="overlapkit", version=_own_version())
+                              distribution="overlapkit", version=_own_version(),
+                              techniques=list(BUILTIN_TECHNIQUES.get(name, ())))
             if self.is_blocked(name):
                 self._origins[name] = attrs.evolve(info, status="blocked")
                 continue

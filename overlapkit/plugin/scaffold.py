@@ -35,7 +35,7 @@ def _check_name(name: str) -> str:
 def _pyproject(name: str, module: str, kind: str) -> str:
     return dedent(f'''\
         [build-system]
-        requires = ["setuptools>=68"]
+        requires = ["setuptools>=77"]
         build-backend = "setuptools.build_meta"
 
         [project]

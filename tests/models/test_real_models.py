@@ -6,7 +6,8 @@ plain PyTorch loop each replaces (torch's PostLocalSGDOptimizer for post_local_s
 with a checkpoint save and resume in the middle, also under the AMP loop (bf16
 autocast, GradScaler, global norm clipping).
 
-Runs in the ``models`` tox environment (which installs transformers); skipped elsewhere.
+Runs where transformers is installed: the ``py311`` and ``models`` tox environments;
+skipped elsewhere.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Checkpoint load benchmark: overlapkit's ``load`` against torch's DCP path.
 
-A checkpoint of an FSDP2 model with AdamW state (>= 200 MB; a few MB with
+A checkpoint of an FSDP2 model with AdamW state (>= 200 MiB; a few MiB with
 ``quick=True``) is saved once on ``save_world_size`` ranks, then loaded on
 ``world_size`` ranks, resharding, by two variants on the same files, interleaved over
 ``rounds`` rounds, each in freshly spawned ranks so peak RSS is the load's own:
@@ -31,16 +31,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from overlapkit.cli.bench import goal
 from overlapkit.cli.memory import peak_rss_mib
 from overlapkit.distributed import run_distributed
 
 __all__ = ["run_benchmark"]
 
 VARIANTS = ("overlapkit", "torch")
-
-
-def _rss_mb() -> float:
-    return peak_rss_mib()
 
 
 def _model(layers: int, dim: int, *, meta: bool) -> nn.Module:
@@ -107,11 +104,11 @@ def _load(rank: int, world_size: int, path: str, variant: str, layers: int, dim:
     # baseline rather than counted as the load's memory.
     load(path + "-warmup", 16)  # the warm-up model is dropped right away
     dist.barrier()
-    baseline = _rss_mb()
+    baseline = peak_rss_mib()
     model, opt, seconds = load(path, dim)
     local, checksum = _local_bytes(model, opt)
-    return {"load_s": seconds, "peak_rss_above_baseline_mb": _rss_mb() - baseline,
-            "local_shard_mb": local / 2**20, "checksum": checksum}
+    return {"load_s": seconds, "peak_rss_above_baseline_mib": peak_rss_mib() - baseline,
+            "local_shard_mib": local / 2**20, "checksum": checksum}
 
 
 def _time_the_check(path: Path, rounds: int) -> float:
@@ -150,6 +147,8 @@ def run_benchmark(
     :return: ``{"benchmark", "command", "variants": {variant: {metric: median}},
         "ratios", "notes"}``, JSON-serialisable.
     """
+    if quick:
+        rounds = min(rounds, 2)
     save_ws = save_world_size or max(1, world_size // 2)
     layers = layers or (4 if quick else 17)
     dim = dim or (256 if quick else 1024)
@@ -157,7 +156,7 @@ def run_benchmark(
     path = str(root / "ckpt")
     try:
         run_distributed(_save, save_ws, args=(path, layers, dim), timeout=600)
-        size_mb = sum(f.stat().st_size for f in Path(path).iterdir()) / 2**20
+        size_mib = sum(f.stat().st_size for f in Path(path).iterdir()) / 2**20
         check_s = _time_the_check(Path(path), rounds)
         per_round: dict[str, list[list[dict[str, Any]]]] = {v: [] for v in VARIANTS}
         for r in range(rounds):
@@ -174,17 +173,17 @@ def run_benchmark(
     for v in VARIANTS:
         runs = per_round[v]
         load = statistics.median(max(rank["load_s"] for rank in run) for run in runs)
-        peak = statistics.median(max(rank["peak_rss_above_baseline_mb"] for rank in run)
+        peak = statistics.median(max(rank["peak_rss_above_baseline_mib"] for rank in run)
                                  for run in runs)
-        local = max(rank["local_shard_mb"] for rank in runs[0])
-        variants[v] = {"load_s": round(load, 4), "peak_rss_above_baseline_mb": round(peak, 1),
-                       "local_shard_mb": round(local, 1),
+        local = max(rank["local_shard_mib"] for rank in runs[0])
+        variants[v] = {"load_s": round(load, 4), "peak_rss_above_baseline_mib": round(peak, 1),
+                       "local_shard_mib": round(local, 1),
                        "peak_over_local_shard": round(peak / local, 3)}
     return {
         "benchmark": "checkpoint",
         "command": f"python benchmarks/checkpoint.py --rounds {rounds} --world-size "
                    f"{world_size}" + (" --quick" if quick else ""),
-        "checkpoint_mb": round(size_mb, 1),
+        "checkpoint_mib": round(size_mib, 1),
         "resharding": f"{save_ws} -> {world_size} ranks",
         # part of overlapkit's load_s: rank 0 re-reads every file for its size and CRC-32
         "integrity_check_s": round(check_s, 4),
@@ -194,9 +193,15 @@ def run_benchmark(
                 variants["overlapkit"]["load_s"], variants["torch"]["load_s"]),
             "integrity_check_share_of_load": _ratio(check_s, variants["overlapkit"]["load_s"]),
             "peak_rss_overlapkit_over_torch": _ratio(
-                variants["overlapkit"]["peak_rss_above_baseline_mb"],
-                variants["torch"]["peak_rss_above_baseline_mb"]),
+                variants["overlapkit"]["peak_rss_above_baseline_mib"],
+                variants["torch"]["peak_rss_above_baseline_mib"]),
         },
+        "goals": [
+            goal("load time, overlapkit / torch", _ratio(
+                variants["overlapkit"]["load_s"], variants["torch"]["load_s"]), at_most=1.0),
+            goal("overlapkit's peak RSS above baseline / local shard",
+                 variants["overlapkit"]["peak_over_local_shard"], at_most=1.2),
+        ],
         "notes": "FSDP2 model of bias-free Linear layers with AdamW state, saved on "
                  f"{save_ws} ranks, loaded on {world_size} gloo ranks (1 thread each); "
                  "medians over interleaved rounds, fresh processes per load; peak RSS is "

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import statistics
 import time
-import warnings
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from overlapkit.cli.bench import goal, torchscript_warnings_silenced
 from overlapkit.cli.memory import peak_rss_mib
 from overlapkit.distributed import RankFailedError, run_distributed
 
@@ -94,8 +94,7 @@ def _set_up(variant: str, width: int, depth: int) -> tuple[nn.Module, Any]:
     if optimizer == "torch":
         from torch.distributed.optim import _apply_optimizer_in_backward
 
-        with warnings.catch_warnings():  # torch.distributed.optim scripts, and warns
-            warnings.simplefilter("ignore")
+        with torchscript_warnings_silenced():  # torch.distributed.optim scripts, and warns
             _apply_optimizer_in_backward(torch.optim.AdamW, model.parameters(), {"lr": LR})
         return model, None
     if wrapping.startswith("ddp"):
@@ -121,7 +120,7 @@ def _variant_rank(rank: int, world_size: int, variant: str, width: int, depth: i
         times.append(time.perf_counter() - started)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     peak = _peak_rss_mib()
-    return {"peak_rss_mib": peak, "over_baseline_mib": peak - baseline,
+    return {"peak_rss_mib": peak, "peak_rss_above_baseline_mib": peak - baseline,
             # the first step allocates the optimizer state: left out of the time
             "step_ms": 1000 * statistics.median(times[1:] or times),
             "grad_mib": grad_bytes / 2**20, "pinned": pinned}
@@ -131,8 +130,7 @@ def _torch_ddp_rank(rank: int, world_size: int) -> str:
     from torch.distributed.optim import _apply_optimizer_in_backward
 
     model = _build(*QUICK)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with torchscript_warnings_silenced():
         _apply_optimizer_in_backward(torch.optim.AdamW, model.parameters(), {"lr": LR})
     ddp = DDP(model)
     try:
@@ -170,8 +168,8 @@ def run_benchmark(*, rounds: int = 5, world_size: int = 2, quick: bool = False,
         variants[name] = {
             "peak_rss_mib": statistics.median(max(r["peak_rss_mib"] for r in ranks)
                                               for ranks in per_round),
-            "over_baseline_mib": statistics.median(max(r["over_baseline_mib"] for r in ranks)
-                                                   for ranks in per_round),
+            "peak_rss_above_baseline_mib": statistics.median(
+                max(r["peak_rss_above_baseline_mib"] for r in ranks) for ranks in per_round),
             "step_ms": statistics.median(max(r["step_ms"] for r in ranks)
                                          for ranks in per_round),
         }
@@ -179,13 +177,16 @@ def run_benchmark(*, rounds: int = 5, world_size: int = 2, quick: bool = False,
     pinned = all(r["pinned"] for per_round in runs.values() for ranks in per_round
                  for r in ranks)
     ratios: dict[str, float] = {}
+    goals = []
     for wrapping in ("ddp", "ddp_bucket_view", "module"):
         plain, ours = variants.get(f"{wrapping}/plain"), variants.get(
             f"{wrapping}/optimizer_in_backward")
         if plain is None or ours is None:
             continue
-        ratios[f"{wrapping}: (plain - ours) peak RSS / gradient bytes"] = (
-            (plain["peak_rss_mib"] - ours["peak_rss_mib"]) / grad_mib)
+        saved = f"{wrapping}: (plain - ours) peak RSS / gradient bytes"
+        ratios[saved] = (plain["peak_rss_mib"] - ours["peak_rss_mib"]) / grad_mib
+        if wrapping != "ddp_bucket_view":  # there the gradients are DDP's buckets: kept
+            goals.append(goal(saved, ratios[saved], at_least=0.9))
         ratios[f"{wrapping}: ours / plain step time"] = ours["step_ms"] / plain["step_ms"]
     torch_module = variants.get("module/torch_apply_optimizer_in_backward")
     ours_module = variants.get("module/optimizer_in_backward")
@@ -204,6 +205,7 @@ def run_benchmark(*, rounds: int = 5, world_size: int = 2, quick: bool = False,
         "command": COMMAND + (" --quick" if quick else ""),
         "variants": variants,
         "ratios": ratios,
+        "goals": goals,
         "notes": (
             f"{world_size} gloo ranks on CPU, 1 thread each; MLP {depth} x Linear({width}, "
             f"{width}) = {n_params / 1e6:.2f} M parameters, {grad_mib:.1f} MiB of fp32 "
@@ -211,8 +213,7 @@ def run_benchmark(*, rounds: int = 5, world_size: int = 2, quick: bool = False,
             f"(the first untimed); medians of {rounds} rounds, fresh processes per "
             "variant per round; peak RSS = VmHWM, largest rank; glibc mmap "
             f"threshold {'pinned at 128 KiB' if pinned else 'dynamic (glibc default)'}. "
-            "Goal: plain - ours "
-            ">= 0.9 x gradient bytes. torch's DDP optimizer in backward on CPU: "
+            "torch's DDP optimizer in backward on CPU: "
             f"{torch_ddp}"
         ),
     }

@@ -8,6 +8,8 @@ they return.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
 import platform
 import sys
 import time
@@ -15,52 +17,66 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-import torch
-
 from overlapkit.cli.textui import format_table, parse_names, pyplot
 from overlapkit.errors import ConfigurationError
 from overlapkit.launch import check_world_size
 
-__all__ = ["BENCHMARKS", "format_result", "machine_description", "plot_results", "run_benchmarks"]
+__all__ = ["ALIASES", "BENCHMARKS", "QUICK_ROUNDS", "format_result", "machine_description",
+           "plot_results", "run_benchmarks"]
 
-#: benchmark name -> module under overlapkit.cli.bench, in the order they run
+#: benchmark name -> module under overlapkit.cli.bench, in the order they run; the
+#: names are the demo's technique names
 BENCHMARKS: dict[str, str] = {
-    "ddp_overlap": "overlapkit.cli.bench.ddp_overlap",
+    "overlap_ddp": "overlapkit.cli.bench.ddp_overlap",
     "optimizer_in_backward": "overlapkit.cli.bench.optimizer_in_backward",
     "mixed_precision": "overlapkit.cli.bench.mixed_precision",
-    "local_sgd": "overlapkit.cli.bench.local_sgd",
+    "post_local_sgd": "overlapkit.cli.bench.local_sgd",
     "checkpoint": "overlapkit.cli.bench.checkpoint",
 }
+
+#: names used before 0.2 -> the name now; still accepted by ``--only``
+ALIASES: dict[str, str] = {"ddp_overlap": "overlap_ddp", "local_sgd": "post_local_sgd"}
+
+#: rounds per benchmark with ``--quick``: a smoke test of every variant, not figures
+QUICK_ROUNDS = 1
 
 
 def machine_description() -> str:
     """One line naming the machine the figures come from."""
-    import os
+    import torch
 
     return (f"{platform.machine()}, {os.cpu_count()} cores, Python "
             f"{platform.python_version()}, torch {torch.__version__}")
 
 
 def available_benchmarks() -> list[str]:
-    """The benchmarks whose modules are present."""
-    names = []
-    for name, module in BENCHMARKS.items():
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
-            continue
-        names.append(name)
-    return names
+    """The benchmarks whose modules are present (found, not imported: importing one
+    imports torch, and ``overlapkit bench --help`` lists them)."""
+    return [name for name, module in BENCHMARKS.items()
+            if importlib.util.find_spec(module) is not None]
 
 
-def parse_benchmarks(text: str) -> list[str]:
-    """``"all"`` or a comma-separated list of benchmark names, validated."""
+def parse_benchmarks(text: str, log: TextIO | None = None) -> list[str]:
+    """``"all"`` or a comma-separated list of benchmark names, validated; an old name
+    (:data:`ALIASES`) is accepted with a note on ``log`` (stderr)."""
     available = available_benchmarks()
     if not available:
         raise ConfigurationError("no benchmark modules are installed; reinstall overlapkit.")
-    return parse_names(text, available, "benchmark")
+    names = []
+    for part in text.split(","):
+        name = part.strip().replace("-", "_")
+        if name in ALIASES:
+            print(f"overlapkit bench: {name!r} is now called {ALIASES[name]!r}.",
+                  file=sys.stderr if log is None else log)
+            name = ALIASES[name]
+        names.append(name)
+    return parse_names(",".join(names), available, "benchmark")
+
+
+def effective_rounds(rounds: int, quick: bool) -> int:
+    """The rounds a run makes: ``rounds``, or at most :data:`QUICK_ROUNDS` with
+    ``--quick``."""
+    return min(rounds, QUICK_ROUNDS) if quick else rounds
 
 
 def run_benchmarks(names: Sequence[str], *, rounds: int, world_size: int | None,
@@ -75,13 +91,14 @@ def run_benchmarks(names: Sequence[str], *, rounds: int, world_size: int | None,
     if world_size is not None:
         check_world_size(world_size)
     log = sys.stderr if log is None else log
+    rounds = effective_rounds(rounds, quick)
     results = []
     for index, name in enumerate(names, 1):
         module = importlib.import_module(BENCHMARKS[name])
         options: dict[str, Any] = {"rounds": rounds, "quick": quick}
         if world_size is not None:
             options["world_size"] = world_size
-        print(f"[{index}/{len(names)}] {name} ({rounds} rounds"
+        print(f"[{index}/{len(names)}] {name} ({rounds} round{'s' if rounds > 1 else ''}"
               f"{', quick' if quick else ''}) ...", file=log, flush=True)
         started = time.monotonic()
         try:
@@ -94,7 +111,8 @@ def run_benchmarks(names: Sequence[str], *, rounds: int, world_size: int | None,
             continue
         print(f"[{index}/{len(names)}] {name} done in {time.monotonic() - started:.0f}s",
               file=log, flush=True)
-        result.setdefault("benchmark", name)
+        result["benchmark"] = name
+        result["rounds"] = rounds
         result["machine"] = machine_description()
         results.append(result)
     return results
@@ -108,8 +126,13 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def _met(met: bool | None) -> str:
+    return "not measured" if met is None else "met" if met else "MISSED"
+
+
 def format_result(result: dict[str, Any]) -> str:
-    """One benchmark's result as a text table: a row per variant, then the ratios."""
+    """One benchmark's result as text: a row per variant, the ratios, then a table of
+    its goals with value, target and met/MISSED."""
     if "error" in result:
         return f"== {result['benchmark']}: FAILED: {result['error']}"
     variants: dict[str, dict[str, Any]] = result.get("variants", {})
@@ -123,6 +146,12 @@ def format_result(result: dict[str, Any]) -> str:
             format_table(lines)]
     for name, value in result.get("ratios", {}).items():
         text.append(f"  {name}: {_cell(value)}")
+    goals = result.get("goals", [])
+    if goals:
+        rows = [["goal", "value", "target", "met"]]
+        rows += [[g["goal"], "-" if g["value"] is None else _cell(float(g["value"])),
+                  g["target"], _met(g["met"])] for g in goals]
+        text.append(format_table(rows))
     if result.get("notes"):
         text.append(f"  notes: {result['notes']}")
     return "\n".join(text)

@@ -1,51 +1,81 @@
-"""``overlapkit bench``: the technique benchmarks behind one command."""
+"""``overlapkit bench``: the technique benchmarks behind one command.
+
+Arguments (names, rounds, world size, the plot's file and matplotlib) are checked
+before any benchmark starts; torch is imported only then.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from pathlib import Path
+import time
 from typing import Any
 
 from overlapkit.cli.bench.runner import (
+    ALIASES,
+    QUICK_ROUNDS,
     available_benchmarks,
     format_result,
     parse_benchmarks,
     plot_results,
     run_benchmarks,
 )
+from overlapkit.cli.textui import DefaultsHelpFormatter, check_plot_target
+
+
+def _summary(results: list[dict[str, Any]], seconds: float, quick: bool) -> str:
+    goals = [g for r in results for g in r.get("goals", [])]
+    met = sum(g["met"] is True for g in goals)
+    missed = sum(g["met"] is False for g in goals)
+    failed = sum("error" in r for r in results)
+    return (f"overlapkit bench: {len(results)} benchmarks in {seconds:.0f} s; goals: "
+            f"{met} met, {missed} missed" + (f"; {failed} FAILED" if failed else "")
+            + (" (--quick: small sizes and one round check that every variant runs; "
+               "judge the goals on a run without --quick)" if quick else ""))
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the chosen benchmarks and print tables (or JSON)."""
     names = parse_benchmarks(args.only)
+    plot_path = check_plot_target(args.plot) if args.plot else None
+    started = time.monotonic()
     results = run_benchmarks(names, rounds=args.rounds, world_size=args.world_size,
                              quick=args.quick)
-    if args.plot:
-        plot_results(results, Path(args.plot))
     if args.json:
         json.dump(results, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print("\n\n".join(format_result(r) for r in results))
+    if plot_path is not None:
+        plot_results(results, plot_path)
+        print(f"plot: {plot_path}", file=sys.stderr)
+    print(_summary(results, time.monotonic() - started, args.quick), file=sys.stderr)
     return 1 if any("error" in r for r in results) else 0
 
 
 def register(commands: Any) -> None:
+    old = ", ".join(f"{old} for {new}" for old, new in ALIASES.items())
     parser = commands.add_parser(
         "bench", help="benchmark each technique against torch's own and plain training",
         description="Run the technique benchmarks: variants interleaved in one run, "
-        "medians of several rounds, ratios ours / torch's own / plain.",
+        "medians of several rounds, ratios ours / torch's own / plain, and each goal "
+        "with whether this run met it. Memory is in MiB, times in ms (a checkpoint "
+        "load in s).",
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--only", default="all",
                         help="'all' or a comma-separated list of: "
-                        + (", ".join(available_benchmarks()) or "(none installed)"))
+                        + (", ".join(available_benchmarks()) or "(none installed)")
+                        + f" (the names before 0.2 still work: {old})")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per variant")
     parser.add_argument("--world-size", type=int, default=None,
                         help="local ranks to spawn (default: each benchmark's own: 2, and "
                         "2 -> 4 for the checkpoint reshard)")
-    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
-    parser.add_argument("--plot", metavar="FILE.png", help="draw the figures")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"small sizes and {QUICK_ROUNDS} round: a smoke test of every "
+                        "variant, not figures to quote")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw the figures (needs "
+                        "matplotlib: pip install 'overlapkit[plot]')")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.set_defaults(func=run)

@@ -67,11 +67,16 @@ def inspect_command(args: argparse.Namespace) -> int:
 
 
 def register(commands: Any) -> None:
-    parser = commands.add_parser("checkpoint", help="work with sharded checkpoints")
+    parser = commands.add_parser(
+        "checkpoint", help="work with sharded checkpoints",
+        description="Work with sharded (DCP) checkpoints written by "
+        "overlapkit.checkpoint.save or torch.distributed.checkpoint.")
     sub = parser.add_subparsers(dest="checkpoint_command", metavar="SUBCOMMAND",
                                 required=True)
     inspect = sub.add_parser(
-        "inspect", help="tensors, shapes, dtypes, sharding and size of a DCP checkpoint")
+        "inspect", help="tensors, shapes, dtypes, sharding and size of a DCP checkpoint",
+        description="Print what a DCP checkpoint holds: tensors, shapes, dtypes, "
+        "sharding and size, from its metadata alone (no tensor data is read).")
     inspect.add_argument("path", metavar="PATH", help="the checkpoint directory")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.set_defaults(func=inspect_command)

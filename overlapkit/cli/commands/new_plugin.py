@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from overlapkit.cli.textui import DefaultsHelpFormatter
 from overlapkit.plugin.scaffold import KINDS, write_plugin
 
 
@@ -26,6 +27,7 @@ def register(commands: Any) -> None:
         description="Write a complete, installable overlapkit plugin package: pyproject "
         "with the entry point, a minimal working implementation, a test that calls the "
         "conformance checks of overlapkit.testing, and a tox.ini.",
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("name", help="the plugin's name, e.g. my_sgd")
     parser.add_argument("--kind", choices=KINDS, default="optimizer",

@@ -7,12 +7,13 @@ import json
 import sys
 from typing import Any
 
-from overlapkit.cli.textui import format_table
+from overlapkit.cli.textui import DefaultsHelpFormatter, format_table
 from overlapkit.plugin.manager import PluginInfo, list_plugins
 
 
 def _format_provides(info: PluginInfo) -> str:
-    parts = [f"{kind}: {', '.join(names)}" for kind, names in info.provides.items()]
+    parts = [f"techniques: {', '.join(info.techniques)}"] if info.techniques else []
+    parts += [f"{kind}: {', '.join(names)}" for kind, names in info.provides.items()]
     return "; ".join(parts) or "-"
 
 
@@ -32,6 +33,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(commands: Any) -> None:
-    parser = commands.add_parser("plugins", help="list installed plugins and what they provide")
+    parser = commands.add_parser(
+        "plugins", help="list installed plugins and what they provide",
+        description="List every overlapkit plugin: the built-ins (the techniques "
+        "overlap_ddp, optimizer_in_backward, post_local_sgd and checkpoint, and the "
+        "standard comm hooks) and those installed from other packages through the "
+        "'overlapkit' entry-point group, with version, status (active, blocked, not "
+        "loaded) and what each provides. OVERLAPKIT_DISABLE_PLUGINS=a,b blocks plugins "
+        "by name, OVERLAPKIT_DISABLE_PLUGIN_AUTOLOAD=1 loads the built-ins only, "
+        "OVERLAPKIT_TRACE_PLUGINS=1 traces hook calls.",
+        formatter_class=DefaultsHelpFormatter,
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.set_defaults(func=run)

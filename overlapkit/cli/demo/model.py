@@ -9,35 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import attrs
 import torch
 from torch import nn
 
-__all__ = ["MODEL_SIZES", "ModelSize", "build_model", "make_batches"]
+from overlapkit.cli.demo.config import ModelSize
 
-
-@attrs.frozen(kw_only=True)
-class ModelSize:
-    """The width and depth of the demo MLP."""
-
-    features: int
-    hidden: int
-    layers: int
-    batch: int
-
-    @property
-    def parameters(self) -> int:
-        """How many parameters the MLP has."""
-        f, h, n = self.features, self.hidden, self.layers
-        return (f * h + h) + (n - 1) * (h * h + h) + (h * f + f)
-
-
-MODEL_SIZES: dict[str, ModelSize] = {
-    "tiny": ModelSize(features=16, hidden=32, layers=2, batch=8),
-    "small": ModelSize(features=128, hidden=512, layers=4, batch=32),
-    "medium": ModelSize(features=512, hidden=1024, layers=6, batch=32),
-    "large": ModelSize(features=1024, hidden=2048, layers=12, batch=16),
-}
+__all__ = ["build_model", "make_batches"]
 
 
 def build_model(size: ModelSize, seed: int) -> nn.Module:

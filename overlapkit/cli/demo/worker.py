@@ -62,17 +62,14 @@ OPTIMIZER_SETUPS: dict[str, Callable[[DDP, DemoConfig], torch.optim.Optimizer]] 
 }
 
 
-def _peak_rss_mb() -> float:
-    return peak_rss_mib()
-
-
 def _train(rank: int, world_size: int, cfg: DemoConfig, technique: str,
            steps: int) -> tuple[DDP, torch.optim.Optimizer, list[float], list[float]]:
     ddp = DDP(build_model(cfg.size, cfg.seed), bucket_cap_mb=cfg.bucket_cap_mb)
     optimizer = OPTIMIZER_SETUPS[technique](ddp, cfg)
     batches = make_batches(cfg.size, steps, cfg.seed, rank)
     progress = Progress(steps, f"{technique:>22}", enabled=cfg.progress and rank == 0)
-    times, losses = [], []
+    times: list[float] = []
+    losses: list[float] = []
     for x, y in batches:
         started = time.perf_counter()
         loss = F.mse_loss(ddp(x), y)
@@ -80,12 +77,14 @@ def _train(rank: int, world_size: int, cfg: DemoConfig, technique: str,
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - started)
-        losses.append(loss.detach())
-        progress.update(1, f"loss {losses[-1].item():.4f}")
+        # The mean over ranks, outside the timed step: the figure the progress bar,
+        # the table and the plot all show.
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world_size)
+        progress.update(1, f"loss {losses[-1]:.4f} (mean over ranks)")
     progress.close()
-    mean_losses = torch.stack(losses)
-    dist.all_reduce(mean_losses)
-    return ddp, optimizer, times, (mean_losses / world_size).tolist()
+    return ddp, optimizer, times, losses
 
 
 def train_technique(rank: int, world_size: int, cfg: DemoConfig, technique: str) -> dict[str, Any]:
@@ -94,7 +93,7 @@ def train_technique(rank: int, world_size: int, cfg: DemoConfig, technique: str)
     params = None
     if rank == 0:
         params = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]).clone()
-    return {"step_times": times, "losses": losses, "peak_rss_mb": _peak_rss_mb(),
+    return {"step_times": times, "losses": losses, "peak_rss_mib": peak_rss_mib(),
             "params": params}
 
 
@@ -113,7 +112,7 @@ def save_checkpoint(rank: int, world_size: int, cfg: DemoConfig, path: str) -> d
     save_seconds = time.perf_counter() - started
     return {"saved": _snapshot(ddp, optimizer) if rank == 0 else None,
             "save_seconds": save_seconds, "step_times": times, "losses": losses,
-            "peak_rss_mb": _peak_rss_mb()}
+            "peak_rss_mib": peak_rss_mib()}
 
 
 def reload_checkpoint(rank: int, world_size: int, cfg: DemoConfig, path: str) -> dict[str, Any]:
@@ -126,4 +125,4 @@ def reload_checkpoint(rank: int, world_size: int, cfg: DemoConfig, path: str) ->
     checkpoint.load(Path(path), ddp, optimizer)
     load_seconds = time.perf_counter() - started
     return {"loaded": _snapshot(ddp, optimizer) if rank == 0 else None,
-            "load_seconds": load_seconds, "peak_rss_mb": _peak_rss_mb()}
+            "load_seconds": load_seconds, "peak_rss_mib": peak_rss_mib()}
