@@ -6,6 +6,7 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -78,3 +79,15 @@ def test_the_public_api_still_resolves_lazily() -> None:
     assert set(overlapkit.__all__) <= set(dir(overlapkit))
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         overlapkit.nope  # noqa: B018
+
+
+def test_the_pytest_plugin_imports_no_torch(tmp_path: Path) -> None:
+    """pytest loads overlapkit.testing at start-up wherever overlapkit is installed; with
+    torch it cost every pytest session 2 s (benchmarks/pytest_startup.py: now +17 ms)."""
+    (tmp_path / "test_nothing.py").write_text(
+        "import sys\n\ndef test_nothing():\n"
+        "    assert 'overlapkit.testing' in sys.modules  # the plugin was loaded\n"
+        "    assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)\n")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
