@@ -26,6 +26,7 @@ __all__ = ["BENCHMARKS", "format_result", "machine_description", "plot_results",
 #: benchmark name -> module under overlapkit.cli.bench, in the order they run
 BENCHMARKS: dict[str, str] = {
     "ddp_overlap": "overlapkit.cli.bench.ddp_overlap",
+    "engine_overhead": "overlapkit.cli.bench.engine_overhead",
     "optimizer_in_backward": "overlapkit.cli.bench.optimizer_in_backward",
     "mixed_precision": "overlapkit.cli.bench.mixed_precision",
     "local_sgd": "overlapkit.cli.bench.local_sgd",
