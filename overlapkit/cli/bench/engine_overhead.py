@@ -120,20 +120,24 @@ def _timing_rank(rank: int, world_size: int, models: list[str], rounds: int, ste
         for _ in range(warmup):  # DDP rebuilds its buckets after the first iteration
             variant.train_step()
     per_round: dict[str, list[float]] = {name: [] for name in names}
+    # the training thread's CPU time: what other processes on the cores change least
+    cpu_per_round: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(rounds):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
             variant = variants[name]
-            times = []
+            times, cpu_times = [], []
             for _ in range(steps):
                 dist.barrier()
-                started = time.perf_counter()
+                started, cpu_started = time.perf_counter(), time.thread_time()
                 variant.train_step()
+                cpu_times.append(time.thread_time() - cpu_started)
                 times.append(time.perf_counter() - started)
             per_round[name].append(statistics.median(times))
+            cpu_per_round[name].append(statistics.median(cpu_times))
     shapes = {name: {"buckets": v.buckets(), "params": v.params}
               for name, v in variants.items()}
-    return {"per_round": per_round, "shapes": shapes}
+    return {"per_round": per_round, "cpu_per_round": cpu_per_round, "shapes": shapes}
 
 
 def _rank_label(ranks: int) -> str:
@@ -147,9 +151,11 @@ def _figures(ranks: int, per_rank: list[dict[str, Any]], rounds: int,
     shapes = per_rank[0]["shapes"]
     for name in variant_names(models):
         slowest = [max(r["per_round"][name][i] for r in per_rank) for i in range(rounds)]
+        busiest = [max(r["cpu_per_round"][name][i] for r in per_rank) for i in range(rounds)]
         model_name = name.split("/")[0]
         buckets = shapes[f"{model_name}/overlap_ddp"]["buckets"]
         variants[f"{ranks}r/{name}"] = {"step_ms": 1000 * statistics.median(slowest),
+                                        "cpu_ms": 1000 * statistics.median(busiest),
                                         "buckets": float(buckets or 0),
                                         "params": float(shapes[name]["params"])}
     goal = GOALS["ratio_1_rank"] if ranks == 1 else GOALS["ratio_2_ranks"]
@@ -164,13 +170,19 @@ def _figures(ranks: int, per_rank: list[dict[str, Any]], rounds: int,
         row_goal = GOALS["module_ratio"] if ours_name == "optimizer_in_backward" else goal
         ratios[f"{label}: {ours_name} / plain (goal <= {row_goal})"] = (
             ours["step_ms"] / plain["step_ms"])
+        ratios[f"{label}: {ours_name} / plain, CPU time"] = ours["cpu_ms"] / plain["cpu_ms"]
         if ranks != 1:
             continue
         extra_us = 1000 * (ours["step_ms"] - plain["step_ms"])
+        extra_cpu_us = 1000 * (ours["cpu_ms"] - plain["cpu_ms"])
         if ours_name == "overlap_ddp":
             ratios[f"{label}: engine us per bucket (goal <= {GOALS['us_per_bucket']:g})"] = (
                 extra_us / ours["buckets"])
+            ratios[f"{label}: engine us per bucket, CPU time"] = (
+                extra_cpu_us / ours["buckets"])
         ratios[f"{label}: {ours_name} us per parameter"] = extra_us / ours["params"]
+        ratios[f"{label}: {ours_name} us per parameter, CPU time"] = (
+            extra_cpu_us / ours["params"])
     return variants, ratios
 
 
@@ -205,7 +217,8 @@ def run_benchmark(*, rounds: int = 5, world_size: int = 2, quick: bool = False,
         "notes": (
             f"1 and {world_size} gloo ranks on CPU, 1 thread each; Adam lr={LR}, batch "
             f"{BATCH}; step = forward + backward + step + zero_grad; median of {rounds} "
-            f"interleaved rounds of {steps} steps (slowest rank). {described}"
+            f"interleaved rounds of {steps} steps (slowest rank; cpu_ms: the training "
+            f"thread's CPU time, busiest rank). {described}"
             f"{' (quick: shallower)' if quick else ''}; module_plain and "
             "optimizer_in_backward train the 1_bucket model without DDP. Engine cost "
             "per bucket / parameter = (ours - plain) / count, 1 rank. Goals: ours / plain "
