@@ -19,7 +19,7 @@ EXPECTED_VARIANTS = {
     "ddp_overlap": {"mlp/overlapkit", "mlp/torch_fused", "mlp/plain"},
     "engine_overhead": {f"{ranks}r/{model}/{variant}" for ranks in (1, 2)
                         for model in ("1_bucket", "50_buckets", "100_buckets", "400_buckets")
-                        for variant in ("plain", "overlap_ddp")}
+                        for variant in ("plain", "plain_comm_hook", "overlap_ddp")}
     | {"1r/1_bucket/module_plain", "1r/1_bucket/optimizer_in_backward"},
     "optimizer_in_backward": {"ddp/optimizer_in_backward", "ddp/plain",
                               "module/optimizer_in_backward", "module/plain",
