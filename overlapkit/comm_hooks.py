@@ -53,7 +53,7 @@ def allreduce_hook(process_group, bucket):  # type: ignore[no-untyped-def]
       ``Linear(256, 256)`` in 100 buckets.
     - The process group's ``allreduce`` is called directly, as ``dist.all_reduce``
       ends up doing for a real (not complex) tensor outside a coalescing manager, which
-      a bucket is: 8 us of Python less per bucket (measured, 400 buckets).
+      a bucket is: 4-8 us of Python less per bucket (measured, 400 buckets).
     """
     # Left unannotated, as DDP's own check of a registered hook's signature wants
     # (``from __future__ import annotations`` would make the annotations strings).
