@@ -17,6 +17,10 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 #: per benchmark, the variants that must be present: ours, torch's own, plain
 EXPECTED_VARIANTS = {
     "overlap_ddp": {"mlp/overlapkit", "mlp/torch_fused", "mlp/plain"},
+    "engine_overhead": {f"{ranks}r/{model}/{variant}" for ranks in (1, 2)
+                        for model in ("1_bucket", "50_buckets", "100_buckets", "400_buckets")
+                        for variant in ("plain", "plain_comm_hook", "overlap_ddp")}
+    | {"1r/1_bucket/module_plain", "1r/1_bucket/optimizer_in_backward"},
     "optimizer_in_backward": {"ddp/optimizer_in_backward", "ddp/plain",
                               "module/optimizer_in_backward", "module/plain",
                               "module/torch_apply_optimizer_in_backward"},

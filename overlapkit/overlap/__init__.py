@@ -8,7 +8,10 @@
 - :mod:`~overlapkit.overlap.facade`: the ``torch.optim.Optimizer`` users get back;
 - :mod:`~overlapkit.overlap.bucket_stepper` and :mod:`~overlapkit.overlap.param_stepper`:
   what steps per bucket and per parameter during backward;
+  :mod:`~overlapkit.overlap.bucket_layout`: what is kept per bucket between backwards;
   :mod:`~overlapkit.overlap.side_stream`: where, on an accelerator;
+- :mod:`~overlapkit.overlap.direct_step`, :mod:`~overlapkit.overlap.functional_step`:
+  the generic engine's cheaper calls of ``step()`` where they are the same computation;
 - :mod:`~overlapkit.overlap.setup`, :mod:`~overlapkit.overlap.ddp_setup`,
   :mod:`~overlapkit.overlap.clipping`: the checks and options at set-up;
 - :mod:`~overlapkit.overlap.plugin`: the built-in plugin ``overlapkit.overlap``.

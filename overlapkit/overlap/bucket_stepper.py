@@ -18,12 +18,16 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
+from overlapkit.overlap.bucket_layout import BucketLayouts, bucket_gradient_views
 from overlapkit.overlap.clipping import GradClipping
-from overlapkit.overlap.engine import OverlapEngine
+from overlapkit.overlap.engine import OverlapEngine, StepPlan
 from overlapkit.overlap.global_step import GlobalStep
 from overlapkit.overlap.side_stream import SideStream
 
 __all__ = ["STEP_THREADS", "BucketStepper", "bucket_gradient_views", "overlapped_comm_hook"]
+
+#: entered where a step runs inline (no side stream): stateless, so shared
+_INLINE = nullcontext()
 
 #: where bucket steps run: see overlap_ddp(step_thread=...)
 STEP_THREADS = ("backward", "comm")
@@ -70,6 +74,11 @@ class BucketStepper:
         self.clipping = clipping
         self.free_grads = free_grads
         self.side_stream = side_stream
+        # read per bucket: worked out once (a CPU run has no side stream)
+        self._inline = side_stream is None or not side_stream.active
+        self._clips = clipping.enabled
+        #: what is known of each bucket from the backwards before
+        self.layouts = BucketLayouts(engine)
         #: set when steps wait for a global decision (global norm clipping, a
         #: GradScaler): buckets are only reduced, everything steps after finalize
         self.global_step = global_step
@@ -237,23 +246,26 @@ class BucketStepper:
     def _step(self, params: list[torch.Tensor]) -> None:
         """Step ``params`` whose gradients the compute stream produced (the side stream
         waits for it first)."""
-        stream = self.side_stream
-        with stream.running(params) if stream is not None else nullcontext():
-            self._apply_step(params)
+        plan = self.engine.plan(params)
+        if self._inline:
+            self._apply_step(plan)
+            return
+        with self.side_stream.running(params):  # type: ignore[union-attr]
+            self._apply_step(plan)
 
-    def _apply_step(self, params: list[torch.Tensor]) -> None:
-        if self.clipping.enabled:
-            self.clipping.apply(params)
-        self.engine.step_params(params)
+    def _apply_step(self, plan: StepPlan) -> None:
+        if self._clips:
+            self.clipping.apply(plan.params)
+        self.engine.step_plan(plan)
 
     def _on_side_stream(self, bucket: dist.GradBucket) -> Any:
         """The side stream of the bucket's device, entered without waiting for the
         compute stream: the bucket's step waits for its comm future in it instead
         (the allreduce already waited for the gradients)."""
-        stream = self.side_stream
-        if stream is None:
-            return nullcontext()
-        return stream.running(bucket.parameters(), after_compute=False)
+        if self._inline:
+            return _INLINE
+        return self.side_stream.running(  # type: ignore[union-attr]
+            bucket.parameters(), after_compute=False)
 
     def _step_bucket(
         self, bucket: dist.GradBucket, future: torch.futures.Future[Any]
@@ -294,73 +306,32 @@ class BucketStepper:
         self, bucket: dist.GradBucket, future: torch.futures.Future[Any]
     ) -> torch.Tensor:
         buffer = self._reduced_buffer(bucket, future)
-        engine = self.engine
-        used = self.used
-        track_usage = self.track_usage
+        layout = self.layouts.get(bucket, buffer)
+        chosen, views, plan = layout.owned, layout.views, layout.plan
+        if self.track_usage:
+            used = self.used
+            pairs = [(p, v) for p, v in zip(chosen, views, strict=True) if p in used]
+            chosen, views = [p for p, _ in pairs], [v for _, v in pairs]
+            plan = self.engine.plan(chosen)
         # gradient_as_bucket_view=True: DDP has made each used .grad a view of the
         # bucket. False: .grad is still the local gradient (DDP copies the reduced
         # one into it after backward), so the reduced view is lent for the step.
         # With free_grads the view stays: the local gradient is freed now, and
         # DDP's copy after backward is a copy of the bucket onto itself.
-        lend = not self.grads_are_bucket_views
-        keep_view = self.free_grads
-        chosen: list[torch.Tensor] = []
         restore: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        params = bucket.parameters()
-        for param, grad in zip(params, bucket_gradient_views(buffer, params), strict=True):
-            if not engine.owns(param) or (track_usage and param not in used):
-                continue
-            if lend:
-                if not keep_view:
-                    restore.append((param, param.grad))
+        if not self.grads_are_bucket_views:
+            if not self.free_grads:
+                restore = [(param, param.grad) for param in chosen]
+            for param, grad in zip(chosen, views, strict=True):
                 param.grad = grad
-            chosen.append(param)
         self.last_buckets[bucket.index()] = chosen
         try:
             if chosen:
-                self._apply_step(chosen)  # already on the side stream
+                self._apply_step(plan)  # already on the side stream
         finally:
             for param, local_grad in restore:
                 param.grad = local_grad
         return buffer
-
-
-def _non_overlapping_and_dense(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s elements fill ``numel`` consecutive slots in some dimension
-    order (C++'s ``is_non_overlapping_and_dense``, which Python does not expose)."""
-    expected = 1
-    for size, stride in sorted(zip(tensor.size(), tensor.stride(), strict=True),
-                               key=lambda pair: pair[1]):
-        if size == 1:
-            continue
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def bucket_gradient_views(buffer: torch.Tensor,
-                          params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each parameter's reduced gradient as a view of the bucket ``buffer``, laid out
-    as DDP lays it out: with the parameter's own strides where the parameter is dense
-    (a ``channels_last`` convolution weight), contiguous otherwise.
-
-    ``GradBucket.gradients()`` returns contiguous views of the same memory, which
-    read a ``channels_last`` gradient's elements in the wrong order (measured on torch
-    2.13: 0.0135 off plain DDP after 3 SGD steps, silently) and, lent to the parameter
-    as ``.grad``, overlap DDP's own view when it copies the bucket back after backward.
-    The reducer places the gradients one after the other, each ``numel`` long
-    (``Reducer::initialize_bucket_views``).
-    """
-    views = []
-    offset = 0
-    for param in params:
-        if _non_overlapping_and_dense(param):
-            views.append(buffer.as_strided(param.size(), param.stride(), offset))
-        else:
-            views.append(buffer.narrow(0, offset, param.numel()).view(param.size()))
-        offset += param.numel()
-    return views
 
 
 def overlapped_comm_hook(state, bucket):  # type: ignore[no-untyped-def]

@@ -63,7 +63,7 @@ class DDPOverlapOptimizer(OverlappedOptimizerFacade):
         synchronised backward, in bucket order (DDP rebuilds its buckets after the
         first iteration). Norm clipping applies per entry."""
         buckets = self._stepper.last_buckets
-        return [buckets[i] for i in sorted(buckets)]
+        return [list(buckets[i]) for i in sorted(buckets)]
 
 
 def overlap_ddp(

@@ -29,14 +29,38 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import attrs
 import torch
 
 from overlapkit.errors import UnsupportedOptimizerError
 
-__all__ = ["OverlapEngine", "OverlappedOptimizer", "ParamGroup"]
+__all__ = ["OverlapEngine", "OverlappedOptimizer", "ParamGroup", "StepPlan"]
 
 #: one ``param_groups`` entry of a torch optimizer
 ParamGroup = dict[str, Any]
+
+
+@attrs.frozen(eq=False)
+class StepPlan:
+    """A subset of an engine's parameters, sorted by param group: what
+    :meth:`OverlapEngine.step_plan` steps.
+
+    Callers that step the same subset again and again (a DDP bucket, one parameter)
+    build it once with :meth:`OverlapEngine.plan` and keep it while
+    :attr:`OverlapEngine.layout_version` equals :attr:`version`: grouping a bucket's
+    parameters anew at each step was a measured part of the engine's per-bucket cost.
+
+    :param version: the engine's :attr:`~OverlapEngine.layout_version` it was built at.
+    :param requested: the parameters it was made of (owned or not).
+    :param params: the owned ones, in the caller's order.
+    :param groups: ``(index in param_groups, that group's parameters of the subset)``,
+        by increasing index.
+    """
+
+    version: int
+    requested: list[torch.Tensor]
+    params: list[torch.Tensor]
+    groups: list[tuple[int, list[torch.Tensor]]]
 
 
 class OverlapEngine:
@@ -61,6 +85,7 @@ class OverlapEngine:
         self.lock = threading.RLock()
         # keyed by id(): Tensor.__hash__ is a Python-level call, id() is not
         self._group_of: dict[int, int] = {}
+        self._layout_version = 0
         self.reindex()
 
     # -- what subclasses implement ----------------------------------------------
@@ -127,20 +152,41 @@ class OverlapEngine:
         """Whether ``param`` is one of the real optimizer's parameters."""
         return id(param) in self._group_of
 
+    @property
+    def layout_version(self) -> int:
+        """Changes whenever which parameters the engine owns, or their groups, may have
+        changed (:meth:`reindex`): a :class:`StepPlan` of another version is stale."""
+        return self._layout_version
+
+    def plan(self, params: Iterable[torch.Tensor]) -> StepPlan:
+        """The :class:`StepPlan` of ``params``: the owned ones, by param group (the
+        others are left out)."""
+        group_of = self._group_of
+        requested = list(params)
+        owned: list[torch.Tensor] = []
+        chosen: dict[int, list[torch.Tensor]] = {}
+        for param in requested:
+            index = group_of.get(id(param))
+            if index is not None:
+                owned.append(param)
+                chosen.setdefault(index, []).append(param)
+        return StepPlan(self._layout_version, requested, owned,
+                        [(index, chosen[index]) for index in sorted(chosen)])
+
+    def step_plan(self, plan: StepPlan) -> None:
+        """Step the parameters of ``plan`` (each must have ``.grad`` set). A plan made
+        before the last :meth:`reindex` is made again. Thread-safe."""
+        with self.lock:
+            if plan.version != self._layout_version:
+                plan = self.plan(plan.requested)
+            if plan.groups:
+                groups = self.optimizer.param_groups
+                self.step_groups([(groups[index], params) for index, params in plan.groups])
+
     def step_params(self, params: Iterable[torch.Tensor]) -> None:
         """Step exactly ``params`` (each must have ``.grad`` set); the ones this
         optimizer does not own are skipped. Thread-safe."""
-        group_of = self._group_of
-        chosen: dict[int, list[torch.Tensor]] = {}
-        for param in params:
-            index = group_of.get(id(param))
-            if index is not None:
-                chosen.setdefault(index, []).append(param)
-        if not chosen:
-            return
-        with self.lock:
-            groups = self.optimizer.param_groups
-            self.step_groups([(groups[i], chosen[i]) for i in sorted(chosen)])
+        self.step_plan(self.plan(params))
 
     def step(self) -> None:
         """One ordinary step of every parameter that has a gradient. Thread-safe."""
@@ -181,6 +227,7 @@ class OverlapEngine:
                 for index, group in enumerate(self.optimizer.param_groups)
                 for param in group["params"]
             }
+            self._layout_version += 1
 
     def __repr__(self) -> str:
         return f"{type(self).__qualname__}({type(self.optimizer).__qualname__})"

@@ -24,7 +24,7 @@ from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
 from overlapkit.overlap.clipping import GradClipping
-from overlapkit.overlap.engine import OverlapEngine
+from overlapkit.overlap.engine import OverlapEngine, StepPlan
 from overlapkit.overlap.global_step import GlobalStep
 from overlapkit.overlap.side_stream import SideStream
 
@@ -47,6 +47,10 @@ class ParamStepper:
         self.global_step = global_step
         self.clipping = clipping
         self.side_stream = side_stream
+        # read per parameter: worked out once (a CPU run has no side stream)
+        self._inline = not side_stream.active
+        # id(param) -> its StepPlan (which holds the parameter, so the id stays its own)
+        self._plans: dict[int, StepPlan] = {}
         #: set when a backward has stepped; the optimizer's step() clears it
         self.stepped_since_step = False
         #: while true, gradients accumulate and nothing is stepped (no_step())
@@ -80,12 +84,13 @@ class ParamStepper:
             return  # stepped with every other gradient at the end of backward
         if queued and self._step_error is not None:
             return  # a step of this backward raised: the rest keep their gradients
-        params = [param]
         try:
-            with self.side_stream.running(params, freed=(grad,)):
-                if self.clipping.enabled:
-                    self.clipping.apply(params)
-                self.engine.step_params(params)
+            plan = self._plan_of(param)
+            if self._inline:
+                self._step(plan)
+            else:
+                with self.side_stream.running(plan.params, freed=(grad,)):
+                    self._step(plan)
         except Exception as error:
             if not queued:
                 raise
@@ -98,6 +103,18 @@ class ParamStepper:
         del grad
         if not queued:
             self._after_backward()
+
+    def _plan_of(self, param: torch.Tensor) -> StepPlan:
+        """The engine's plan of stepping ``param`` alone, made once per layout."""
+        plan = self._plans.get(id(param))
+        if plan is None or plan.version != self.engine.layout_version:
+            plan = self._plans[id(param)] = self.engine.plan([param])
+        return plan
+
+    def _step(self, plan: StepPlan) -> None:
+        if self.clipping.enabled:
+            self.clipping.apply(plan.params)
+        self.engine.step_plan(plan)
 
     def _queue_end_of_backward(self) -> bool:
         """Make sure :meth:`_after_backward` runs at the end of the current backward;

@@ -28,6 +28,7 @@ __all__ = ["ALIASES", "BENCHMARKS", "QUICK_ROUNDS", "format_result", "machine_de
 #: names are the demo's technique names
 BENCHMARKS: dict[str, str] = {
     "overlap_ddp": "overlapkit.cli.bench.ddp_overlap",
+    "engine_overhead": "overlapkit.cli.bench.engine_overhead",
     "optimizer_in_backward": "overlapkit.cli.bench.optimizer_in_backward",
     "mixed_precision": "overlapkit.cli.bench.mixed_precision",
     "post_local_sgd": "overlapkit.cli.bench.local_sgd",

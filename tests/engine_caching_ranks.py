@@ -1,0 +1,141 @@
+"""The rank side of tests/test_engine_caching.py: a model with many DDP buckets, tied,
+unused, frozen and integer parameters, trained by overlap_ddp and by plain DDP +
+step() with several optimizers; midway a param group is added, the optimizer state is
+reloaded, and an LR scheduler changes ``lr`` every step. Everything the engine and the
+bucket stepper now keep from one backward to the next (bucket layouts, step plans) must
+follow: DDP rebuilding its buckets after the first iteration, the new group, the reload.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from helpers import compare, rank_batches, values
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import overlapkit
+
+STEPS = 7
+#: 100 floats: about one parameter per bucket
+BUCKET_CAP_MB = 0.0004
+
+#: name -> (optimizer class, kwargs); the first four go through the functional path
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "Adam": (torch.optim.Adam, {"lr": 0.01}),
+    "AdamW-amsgrad-maximize": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1,
+                                                   "amsgrad": True, "maximize": True}),
+    "SGD-nesterov": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True,
+                                       "weight_decay": 0.01}),
+    "SGD-tensor-lr": (torch.optim.SGD, {"lr": torch.tensor(0.1)}),
+    "Adam-foreach": (torch.optim.Adam, {"lr": 0.01, "foreach": True}),
+    "RMSprop": (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.9}),
+}
+
+
+#: DDP set-up name -> (DDP options, whether the model has a branch no rank uses).
+#: Without find_unused_parameters DDP rebuilds its buckets after the first iteration
+#: (in another order: the tied weight's gradient is ready last), which every bucket
+#: layout kept from that iteration must follow.
+DDP_SETUPS: dict[str, tuple[dict[str, Any], bool]] = {
+    "default": ({}, False),
+    "bucket_view": ({"gradient_as_bucket_view": True}, False),
+    "find_unused": ({"find_unused_parameters": True}, True),
+    "static_graph bucket_view": ({"static_graph": True, "gradient_as_bucket_view": True},
+                                 True),
+}
+
+
+class Tangled(nn.Module):
+    """Twelve small layers (many buckets), one weight used twice (tied), a frozen layer,
+    an integer parameter and, ``with_unused``, a branch no rank uses."""
+
+    def __init__(self, with_unused: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(12, 12) for _ in range(12))
+        self.tied = nn.Linear(12, 12, bias=False)
+        self.frozen = nn.Linear(12, 12)
+        self.frozen.requires_grad_(False)
+        if with_unused:
+            self.unused = nn.Linear(12, 3)
+        self.head = nn.Linear(12, 3)
+        self.counter = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.tied(x)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        x = self.frozen(self.tied(x))
+        return self.head(x)
+
+
+def _model(with_unused: bool = True) -> Tangled:
+    torch.manual_seed(0)
+    return Tangled(with_unused)
+
+
+def _train(rank: int, overlap: bool, optim_cls: type[torch.optim.Optimizer],
+           kwargs: dict[str, Any], setup: str) -> tuple[list[torch.Tensor], int]:
+    ddp_options, with_unused = DDP_SETUPS[setup]
+    model = _model(with_unused)
+    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB, **ddp_options)
+    # the head joins later (add_param_group); frozen and integer ones are not DDP's
+    first = [p for name, p in model.named_parameters()
+             if p.requires_grad and not name.startswith("head")]
+    kwargs = copy.deepcopy(kwargs)
+    opt: Any = (overlapkit.overlap_ddp(ddp, optim_cls, params=first, **kwargs) if overlap
+                else optim_cls(first, **kwargs))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    for step, x in enumerate(rank_batches(rank, STEPS, shape=(8, 12))):
+        ddp(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        if step == 1:
+            opt.add_param_group({"params": list(model.head.parameters()), "lr": 0.02})
+            # a scheduler knows the groups it was built with: one for all of them now
+            sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.7)
+        if step == 3:
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    buckets = len(opt.last_buckets()) if overlap else 0
+    return values(model), buckets
+
+
+def many_buckets_run(rank: int, world_size: int) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for setup, (_, with_unused) in DDP_SETUPS.items():
+        initial = values(_model(with_unused))
+        for name, (optim_cls, kwargs) in OPTIMIZERS.items():
+            ours, buckets = _train(rank, True, optim_cls, kwargs, setup)
+            plain, _ = _train(rank, False, optim_cls, kwargs, setup)
+            results[f"{name} {setup}"] = {
+                "equal": compare(plain, ours), "moved": not compare(initial, ours),
+                "buckets": buckets}
+    dist.barrier()
+    return results
+
+
+def comm_hook_run(rank: int, world_size: int) -> dict[str, Any]:
+    """overlapkit's ``allreduce`` comm hook registered by hand against torch's
+    allreduce_hook and against DDP without a hook."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    trained = {}
+    for name in ("none", "torch", "overlapkit"):
+        model = _model()
+        ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB, find_unused_parameters=True)
+        if name == "torch":
+            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        elif name == "overlapkit":
+            ddp.register_comm_hook(*overlapkit.build_comm_hook("allreduce"))
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        for x in rank_batches(rank, 3, shape=(8, 12)):
+            ddp(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        trained[name] = values(model)
+    return {"torch": compare(trained["torch"], trained["overlapkit"]),
+            "no hook": compare(trained["none"], trained["overlapkit"])}
