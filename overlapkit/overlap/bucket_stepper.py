@@ -23,6 +23,7 @@ from overlapkit.overlap.clipping import GradClipping
 from overlapkit.overlap.engine import OverlapEngine, StepPlan
 from overlapkit.overlap.global_step import GlobalStep
 from overlapkit.overlap.side_stream import SideStream
+from overlapkit.overlap.step_accounting import backward_without_step_error
 
 __all__ = ["STEP_THREADS", "BucketStepper", "bucket_gradient_views", "overlapped_comm_hook"]
 
@@ -64,8 +65,11 @@ class BucketStepper:
         free_grads: bool = False,
         side_stream: SideStream | None = None,
         global_step: GlobalStep | None = None,
+        technique: str = "overlap_ddp",
     ) -> None:
         self.engine = engine
+        #: the function that built it, for messages
+        self.technique = technique
         self.inner_state = inner_state
         self.inner_hook = inner_hook
         self.track_usage = track_usage
@@ -84,6 +88,9 @@ class BucketStepper:
         self.global_step = global_step
         #: set on the autograd thread when a synchronised backward starts stepping
         self.stepped_since_step = False
+        #: set likewise; cleared by the optimizer's step() and zero_grad(): a stepping
+        #: backward while it is set is refused (step_accounting)
+        self.awaiting_step = False
         #: bucket index -> the owned parameters stepped with it, last backward
         self.last_buckets: dict[int, list[torch.Tensor]] = {}
         #: parameters that got a gradient on this rank since the last synced backward
@@ -110,10 +117,14 @@ class BucketStepper:
             return self.inner_hook(self.inner_state, bucket)
         if task != self._graph_task:
             self._graph_task = task
-            self.stepped_since_step = True
             # buckets of a backward that raised before its end are not stepped
             self._pending.clear()
-            self._step_error = None
+            # a second stepping backward with no step() in between is refused: nothing
+            # is stepped in it, every bucket is still reduced (step_accounting)
+            self._step_error = (backward_without_step_error(
+                self.technique, "inside `with ddp_model.no_sync():`")
+                if self.awaiting_step else None)
+            self.stepped_since_step = self.awaiting_step = True
             # DDP queues its own finalize after the last bucket's hook; a callback
             # queued from ours (queued now, so it runs first) lands after it.
             Variable._execution_engine.queue_callback(self._before_finalize)
@@ -150,9 +161,6 @@ class BucketStepper:
 
     def _after_backward(self) -> None:
         self._graph_task = None
-        if self.global_step is not None:
-            self._step_globally()
-            return
         error, self._step_error = self._step_error, None
         if error is not None:
             # A step raised during this backward. It was held back until now, after
@@ -162,7 +170,11 @@ class BucketStepper:
             # step() runs after backward). Buckets after the failing one were not
             # stepped; their gradients are kept.
             self.used.clear()
+            self.awaiting_step = False  # the loop learns of it here, not at step()
             raise error
+        if self.global_step is not None:
+            self._step_globally()
+            return
         owned = self.engine.parameters() if self.track_usage or self.free_grads else []
         if self.track_usage:
             # find_unused_parameters: DDP knows which parameters were used on any rank

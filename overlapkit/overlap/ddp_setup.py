@@ -140,7 +140,8 @@ def register_bucket_stepper(
     track_usage = bool(model.find_unused_parameters or model.static_graph)
     stepper = BucketStepper(
         engine, inner_state, inner_hook, track_usage=track_usage,
-        grads_are_bucket_views=bool(model.gradient_as_bucket_view), **stepper_options,
+        grads_are_bucket_views=bool(model.gradient_as_bucket_view), technique=technique,
+        **stepper_options,
     )
     try:
         model.register_comm_hook(stepper, overlapped_comm_hook)

@@ -39,6 +39,9 @@ class BackwardSteps(Protocol):
 
     stepped_since_step: bool
 
+    #: set when a backward has stepped; ``step()`` and ``zero_grad()`` clear it
+    awaiting_step: bool
+
     def register(self, params: Iterable[torch.Tensor]) -> None: ...
 
     def synchronize(self) -> None: ...
@@ -155,12 +158,16 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
                 f"{self._technique} steps during backward, so step() takes no closure; "
                 "call loss.backward() yourself and then step() (or nothing)."
             )
+        self._steps.awaiting_step = False
         if self._steps.stepped_since_step:
             self._steps.stepped_since_step = False
             return
         self._engine.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The real optimizer's ``zero_grad``. Also ends the optimizer iteration: the
+        next backward may step (see :mod:`overlapkit.overlap.step_accounting`)."""
+        self._steps.awaiting_step = False
         self.synchronize()
         self._engine.zero_grad(set_to_none=set_to_none)
 

@@ -27,6 +27,7 @@ from overlapkit.overlap.clipping import GradClipping
 from overlapkit.overlap.engine import OverlapEngine, StepPlan
 from overlapkit.overlap.global_step import GlobalStep
 from overlapkit.overlap.side_stream import SideStream
+from overlapkit.overlap.step_accounting import backward_without_step_error
 
 __all__ = ["ParamStepper"]
 
@@ -53,6 +54,9 @@ class ParamStepper:
         self._plans: dict[int, StepPlan] = {}
         #: set when a backward has stepped; the optimizer's step() clears it
         self.stepped_since_step = False
+        #: set likewise; cleared by the optimizer's step() and zero_grad(): a stepping
+        #: backward while it is set is refused (step_accounting)
+        self.awaiting_step = False
         #: while true, gradients accumulate and nothing is stepped (no_step())
         self.paused = False
         self.handles: list[RemovableHandle] = []
@@ -80,10 +84,10 @@ class ParamStepper:
             # edited); its gradient is left alone
             return
         queued = self._queue_end_of_backward()
-        if self.global_step is not None and queued:
-            return  # stepped with every other gradient at the end of backward
         if queued and self._step_error is not None:
             return  # a step of this backward raised: the rest keep their gradients
+        if self.global_step is not None and queued:
+            return  # stepped with every other gradient at the end of backward
         try:
             plan = self._plan_of(param)
             if self._inline:
@@ -120,15 +124,20 @@ class ParamStepper:
         """Make sure :meth:`_after_backward` runs at the end of the current backward;
         False when the hook was called outside autograd (then the caller finishes
         this step on its own)."""
-        self.stepped_since_step = True
         task = torch._C._current_graph_task_id()
         if task == -1:
             # outside autograd, where queue_callback raises "Final callbacks can
             # only be installed during backward pass"
+            self.stepped_since_step = True
             return False
         if task != self._graph_task:
             self._graph_task = task
-            self._step_error = None
+            # a second stepping backward with no step() in between is refused: nothing
+            # is stepped in it (step_accounting); on FSDP2 every reduce-scatter still runs
+            self._step_error = (backward_without_step_error(
+                "optimizer_in_backward", "inside `with optimizer.no_step():`")
+                if self.awaiting_step else None)
+            self.stepped_since_step = self.awaiting_step = True
             Variable._execution_engine.queue_callback(self._after_backward)
         return True
 
@@ -138,13 +147,14 @@ class ParamStepper:
 
     def _after_backward(self) -> None:
         self._graph_task = None
-        if self.global_step is not None:
+        error, self._step_error = self._step_error, None
+        if error is None and self.global_step is not None:
             owned = self.engine.parameters()
             with self.side_stream.running(owned):
                 self.global_step.step(self.engine, owned)
             for param in owned:
                 param.grad = None
         self.side_stream.join()
-        error, self._step_error = self._step_error, None
         if error is not None:
+            self.awaiting_step = False  # the loop learns of it here, not at step()
             raise error
