@@ -116,6 +116,7 @@ def _rank_main(
     env: Mapping[str, str],
     timeout: float,
     results: Any,
+    backend: str = "gloo",
 ) -> None:
     threading.Thread(target=_exit_when_orphaned, daemon=True).start()
     os.environ.clear()  # the caller's environment now, not the forkserver's at its start
@@ -128,8 +129,10 @@ def _rank_main(
     torch.set_num_threads(1)
     status, payload = "ok", b""
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)  # one GPU per local rank
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size,
+            backend, rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
         )
         payload = _dumps(fn(rank, world_size, *args))
@@ -155,8 +158,10 @@ def run_distributed(
     timeout: float = 120.0,
     env: Mapping[str, str] | None = None,
     port: int | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local gloo ranks.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local gloo ranks (or NCCL
+    ranks, one GPU each: ``backend="nccl"``, rank ``r`` on ``cuda:r``).
 
     ``fn`` must be importable by name (a module-level function), since ranks are
     started from a fresh interpreter (a forkserver's, with torch imported, or
@@ -174,7 +179,7 @@ def run_distributed(
         ctx.Process(
             target=_rank_main,
             args=(fn, rank, world_size, port, tuple(args), {**os.environ, **(env or {})},
-                  timeout, results),
+                  timeout, results, backend),
             daemon=True,
         )
         for rank in range(world_size)

@@ -16,7 +16,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 #: per benchmark, the variants that must be present: ours, torch's own, plain
 EXPECTED_VARIANTS = {
-    "overlap_ddp": {"mlp/overlapkit", "mlp/torch_fused", "mlp/plain"},
+    "overlap_ddp": {"mlp/overlapkit", "mlp/torch_fused", "mlp/plain", "mlp/compute_only"},
     "engine_overhead": {f"{ranks}r/{model}/{variant}" for ranks in (1, 2)
                         for model in ("1_bucket", "50_buckets", "100_buckets", "400_buckets")
                         for variant in ("plain", "plain_comm_hook", "overlap_ddp")}
@@ -131,3 +131,21 @@ def test_a_goal_is_met_missed_or_not_measured() -> None:
                                                                      "measured"]
     with pytest.raises(ValueError, match="exactly one"):
         goal("both", 1.0, at_most=1.0, at_least=0.5)
+
+
+@pytest.mark.parametrize(("argv", "text"), [
+    (["--device", "cuda", "--only", "engine_overhead"], "run(s) on CPU only"),
+    (["--device", "cuda", "--only", "overlap_ddp", "--world-size", "2"],
+     "needs one GPU per rank: 2 ranks"),
+])
+def test_device_cuda_is_checked_before_any_benchmark_runs(
+        argv: list[str], text: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    from overlapkit.cli import main
+
+    if "GPU per rank" in text and torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has the GPUs: the benchmark would run")
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert text in err and "[1/" not in err  # nothing started

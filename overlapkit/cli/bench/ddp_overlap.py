@@ -10,6 +10,12 @@ the median over rounds, slowest rank. Peak RSS is measured in a fresh run per va
 Two models: ``mlp`` (a few large parameters, several buckets) and ``many_small``
 (hundreds of small parameters, where torch's per-parameter ``step_param`` pays per
 call). Optimizer: Adam, the one all three variants support.
+
+``compute_only`` is the limit no overlap can beat: forward and backward of the same
+module without DDP, communication or optimizer. With ``device="cuda"`` (``overlapkit
+bench --device cuda``) every rank trains on its own GPU over NCCL, each step timed
+between ``torch.cuda.synchronize()`` calls: the figures that tell whether overlap pays
+(on CPU the optimizer and backward share the cores, so it cannot).
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ from overlapkit.distributed import run_distributed
 
 __all__ = ["MODELS", "VARIANTS", "run_benchmark"]
 
-VARIANTS = ("overlapkit", "overlapkit_comm_thread", "torch_fused", "plain")
+VARIANTS = ("overlapkit", "overlapkit_comm_thread", "torch_fused", "plain", "compute_only")
+#: where the ranks train: ``cpu`` (gloo) or ``cuda`` (NCCL, one GPU per rank)
+DEVICES = ("cpu", "cuda")
 COMMAND = "python benchmarks/ddp_overlap.py"
 LR = 1e-3
 
@@ -53,14 +61,21 @@ def _build(model_name: str, quick: bool) -> tuple[nn.Module, int, float]:
 
 
 class _Variant:
-    """One variant's DDP model and a ``train_step(x)``."""
+    """One variant's model (DDP but for ``compute_only``) and a ``train_step(x)``."""
 
-    def __init__(self, name: str, model_name: str, quick: bool) -> None:
+    def __init__(self, name: str, model_name: str, quick: bool, device: str = "cpu") -> None:
         import overlapkit
 
         model, self.features, cap = _build(model_name, quick)
-        self.ddp = DDP(model, bucket_cap_mb=cap)
+        self.device = torch.device(device, dist.get_rank()) if device == "cuda" else None
+        if self.device is not None:
+            model = model.to(self.device)
         self.optimizer: Any = None
+        if name == "compute_only":
+            self.ddp: Any = model  # no DDP: no communication, no step
+            return
+        self.ddp = DDP(model, bucket_cap_mb=cap,
+                       device_ids=None if self.device is None else [self.device.index])
         if name.startswith("overlapkit"):
             thread = "comm" if name.endswith("comm_thread") else "backward"
             self.optimizer = overlapkit.overlap_ddp(self.ddp, torch.optim.Adam, lr=LR,
@@ -72,20 +87,26 @@ class _Variant:
             self.optimizer = torch.optim.Adam(self.ddp.parameters(), lr=LR)
 
     def train_step(self, x: torch.Tensor) -> None:
+        if self.device is not None:
+            torch.cuda.synchronize(self.device)  # time the step, not what came before
         self.ddp(x).square().mean().backward()
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad()
         else:
             self.ddp.zero_grad(set_to_none=True)
+        if self.device is not None:
+            torch.cuda.synchronize(self.device)
 
 
 def _timing_rank(rank: int, world_size: int, model_name: str, rounds: int, steps: int,
-                 warmup: int, quick: bool) -> dict[str, list[float]]:
-    variants = {name: _Variant(name, model_name, quick) for name in VARIANTS}
+                 warmup: int, quick: bool, device: str = "cpu") -> dict[str, list[float]]:
+    variants = {name: _Variant(name, model_name, quick, device) for name in VARIANTS}
     features = variants["plain"].features
     generator = torch.Generator().manual_seed(rank)
     batch = torch.randn(32, features, generator=generator)
+    if device == "cuda":
+        batch = batch.to(torch.device("cuda", rank))
     for variant in variants.values():
         for _ in range(warmup):
             variant.train_step(batch)
@@ -105,14 +126,20 @@ def _timing_rank(rank: int, world_size: int, model_name: str, rounds: int, steps
 
 
 def _memory_rank(rank: int, world_size: int, variant_name: str, model_name: str,
-                 steps: int, quick: bool) -> dict[str, float]:
+                 steps: int, quick: bool, device: str = "cpu") -> dict[str, float]:
     baseline = peak_rss_mib()
-    variant = _Variant(variant_name, model_name, quick)
+    variant = _Variant(variant_name, model_name, quick, device)
     batch = torch.randn(32, variant.features)
+    if variant.device is not None:
+        batch = batch.to(variant.device)
+        torch.cuda.reset_peak_memory_stats(variant.device)
     for _ in range(steps):
         variant.train_step(batch)
     peak = peak_rss_mib()
-    return {"peak_rss_mib": peak, "peak_rss_above_baseline_mib": peak - baseline}
+    figures = {"peak_rss_mib": peak, "peak_rss_above_baseline_mib": peak - baseline}
+    if variant.device is not None:
+        figures["peak_cuda_mib"] = torch.cuda.max_memory_allocated(variant.device) / 2**20
+    return figures
 
 
 def run_benchmark(*, rounds: int = 5, world_size: int = 2, quick: bool = False,
@@ -121,8 +148,11 @@ def run_benchmark(*, rounds: int = 5, world_size: int = 2, quick: bool = False,
 
     :param rounds: interleaved rounds (each variant runs ``steps`` timed steps per round).
     :param quick: small models and few steps, to check that it runs.
-    :param options: ``models`` (names from :data:`MODELS`), ``steps``, ``warmup``.
+    :param options: ``models`` (names from :data:`MODELS`), ``steps``, ``warmup``,
+        ``device`` (``"cpu"``, or ``"cuda"``: NCCL, one GPU per rank).
     """
+    device = str(options.get("device", "cpu"))
+    backend = "nccl" if device == "cuda" else "gloo"
     # quick: one model, so `overlapkit bench --quick` stays a smoke test of every variant
     models = list(options.get("models", ["mlp"] if quick else MODELS))
     steps = int(options.get("steps", 5 if quick else 20))
@@ -135,24 +165,28 @@ def run_benchmark(*, rounds: int = 5, world_size: int = 2, quick: bool = False,
     for model_name in models:
         per_rank = run_distributed(
             _timing_rank, world_size,
-            args=(model_name, rounds, steps, warmup, quick), timeout=600,
+            args=(model_name, rounds, steps, warmup, quick, device), timeout=600,
+            backend=backend,
         )
         for name in VARIANTS:
             # the slowest rank's median per round, then the median over rounds
             slowest = [max(r[name][i] for r in per_rank) for i in range(rounds)]
             memory = run_distributed(_memory_rank, world_size,
-                                     args=(name, model_name, warmup + steps, quick))
-            variants[f"{model_name}/{name}"] = {
-                "step_ms": 1000 * statistics.median(slowest),
-                "peak_rss_mib": max(m["peak_rss_mib"] for m in memory),
-                "peak_rss_above_baseline_mib": max(m["peak_rss_above_baseline_mib"]
-                                                   for m in memory),
-            }
+                                     args=(name, model_name, warmup + steps, quick, device),
+                                     backend=backend)
+            variants[f"{model_name}/{name}"] = {"step_ms": 1000 * statistics.median(slowest)}
+            for key in memory[0]:  # RSS; on a GPU also its peak allocated memory
+                variants[f"{model_name}/{name}"][key] = max(m[key] for m in memory)
         ours = variants[f"{model_name}/overlapkit"]["step_ms"]
         ratios[f"{model_name}: overlapkit / torch_fused step time"] = (
             ours / variants[f"{model_name}/torch_fused"]["step_ms"])
         ratios[f"{model_name}: overlapkit / plain step time"] = (
             ours / variants[f"{model_name}/plain"]["step_ms"])
+        ratios[f"{model_name}: overlapkit / compute_only step time"] = (
+            ours / variants[f"{model_name}/compute_only"]["step_ms"])
+        ratios[f"{model_name}: plain / compute_only step time"] = (
+            variants[f"{model_name}/plain"]["step_ms"]
+            / variants[f"{model_name}/compute_only"]["step_ms"])
         goals += [goal(f"{model_name}: overlapkit / torch_fused step time",
                        ratios[f"{model_name}: overlapkit / torch_fused step time"],
                        at_most=0.95),
@@ -165,8 +199,11 @@ def run_benchmark(*, rounds: int = 5, world_size: int = 2, quick: bool = False,
         "ratios": ratios,
         "goals": goals,
         "notes": (
-            f"{world_size} gloo ranks on CPU, Adam lr={LR}, batch 32; step = forward + "
-            f"backward + step + zero_grad; median of {rounds} interleaved rounds of "
-            f"{steps} steps (slowest rank); peak RSS from a fresh run per variant."
+            f"{world_size} "
+            + ("NCCL ranks, one GPU each" if device == "cuda" else "gloo ranks on CPU")
+            + f", Adam lr={LR}, batch 32; step = forward + backward + step + zero_grad "
+            "(compute_only: forward + backward of the module alone, no DDP, no step: "
+            f"the limit); median of {rounds} interleaved rounds of {steps} steps "
+            "(slowest rank); peak memory from a fresh run per variant."
         ),
     }

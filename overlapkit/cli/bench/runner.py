@@ -21,8 +21,8 @@ from overlapkit.cli.textui import format_table, parse_names, pyplot
 from overlapkit.errors import ConfigurationError
 from overlapkit.launch import check_world_size
 
-__all__ = ["ALIASES", "BENCHMARKS", "QUICK_ROUNDS", "format_result", "machine_description",
-           "plot_results", "run_benchmarks"]
+__all__ = ["ALIASES", "BENCHMARKS", "GPU_BENCHMARKS", "QUICK_ROUNDS", "format_result",
+           "machine_description", "plot_results", "run_benchmarks"]
 
 #: benchmark name -> module under overlapkit.cli.bench, in the order they run; the
 #: names are the demo's technique names
@@ -40,6 +40,9 @@ ALIASES: dict[str, str] = {"ddp_overlap": "overlap_ddp", "local_sgd": "post_loca
 
 #: rounds per benchmark with ``--quick``: a smoke test of every variant, not figures
 QUICK_ROUNDS = 1
+
+#: the benchmarks that also run on GPUs (``--device cuda``: NCCL, one GPU per rank)
+GPU_BENCHMARKS = ("overlap_ddp",)
 
 
 def machine_description() -> str:
@@ -74,6 +77,43 @@ def parse_benchmarks(text: str, log: TextIO | None = None) -> list[str]:
     return parse_names(",".join(names), available, "benchmark")
 
 
+def benchmarks_for_device(names: Sequence[str], device: str, *, chosen: bool,
+                          log: TextIO | None = None) -> list[str]:
+    """The benchmarks of ``names`` that run on ``device``.
+
+    :param chosen: the names were given with ``--only`` (else: every benchmark).
+    :raises ConfigurationError: an unknown device; no GPU (or fewer than ``world_size``);
+        ``--only`` names a benchmark that runs on CPU only.
+    """
+    if device not in ("cpu", "cuda"):
+        raise ConfigurationError(f"--device must be 'cpu' or 'cuda', got {device!r}.")
+    if device == "cpu":
+        return list(names)
+    cpu_only = [n for n in names if n not in GPU_BENCHMARKS]
+    if chosen and cpu_only:
+        raise ConfigurationError(
+            f"--device cuda: {', '.join(cpu_only)} run(s) on CPU only; the benchmarks "
+            f"with a GPU variant are: {', '.join(GPU_BENCHMARKS)}."
+        )
+    if cpu_only:
+        print(f"overlapkit bench --device cuda: running {', '.join(GPU_BENCHMARKS)} "
+              f"(the others run on CPU only)", file=sys.stderr if log is None else log)
+    return [n for n in names if n in GPU_BENCHMARKS]
+
+
+def check_gpus(world_size: int) -> None:
+    """:raises ConfigurationError: fewer than ``world_size`` CUDA GPUs are visible."""
+    import torch
+
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < world_size:
+        raise ConfigurationError(
+            f"--device cuda needs one GPU per rank: {world_size} ranks, {found} CUDA GPU(s) "
+            "visible. Run on a machine with GPUs (or pass --world-size), or leave "
+            "--device out to benchmark on CPU."
+        )
+
+
 def effective_rounds(rounds: int, quick: bool) -> int:
     """The rounds a run makes: ``rounds``, or at most :data:`QUICK_ROUNDS` with
     ``--quick``."""
@@ -81,11 +121,13 @@ def effective_rounds(rounds: int, quick: bool) -> int:
 
 
 def run_benchmarks(names: Sequence[str], *, rounds: int, world_size: int | None,
-                   quick: bool, log: TextIO | None = None) -> list[dict[str, Any]]:
+                   quick: bool, log: TextIO | None = None,
+                   device: str = "cpu") -> list[dict[str, Any]]:
     """Run each named benchmark and return their results in order.
 
     ``world_size=None`` lets each benchmark use its own default (the checkpoint one
     reshards 2 -> 4 ranks, the others run on 2). Progress goes to ``log`` (stderr).
+    ``device="cuda"``: the benchmarks of :data:`GPU_BENCHMARKS` on one GPU per rank.
     """
     if rounds < 1:
         raise ConfigurationError(f"--rounds must be at least 1, got {rounds}.")
@@ -93,12 +135,16 @@ def run_benchmarks(names: Sequence[str], *, rounds: int, world_size: int | None,
         check_world_size(world_size)
     log = sys.stderr if log is None else log
     rounds = effective_rounds(rounds, quick)
+    if device == "cuda":
+        check_gpus(world_size or 2)
     results = []
     for index, name in enumerate(names, 1):
         module = importlib.import_module(BENCHMARKS[name])
         options: dict[str, Any] = {"rounds": rounds, "quick": quick}
         if world_size is not None:
             options["world_size"] = world_size
+        if device != "cpu":
+            options["device"] = device
         print(f"[{index}/{len(names)}] {name} ({rounds} round{'s' if rounds > 1 else ''}"
               f"{', quick' if quick else ''}) ...", file=log, flush=True)
         started = time.monotonic()

@@ -14,8 +14,10 @@ from typing import Any
 
 from overlapkit.cli.bench.runner import (
     ALIASES,
+    GPU_BENCHMARKS,
     QUICK_ROUNDS,
     available_benchmarks,
+    benchmarks_for_device,
     format_result,
     parse_benchmarks,
     plot_results,
@@ -37,11 +39,12 @@ def _summary(results: list[dict[str, Any]], seconds: float, quick: bool) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the chosen benchmarks and print tables (or JSON)."""
-    names = parse_benchmarks(args.only)
+    names = benchmarks_for_device(parse_benchmarks(args.only), args.device,
+                                  chosen=args.only != "all")
     plot_path = check_plot_target(args.plot) if args.plot else None
     started = time.monotonic()
     results = run_benchmarks(names, rounds=args.rounds, world_size=args.world_size,
-                             quick=args.quick)
+                             quick=args.quick, device=args.device)
     if args.json:
         json.dump(results, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -75,6 +78,10 @@ def register(commands: Any) -> None:
     parser.add_argument("--quick", action="store_true",
                         help=f"small sizes and {QUICK_ROUNDS} round: a smoke test of every "
                         "variant, not figures to quote")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the ranks train: cpu (gloo) or cuda (NCCL, one GPU "
+                        "per rank; the benchmarks with a GPU variant: "
+                        + ", ".join(GPU_BENCHMARKS) + ")")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the figures (needs "
                         "matplotlib: pip install 'overlapkit[plot]')")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
