@@ -20,7 +20,7 @@ from overlapkit.checkpoint.integrity import MANIFEST_FILE
 
 #: what goes wrong, and on which rank
 CASES = ("missing path on rank 1", "other optimizer on rank 1", "other shapes on rank 1",
-         "bad save argument on rank 1", "unreadable file list on rank 0")
+         "bad save argument on rank 1", "damaged file only rank 0 checksums")
 
 
 def _trained(rank: int, width: int = 8, ddp: bool = True
@@ -49,10 +49,14 @@ def _case(rank: int, root: Path, case: str) -> dict[str, Any]:
     shapes = case == "other shapes on rank 1"
     model, opt = _trained(rank, width=16 if shapes and rank == 1 else 8, ddp=not shapes)
     path = root / "ck"
-    if case == "unreadable file list on rank 0" and rank == 0:
-        manifest = json.loads((path / MANIFEST_FILE).read_text())
-        manifest["files"]["x" * 300] = {"size": 1, "crc32": 1}  # a name no disk accepts
-        (path / MANIFEST_FILE).write_text(json.dumps(manifest))
+    if case == "damaged file only rank 0 checksums" and rank == 0:
+        # the ranks share the checksums, the largest file first to rank 0: only rank 0
+        # reads this one, so only rank 0 finds the damage
+        largest = max(json.loads((path / MANIFEST_FILE).read_text())["files"].items(),
+                      key=lambda item: item[1]["size"])[0]
+        data = bytearray((path / largest).read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (path / largest).write_bytes(bytes(data))
     if case == "other optimizer on rank 1" and rank == 1:
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     before = _snapshot(model, opt)
@@ -71,7 +75,7 @@ def _case(rank: int, root: Path, case: str) -> dict[str, Any]:
 
 
 def run(rank: int, world_size: int, directory: str) -> dict[str, Any]:
-    """Each case in turn (the damaged file list last: it stays damaged)."""
+    """Each case in turn (the damaged file last: it stays damaged)."""
     root = Path(directory)
     model, opt = _trained(rank)
     checkpoint.save(root / "ck", model, opt)

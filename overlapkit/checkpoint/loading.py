@@ -81,8 +81,10 @@ def load(
         check_model_and_optimizer(model, optimizer, "load")
         check_load_planner(planner, "load")
         metadata = read_metadata(directory)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            verify_files(directory, metadata.storage_data)  # once: the files are shared
+        # every rank checksums a share of the files (they are shared), in parallel
+        ranks = dist.get_world_size() if dist.is_initialized() else 1
+        verify_files(directory, metadata.storage_data,
+                     share=dist.get_rank() if ranks > 1 else 0, shares=ranks)
     verified = (directory / MANIFEST_FILE).is_file()
     with unwrapped(optimizer) if optimizer is not None else nullcontext() as real:
         _load_into_real(directory, metadata, model, real, planner, verified=verified)
