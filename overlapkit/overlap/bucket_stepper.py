@@ -83,6 +83,8 @@ class BucketStepper:
         self._clips = clipping.enabled
         #: what is known of each bucket from the backwards before
         self.layouts = BucketLayouts(engine)
+        #: the DDP model, while it has not rebuilt its buckets yet (set at set-up)
+        self.model_before_rebuild: DistributedDataParallel | None = None
         #: set when steps wait for a global decision (global norm clipping, a
         #: GradScaler): buckets are only reduced, everything steps after finalize
         self.global_step = global_step
@@ -161,6 +163,16 @@ class BucketStepper:
 
     def _after_backward(self) -> None:
         self._graph_task = None
+        model = self.model_before_rebuild
+        if model is not None:
+            # DDP rebuilds its buckets at the next forward, allocating the new ones
+            # before it frees the old: layouts kept until then would keep every old
+            # bucket alive through that forward (measured: +14 MiB of peak RSS per rank
+            # on a 50 M-parameter model under optimizer_in_backward). So none is kept
+            # until DDP says it has rebuilt them (once; torch 2.13's private flag).
+            self.layouts.clear()
+            if getattr(model, "_has_rebuilt_buckets", True):
+                self.model_before_rebuild = None
         error, self._step_error = self._step_error, None
         if error is not None:
             # A step raised during this backward. It was held back until now, after

@@ -152,6 +152,7 @@ def register_bucket_stepper(
             "comm_hook=."
         ) from exc
     setattr(model, _MARKER, technique)
+    stepper.model_before_rebuild = model
     # Only now that the comm hook is in: hooks left on the parameters after a refused
     # registration would keep freeing gradients nobody steps.
     if stepper.free_grads and not model.gradient_as_bucket_view:
