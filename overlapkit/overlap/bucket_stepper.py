@@ -23,7 +23,7 @@ from overlapkit.overlap.clipping import GradClipping
 from overlapkit.overlap.engine import OverlapEngine, StepPlan
 from overlapkit.overlap.global_step import GlobalStep
 from overlapkit.overlap.side_stream import SideStream
-from overlapkit.overlap.step_accounting import backward_without_step_error
+from overlapkit.overlap.step_accounting import StepAccount
 
 __all__ = ["STEP_THREADS", "BucketStepper", "bucket_gradient_views", "overlapped_comm_hook"]
 
@@ -34,7 +34,7 @@ _INLINE = nullcontext()
 STEP_THREADS = ("backward", "comm")
 
 
-class BucketStepper:
+class BucketStepper(StepAccount):
     """The state of the registered comm hook: runs the inner hook, then steps.
 
     ``step_thread="backward"``: a bucket whose reduction has completed is stepped on
@@ -67,6 +67,7 @@ class BucketStepper:
         global_step: GlobalStep | None = None,
         technique: str = "overlap_ddp",
     ) -> None:
+        super().__init__()
         self.engine = engine
         #: the function that built it, for messages
         self.technique = technique
@@ -88,11 +89,6 @@ class BucketStepper:
         #: set when steps wait for a global decision (global norm clipping, a
         #: GradScaler): buckets are only reduced, everything steps after finalize
         self.global_step = global_step
-        #: set on the autograd thread when a synchronised backward starts stepping
-        self.stepped_since_step = False
-        #: set likewise; cleared by the optimizer's step() and zero_grad(): a stepping
-        #: backward while it is set is refused (step_accounting)
-        self.awaiting_step = False
         #: bucket index -> the owned parameters stepped with it, last backward
         self.last_buckets: dict[int, list[torch.Tensor]] = {}
         #: parameters that got a gradient on this rank since the last synced backward
@@ -123,10 +119,8 @@ class BucketStepper:
             self._pending.clear()
             # a second stepping backward with no step() in between is refused: nothing
             # is stepped in it, every bucket is still reduced (step_accounting)
-            self._step_error = (backward_without_step_error(
+            self._step_error = self.backward_starts(
                 self.technique, "inside `with ddp_model.no_sync():`")
-                if self.awaiting_step else None)
-            self.stepped_since_step = self.awaiting_step = True
             # DDP queues its own finalize after the last bucket's hook; a callback
             # queued from ours (queued now, so it runs first) lands after it.
             Variable._execution_engine.queue_callback(self._before_finalize)

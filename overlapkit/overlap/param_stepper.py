@@ -27,12 +27,12 @@ from overlapkit.overlap.clipping import GradClipping
 from overlapkit.overlap.engine import OverlapEngine, StepPlan
 from overlapkit.overlap.global_step import GlobalStep
 from overlapkit.overlap.side_stream import SideStream
-from overlapkit.overlap.step_accounting import backward_without_step_error
+from overlapkit.overlap.step_accounting import StepAccount
 
 __all__ = ["ParamStepper"]
 
 
-class ParamStepper:
+class ParamStepper(StepAccount):
     """Steps each parameter of ``engine`` from its post-accumulate-grad hook.
 
     :param engine: steps the parameters.
@@ -42,6 +42,7 @@ class ParamStepper:
 
     def __init__(self, engine: OverlapEngine, *, clipping: GradClipping,
                  side_stream: SideStream, global_step: GlobalStep | None = None) -> None:
+        super().__init__()
         self.engine = engine
         #: set when steps wait for a global decision (global norm clipping, a
         #: GradScaler): gradients are kept, everything steps at the end of backward
@@ -52,11 +53,6 @@ class ParamStepper:
         self._inline = not side_stream.active
         # id(param) -> its StepPlan (which holds the parameter, so the id stays its own)
         self._plans: dict[int, StepPlan] = {}
-        #: set when a backward has stepped; the optimizer's step() clears it
-        self.stepped_since_step = False
-        #: set likewise; cleared by the optimizer's step() and zero_grad(): a stepping
-        #: backward while it is set is refused (step_accounting)
-        self.awaiting_step = False
         #: while true, gradients accumulate and nothing is stepped (no_step())
         self.paused = False
         self.handles: list[RemovableHandle] = []
@@ -134,10 +130,8 @@ class ParamStepper:
             self._graph_task = task
             # a second stepping backward with no step() in between is refused: nothing
             # is stepped in it (step_accounting); on FSDP2 every reduce-scatter still runs
-            self._step_error = (backward_without_step_error(
+            self._step_error = self.backward_starts(
                 "optimizer_in_backward", "inside `with optimizer.no_step():`")
-                if self.awaiting_step else None)
-            self.stepped_since_step = self.awaiting_step = True
             Variable._execution_engine.queue_callback(self._after_backward)
         return True
 

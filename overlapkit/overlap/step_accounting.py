@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from overlapkit.errors import ConfigurationError
 
-__all__ = ["backward_without_step_error"]
+__all__ = ["StepAccount", "backward_without_step_error"]
 
 
 def backward_without_step_error(technique: str, accumulate: str) -> ConfigurationError:
@@ -37,3 +37,26 @@ def backward_without_step_error(technique: str, accumulate: str) -> Configuratio
         f"over several backwards, run all but the last {accumulate}; otherwise call "
         "optimizer.step() (a no-op) or zero_grad() after every backward."
     )
+
+
+class StepAccount:
+    """What a stepper counts of the backwards that stepped, for the optimizer it steps
+    (the facade reads and clears both flags). The bucket and parameter steppers
+    derive from it."""
+
+    def __init__(self) -> None:
+        #: set when a backward has stepped; the optimizer's ``step()`` clears it (and
+        #: is then a no-op)
+        self.stepped_since_step = False
+        #: set likewise; cleared by ``step()`` and ``zero_grad()``: a stepping backward
+        #: while it is set is refused
+        self.awaiting_step = False
+
+    def backward_starts(self, technique: str, accumulate: str) -> ConfigurationError | None:
+        """Count a stepping backward that starts now: the error to hold until it ends
+        (nothing steps in it) when the previous one was followed by neither ``step()``
+        nor ``zero_grad()``, else None."""
+        error = backward_without_step_error(technique, accumulate) if self.awaiting_step \
+            else None
+        self.stepped_since_step = self.awaiting_step = True
+        return error
