@@ -20,7 +20,10 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUTDIR=${OUT:-gpu-sharded-check}
 mkdir -p "$OUTDIR"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+# _vendor/: pure-Python dependencies the machine may lack (importlib_metadata), copied in
+export PYTHONPATH="$PWD:$PWD/_vendor${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \
+    OMP_NUM_THREADS=4
+"$PY" -c "import importlib_metadata, attrs, pluggy" || echo "missing a dependency of overlapkit (above): pip install importlib-metadata attrs pluggy, or copy them into _vendor/"
 status=0
 
 echo "== machine"
@@ -34,7 +37,8 @@ timeout 150 "$PY" -m pytest -q -ra -m cuda -p no:cacheprovider \
     --junitxml="$OUTDIR/cuda-tests.xml" 2>&1 | tee "$OUTDIR/cuda-tests.log" || status=1
 
 echo "== 2. NCCL, two ranks on one GPU"
-timeout 90 "$PY" - <<'PYEOF' 2>&1 | tee "$OUTDIR/nccl-two-ranks.log"
+NCCL_CHECK=$(mktemp -d)/nccl_two_ranks_one_gpu.py  # a file: spawned ranks re-import it
+cat > "$NCCL_CHECK" <<'PYEOF'
 import multiprocessing as mp
 import os
 import socket
@@ -69,7 +73,7 @@ if __name__ == "__main__":
     import queue
     try:
         while len(seen) < 2:
-            rank, text = results.get(timeout=60)
+            rank, text = results.get(timeout=45)
             seen[rank] = text
     except queue.Empty:
         pass
@@ -78,11 +82,12 @@ if __name__ == "__main__":
         if proc.is_alive():
             proc.kill()
     for rank in range(2):
-        print(f"NCCL, two ranks on cuda:0, rank {rank}:", seen.get(rank, "no answer in 60 s (hung)"))
+        print(f"NCCL, two ranks on cuda:0, rank {rank}:", seen.get(rank, "no answer in 45 s (hung)"))
 PYEOF
+timeout 60 "$PY" "$NCCL_CHECK" 2>&1 | tee "$OUTDIR/nccl-two-ranks.log"
 
 echo "== 3. timing (one NCCL rank)"
-timeout 150 "$PY" -m overlapkit bench --device cuda --only sharded_state --world-size 1 \
+timeout 120 "$PY" -m overlapkit bench --device cuda --only sharded_state --world-size 1 \
     --rounds 3 --json > "$OUTDIR/bench.json" 2> "$OUTDIR/bench.err" || status=1
 tail -3 "$OUTDIR/bench.err"
 "$PY" - "$OUTDIR/bench.json" <<'PYEOF' || status=1
