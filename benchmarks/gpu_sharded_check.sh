@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu_sharded_check.sh            # from the repository root
 #
-# 1. the `cuda`-marked tests: tests/test_sharded_state_cuda.py (one NCCL rank; two ranks
+# 1. the `cuda`-marked tests: tests/test_cuda_sharded_state.py (one NCCL rank; two ranks
 #    sharing the GPU over gloo, which runs the parameter exchange on the side stream; a
 #    checkpoint round trip), and the older CUDA tests of tests/test_optimizer_in_backward.py;
 # 2. whether NCCL takes two ranks on one GPU (it is expected to refuse: "Duplicate GPU");
@@ -33,7 +33,7 @@ nvidia-smi -L || true
 
 echo "== 1. cuda tests"
 timeout 150 "$PY" -m pytest -q -ra -m cuda -p no:cacheprovider \
-    tests/test_sharded_state_cuda.py tests/test_optimizer_in_backward.py \
+    tests/test_cuda_sharded_state.py tests/test_optimizer_in_backward.py \
     --junitxml="$OUTDIR/cuda-tests.xml" 2>&1 | tee "$OUTDIR/cuda-tests.log" || status=1
 
 echo "== 2. NCCL, two ranks on one GPU"

@@ -7,7 +7,8 @@ everything around the exchange), and two ranks sharing the GPU over gloo, whose
 broadcasts take CUDA tensors (NCCL refuses two ranks on one device), which runs the
 exchange itself: issued from the side stream after the bucket's step, received in place
 and into buffers on it, the compute stream waiting for it before the next forward.
-``benchmarks/gpu_sharded_check.sh`` runs these and a short timing.
+``benchmarks/gpu_sharded_check.sh`` runs these and a short timing (and
+``benchmarks/gpu_check.sh``, every ``tests/test_cuda_*.py``, runs them too).
 """
 
 from __future__ import annotations
