@@ -419,6 +419,7 @@ def refusals(rank: int, world_size: int) -> dict[str, Any]:
         out[name] = {"error": error, "unchanged": unchanged is None,
                      "after": unchanged}
     out["state dicts"] = _state_dict_refusals(rank, world_size)
+    out["added group"] = added_group(rank, world_size)
     return out
 
 
@@ -456,3 +457,33 @@ def _state_dict_refusals(rank: int, world_size: int) -> dict[str, Any]:
     out["plain optimizer refuses a share"] = error_of(
         lambda: torch.optim.AdamW(build().parameters()).load_state_dict(local))
     return out
+
+
+# -- add_param_group: the new parameters assigned against what each rank owns ----------
+
+def added_group(rank: int, world_size: int) -> dict[str, Any]:
+    """The optimizer built on the weights; the biases and norms added as a second group
+    before training (a plain optimizer the same way)."""
+    out = {}
+    for sharded in (False, True):
+        ddp = build() if sharded else build_reference()
+        named = list(ddp.module.named_parameters())
+        weights = [p for n, p in named if p.ndim > 1]
+        others = [p for n, p in named if p.ndim <= 1]
+        if sharded:
+            opt: Any = overlapkit.overlap_ddp(ddp, torch.optim.AdamW, params=weights, lr=LR,
+                                              shard_optimizer_state=True)
+        else:
+            opt = torch.optim.AdamW(weights, lr=LR)
+        opt.add_param_group({"params": others, "lr": LR / 2, "weight_decay": 0.0})
+        for tokens in batches(rank):
+            _loss(ddp, tokens).backward()
+            opt.step()
+            opt.zero_grad()
+        out[sharded] = values(ddp)
+        if sharded:
+            out["owners"] = list(opt.ownership.owners)
+            out["loads"] = opt.ownership.loads()
+            out["held"] = {id(p) for p in opt.optimizer.state} == opt.local_state_params()
+    return {"values": compare(out[False], out[True]), "owners": out["owners"],
+            "loads": out["loads"], "held": out["held"]}

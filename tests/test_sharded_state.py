@@ -57,31 +57,38 @@ def test_each_rank_keeps_only_its_share_of_the_state(
 
 
 @pytest.fixture(scope="module")
-def delayed() -> dict[str, list[dict[str, Any]]]:
-    per_rank = run_distributed(delayed_exchanges, 2, timeout=300)
-    return {reader: [results[reader] for results in per_rank] for reader in READERS}
+def delayed() -> dict[int, dict[str, list[dict[str, Any]]]]:
+    out = {}
+    for ranks in (2, 3):
+        per_rank = run_distributed(delayed_exchanges, ranks, timeout=300)
+        out[ranks] = {reader: [results[reader] for results in per_rank]
+                      for reader in READERS}
+    return out
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
 @pytest.mark.parametrize("reader", READERS)
-def test_a_delayed_exchange_is_waited_for(delayed: dict[str, list[dict[str, Any]]],
-                                          reader: str) -> None:
-    for rank, result in enumerate(delayed[reader]):
+def test_a_delayed_exchange_is_waited_for(
+        delayed: dict[int, dict[str, list[dict[str, Any]]]], reader: str, ranks: int) -> None:
+    for rank, result in enumerate(delayed[ranks][reader]):
         assert result["losses"], (rank, result["losses"])  # forwards saw every update
         assert result["values"], (rank, result["values"])
     # rank 1 reached the reader with rank 0's updates still on the way: the wait was
     # needed, and the values above show that it held
-    assert any(count > 0 for count in delayed[reader][1]["waited"]), delayed[reader][1]
+    waited = delayed[ranks][reader][1]["waited"]
+    assert any(count > 0 for count in waited), waited
 
 
 @pytest.fixture(scope="module")
-def refused() -> list[dict[str, Any]]:
-    return run_distributed(refusals, 2, timeout=300)
+def refused() -> dict[int, list[dict[str, Any]]]:
+    return {ranks: run_distributed(refusals, ranks, timeout=300) for ranks in (2, 3)}
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
 @pytest.mark.parametrize("case", list(REFUSED_SETUPS))
-def test_bad_input_is_refused_before_anything_changes(refused: list[dict[str, Any]],
-                                                      case: str) -> None:
-    for rank, rank_results in enumerate(refused):
+def test_bad_input_is_refused_before_anything_changes(
+        refused: dict[int, list[dict[str, Any]]], case: str, ranks: int) -> None:
+    for rank, rank_results in enumerate(refused[ranks]):
         result = rank_results[case]
         assert result["error"] is not None and result["error"]["overlapkit"], (rank, result)
         assert result["unchanged"], (rank, result["after"])
@@ -92,28 +99,51 @@ def test_bad_input_is_refused_before_anything_changes(refused: list[dict[str, An
                 "an optimizer with state that is no parameter's": "no single parameter",
                 "a policy answering per rank": "differently on ranks",
                 "a policy answering too few owners": "1 owners for",
-                "a policy answering a rank out of range": "owners are ranks from 0 to 1",
+                "a policy answering a rank out of range":
+                    f"owners are ranks from 0 to {ranks - 1}",
                 "shard_optimizer_state='yes'": "must be True, False",
                 "shard_optimizer_state=the policy class": "pass an instance"}[case]
-    assert expected in refused[0][case]["error"]["message"], refused[0][case]["error"]
+    error = refused[ranks][0][case]["error"]
+    assert expected in error["message"], error
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
 def test_state_dict_needs_a_current_gathering_on_this_rank(
-        refused: list[dict[str, Any]]) -> None:
-    rank0, rank1 = (r["state dicts"] for r in refused)
-    for result in (rank0, rank1):
+        refused: dict[int, list[dict[str, Any]]], ranks: int) -> None:
+    results = [r["state dicts"] for r in refused[ranks]]
+    for result in results:
         assert "consolidate_state_dict(to=" in result["not gathered"]["message"]
         assert result["bad rank"]["type"] == "ConfigurationError"
-    assert rank0["gathered here"] is None
-    assert "gathered on rank 0" in rank1["gathered elsewhere"]["message"]
-    assert "stale" in rank0["stale"]["message"]
+    assert results[0]["gathered here"] is None
+    for result in results[1:]:
+        assert "gathered on rank 0" in result["gathered elsewhere"]["message"]
+    assert "stale" in results[0]["stale"]["message"]
 
 
-def test_a_share_loads_only_on_its_own_rank(refused: list[dict[str, Any]]) -> None:
-    for rank, result in enumerate(r["state dicts"] for r in refused):
-        assert "share and is being loaded on rank" in result["another rank's share"]["message"]
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_share_loads_only_on_its_own_rank(refused: dict[int, list[dict[str, Any]]],
+                                            ranks: int) -> None:
+    for rank, result in enumerate(r["state dicts"] for r in refused[ranks]):
+        message = result["another rank's share"]["message"]
+        assert "share and is being loaded on rank" in message, message
         assert result["state unchanged"], rank
         assert result["own share"] is None, result["own share"]
         assert result["not a state dict"]["type"] == "ConfigurationError"
         # a plain optimizer fails at once rather than loading one share silently
         assert result["plain optimizer refuses a share"] is not None
+
+
+#: who owns the five parameters added as a second group (after the four weights): the
+#: ranks owning the fewest bytes (computed from the sizes: see SizeBalancedPolicy)
+ADDED_OWNERS = {2: {0, 1}, 3: {2}}
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_param_group_added_later_is_sharded_and_trained_bitwise(
+        refused: dict[int, list[dict[str, Any]]], ranks: int) -> None:
+    results = [r["added group"] for r in refused[ranks]]
+    for rank, result in enumerate(results):
+        assert result["values"], (rank, result["values"])
+        assert result["held"], rank  # state only for its share, the new group's included
+        assert result["owners"] == results[0]["owners"]  # the ranks agree
+    assert set(results[0]["owners"][-5:]) == ADDED_OWNERS[ranks], results[0]["owners"]
