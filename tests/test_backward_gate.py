@@ -106,3 +106,16 @@ def test_clipping_in_the_optimizer_order_is_bitwise_a_loop_clipping_group_by_gro
             opt.zero_grad()
         runs.append(values(model))
     assert compare(*runs)
+
+
+def test_a_closure_is_refused_with_the_way_to_use_lightning() -> None:
+    """PyTorch Lightning's automatic optimization calls ``step(closure)``: an overlapped
+    optimizer handed to it from ``configure_optimizers`` is refused at its first step,
+    before the closure runs, naming the strategies that drive it."""
+    model = _module()
+    opt = overlapkit.optimizer_in_backward(model, torch.optim.AdamW, lr=0.01)
+    ran: list[int] = []
+    with pytest.raises(overlapkit.ConfigurationError,
+                       match=r"takes no closure.*OverlapDDPStrategy\(\)"):
+        opt.step(lambda: ran.append(1))
+    assert ran == []

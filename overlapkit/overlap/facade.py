@@ -210,7 +210,11 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         if closure is not None:
             raise ConfigurationError(
                 f"{self._technique} steps during backward, so step() takes no closure; "
-                "call loss.backward() yourself and then step() (or nothing)."
+                "call loss.backward() yourself and then step() (or nothing). With PyTorch "
+                "Lightning (whose automatic optimization calls step(closure)), return the "
+                "plain optimizer from configure_optimizers and pass strategy="
+                "OverlapDDPStrategy() or OverlapSingleDeviceStrategy() from "
+                "overlapkit.integrations.lightning (FSDPStrategy, FSDP1, is not supported)."
             )
         scaler = self._scaler_driving()
         self.synchronize()
