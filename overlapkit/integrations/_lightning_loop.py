@@ -23,6 +23,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer import call
+from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.errors import ConfigurationError, OverlapkitError
 from overlapkit.integrations._lightning_setup import clipping_of
@@ -103,6 +104,8 @@ class AutomaticOptimization:
         self._grad_hooks: list[Any] = []
         self._backward_in_training_step = False
         self._in_training_step = False
+        #: the DDP model whose parameters optimizer_in_backward frees early, until detach
+        self._freeing_ddp_model: DistributedDataParallel | None = None
 
     def attach(self, optimizer: OverlappedOptimizerFacade, writes: GradientWrites | None,
                clipping: dict[str, float]) -> None:
@@ -115,8 +118,10 @@ class AutomaticOptimization:
         self._stepped = 0
         optimizer.gate_backwards(self._gate)
 
-    def watch_training_step(self, params: list[torch.Tensor]) -> None:
-        """Refuse a backward run inside ``training_step`` (optimizer_in_backward on DDP).
+    def watch_training_step(self, ddp_model: DistributedDataParallel,
+                            params: list[torch.Tensor]) -> None:
+        """Refuse a backward run inside ``training_step`` (optimizer_in_backward on DDP),
+        and make the early freeing of gradients end with the fit (:meth:`detach`).
 
         Lightning runs ``training_step`` inside DDP's forward, where DDP reduces nothing
         and the overlapped optimizer steps nothing; but ``optimizer_in_backward`` frees
@@ -128,6 +133,7 @@ class AutomaticOptimization:
                 self._backward_in_training_step = True
 
         self._grad_hooks = [p.register_hook(note) for p in params if p.requires_grad]
+        self._freeing_ddp_model = ddp_model
 
     def training_step(self, step: Callable[[], Any]) -> Any:
         """``Strategy.training_step``, refused after it ran a backward that
@@ -158,6 +164,16 @@ class AutomaticOptimization:
         for handle in self._grad_hooks:
             handle.remove()
         self._grad_hooks = []
+        if self._freeing_ddp_model is not None:
+            # optimizer_in_backward frees each local gradient once this DDP model has
+            # taken it: a hook on the parameter's AccumulateGrad node, which stays (it
+            # has no handle) and frees while the model's require_forward_param_sync is
+            # true (overlap/ddp_param_hooks.py). Lightning drops this model now; a later
+            # fit of the same module with another strategy would lose its gradients
+            # (measured: 0.013 off plain DDP), so the flag of the dropped model is
+            # cleared. tests/trainers: "optimizer_in_backward, then strategy='ddp'".
+            self._freeing_ddp_model.require_forward_param_sync = False
+            self._freeing_ddp_model = None
 
     # -- what the strategy calls ----------------------------------------------------
 

@@ -89,7 +89,12 @@ def plain_optimizer(optimizers: Sequence[Any], strategy: str) -> torch.optim.Opt
         torch optimizer, or an optimizer with step hooks (they would run once per
         bucket or parameter).
     """
-    (optimizer,) = optimizers  # Lightning refuses several under automatic optimization
+    if len(optimizers) != 1:  # Lightning refuses several under automatic optimization
+        raise ConfigurationError(
+            f"configure_optimizers returned {len(optimizers)} optimizers; {strategy} steps "
+            "one during backward (a DDP model takes one comm hook): return one."
+        )
+    (optimizer,) = optimizers
     if isinstance(optimizer, LightningOptimizer):
         optimizer = optimizer.optimizer
     if isinstance(optimizer, OptimizerWrapper):

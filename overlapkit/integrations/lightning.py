@@ -67,6 +67,11 @@ _SET_UP: weakref.WeakSet[pl.LightningModule] = weakref.WeakSet()
 _OWN_COMM = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
 
 
+def _install(strategy: pl.strategies.Strategy, optimizer: torch.optim.Optimizer) -> None:
+    """Give ``strategy`` ``optimizer`` (Lightning's setter wraps it for the loop)."""
+    strategy.optimizers = [optimizer]
+
+
 class _StepsInBackward(pl.strategies.Strategy):
     """What both strategies change in a Lightning strategy: checks when a fit is set up,
     the optimizer rebuilt once Lightning has it (:meth:`_replace_optimizer`), and
@@ -120,8 +125,8 @@ class _StepsInBackward(pl.strategies.Strategy):
         self._automatic.attach(overlapped, writes, clipping)
         if self._technique == "optimizer_in_backward" and isinstance(
                 model, DistributedDataParallel):
-            self._automatic.watch_training_step(list(module.parameters()))
-        self.optimizers = [overlapped]
+            self._automatic.watch_training_step(model, list(module.parameters()))
+        _install(self, overlapped)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._automatic.training_step(

@@ -52,6 +52,15 @@ def test_gradient_norms_logged_in_on_before_optimizer_step_are_the_plain_runs(
         assert rank_results["parity"]["overlap_ddp | gradient norms logged"], rank
 
 
+def test_a_plain_fit_of_the_same_module_afterwards_trains_as_a_new_modules(
+        results: list[dict[str, Any]]) -> None:
+    """optimizer_in_backward frees gradients early through hooks left on the parameters;
+    they stop with the overlapkit fit, so a later plain fit is not silently changed."""
+    for rank, rank_results in enumerate(results):
+        assert rank_results["parity"][
+            "optimizer_in_backward | then strategy='ddp' on the same module"], rank
+
+
 #: refused once a step has been taken: a second backward (the first, Lightning's, has
 #: stepped), a hook changing gradients the step used, clipping changed after set-up
 AFTER_A_STEP = [case for case in REFUSALS if "callback changing" in case or "twice" in case
