@@ -81,7 +81,8 @@ class AutomaticOptimization:
     :param technique: ``"overlap_ddp"`` or ``"optimizer_in_backward"``, for messages.
     :param strategy_name: the strategy's class name, for messages.
     :param accumulate_with_no_step: run the backwards of accumulating micro-batches
-        under the optimizer's ``no_step()`` (one device: Lightning blocks no sync there).
+        under the optimizer's ``no_step()`` (one device, where Lightning has no
+        ``no_sync()`` to enter).
     """
 
     def __init__(self, technique: str, strategy_name: str,

@@ -25,6 +25,8 @@ pytestmark = [pytest.mark.cuda,
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root: Path = tmp_path_factory.mktemp("lightning_gpu")
     (result,) = run_distributed(gpu_run, 1, args=(str(root),), timeout=400, backend="nccl")
+    fsdp = result["FSDPStrategy, an overlapkit optimizer returned"]["error"]
+    print("FSDPStrategy:", fsdp and fsdp["message"])  # shown with -rA
     return result
 
 
@@ -40,4 +42,5 @@ def test_fsdp_strategy_with_an_overlapkit_optimizer_is_refused_before_any_change
     result = results["FSDPStrategy, an overlapkit optimizer returned"]
     error = result["error"]
     assert error is not None and error["overlapkit"], error
+    assert "FSDP" in error["message"], error["message"]  # it names what is not supported
     assert result["unchanged"], result["unchanged"]
