@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from overlapkit.errors import ConfigurationError
+from overlapkit.errors import ConfigurationError, OverlapkitError
 from overlapkit.overlap.backward_scope import OUTSIDE
 from overlapkit.overlap.bucket_stepper import BucketStepper
 from overlapkit.overlap.sharded.exchange import ParameterExchange
@@ -66,7 +66,7 @@ class ShardedBucketStepper(BucketStepper):
         self.exchange.poll()  # updates that have arrived land between autograd nodes
         return super().run(bucket)
 
-    def backward_starts(self) -> ConfigurationError | None:
+    def backward_starts(self) -> OverlapkitError | None:
         refused = super().backward_starts()
         if refused is None:
             self.generation += 1
