@@ -11,15 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from sharded_state_ranks import (
-    CASES,
-    CASES_AT_3,
-    READERS,
-    REFUSED_SETUPS,
-    delayed_exchanges,
-    refusals,
-    run_cases,
-)
+from sharded_refusal_ranks import REFUSED_SETUPS, refusals
+from sharded_state_ranks import CASES, CASES_AT_3, READERS, delayed_exchanges, run_cases
 
 from overlapkit.distributed import run_distributed
 
