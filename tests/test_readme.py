@@ -113,5 +113,5 @@ def test_the_training_loop_example_resumes_bitwise(tmp_path: Path) -> None:
 def test_the_changelog_has_the_unreleased_and_the_first_release() -> None:
     changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
     headings = [line for line in changelog.splitlines() if line.startswith("## ")]
-    assert headings[:2] == ["## 0.2.0 (unreleased)", "## 0.1.0"]
+    assert headings[:3] == ["## 0.3.0 (unreleased)", "## 0.2.0 (unreleased)", "## 0.1.0"]
     assert "CHANGELOG.md" in README
