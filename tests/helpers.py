@@ -44,8 +44,10 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def compare(expected: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
             actual: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
-            names: Iterable[str] | None = None) -> Comparison:
-    """Compare tensors pairwise, bitwise; name each that differs (by key, name or index)."""
+            names: Iterable[str] | None = None, *, equal_nan: bool = False) -> Comparison:
+    """Compare tensors pairwise, bitwise; name each that differs (by key, name or index).
+    ``equal_nan``: NaNs in the same places count as equal (upstream PyTorch tests'
+    ``assertEqual`` does so; a diverging run stays comparable)."""
     if isinstance(expected, Mapping) and isinstance(actual, Mapping):
         if expected.keys() != actual.keys():
             return Comparison((f"keys differ: missing {sorted(set(expected) - set(actual))}, "
@@ -63,7 +65,8 @@ def compare(expected: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
     for label, (a, b) in zip(labels, pairs, strict=True):
         if a.shape != b.shape or a.dtype != b.dtype:
             found.append(f"{label}: {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}")
-        elif not torch.equal(a, b):
+        elif not (torch.equal(a, b) or (
+                equal_nan and bool(((a == b) | (a.isnan() & b.isnan())).all()))):
             found.append(f"{label}: max |diff| {_max_abs_diff(a, b):.3g}")
     return Comparison(tuple(found))
 

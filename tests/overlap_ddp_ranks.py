@@ -466,8 +466,8 @@ def _errors(rank: int) -> dict[str, Any]:
     overlapkit.overlap_ddp(registered, torch.optim.SGD, lr=0.1)
     hooked = fresh()
     hooked.register_comm_hook(None, default_hooks.allreduce_hook)
-    frozen = _model()
-    frozen.head.bias.requires_grad_(False)
+    ignored = _model()  # a trainable parameter DDP is told not to reduce
+    DDP._set_params_and_buffers_to_ignore_for_model(ignored, ["head.bias"])
     working = overlapkit.overlap_ddp(fresh(), torch.optim.SGD, lr=0.1)
     stranger = nn.Parameter(torch.zeros(3))
     return {
@@ -483,7 +483,7 @@ def _errors(rank: int) -> dict[str, Any]:
         "params not in model": error_of(lambda: overlapkit.overlap_ddp(
             fresh(), torch.optim.SGD, params=[stranger], lr=0.1)),
         "params not managed": error_of(lambda: overlapkit.overlap_ddp(
-            _ddp(frozen), torch.optim.SGD, params=frozen.parameters(), lr=0.1)),
+            _ddp(ignored), torch.optim.SGD, params=ignored.parameters(), lr=0.1)),
         "bad optimizer argument": error_of(
             lambda: overlapkit.overlap_ddp(fresh(), torch.optim.SGD, lr=-1.0)),
         "bad clip": error_of(lambda: overlapkit.overlap_ddp(

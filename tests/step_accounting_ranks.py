@@ -1,5 +1,6 @@
-"""The rank side of tests/test_step_accounting.py: two backwards with no step() or
-zero_grad() between them, under DDP (2 gloo ranks)."""
+"""The rank side of tests/test_step_accounting.py: gradient accumulation written for a
+plain optimizer (several backwards, then one ``step()``) without ``no_sync()``, under
+DDP on 2 gloo ranks — refused, never silent — and the loops that must not be refused."""
 
 from __future__ import annotations
 
@@ -33,24 +34,76 @@ def _model() -> DDP:
                              nn.Linear(32, 4)), bucket_cap_mb=0.001)
 
 
-def _case(rank: int, make: Callable[[DDP], Any]) -> dict[str, Any]:
+def _backward(ddp: DDP, x: torch.Tensor) -> None:
+    ddp(x).square().mean().backward()
+
+
+def _refused_after_step(rank: int, make: Callable[[DDP], Any]) -> dict[str, Any]:
+    """A loop that has shown it calls step(): a second backward before the next step()
+    is refused before anything steps in it."""
     ddp = _model()
     opt = make(ddp)
-    batches = rank_batches(rank, 4)
-    ddp(batches[0]).square().mean().backward()  # steps
-    after_first = values(ddp.module)
-    error = error_of(lambda: ddp(batches[1]).square().mean().backward())
-    unchanged = compare(after_first, values(ddp.module))
+    batches = rank_batches(rank, 5)
+    _backward(ddp, batches[0])
+    opt.step()
+    opt.zero_grad()
+    _backward(ddp, batches[1])  # steps
+    after = values(ddp.module)
+    error = error_of(lambda: _backward(ddp, batches[2]))
+    unchanged = compare(after, values(ddp.module))
     # the ranks are still in step: a collective right after meets its match
-    dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
-    # a loop that ends each iteration with zero_grad() alone is not refused
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+    opt.step()
     opt.zero_grad()
-    zero_grad_loop = error_of(lambda: ddp(batches[2]).square().mean().backward())
+    _backward(ddp, batches[3])  # the loop goes on
+    return {"error": error, "unchanged": unchanged,
+            "moved after": not compare(after, values(ddp.module))}
+
+
+def _first_window(rank: int, make: Callable[[DDP], Any]) -> dict[str, Any]:
+    """Accumulation from the first iteration on: the loop's shape is unknown until its
+    first step(), which raises."""
+    ddp = _model()
+    opt = make(ddp)
+    batches = rank_batches(rank, 3)
+    _backward(ddp, batches[0])
+    _backward(ddp, batches[1])
+    return {"error": error_of(opt.step)}
+
+
+def _accepted(rank: int, make: Callable[[DDP], Any]) -> dict[str, Any]:
+    """Loops that must not be refused: zero_grad() alone after each backward; a
+    step() and zero_grad() before any backward (set-up code) followed by a
+    backward-only loop; a backward-only loop clearing gradients now and then."""
+    out: dict[str, Any] = {}
+    batches = rank_batches(rank, 6)
+    ddp = _model()
+    opt = make(ddp)
+    out["zero_grad loop"] = error_of(lambda: [(_backward(ddp, x), opt.zero_grad())
+                                              for x in batches])
+    ddp = _model()
+    opt = make(ddp)
     opt.zero_grad()
-    moved = not compare(after_first, values(ddp.module))
-    return {"error": error, "unchanged": unchanged, "zero_grad loop": zero_grad_loop,
-            "moved": moved}
+    opt.step()
+    out["set-up step, then backward only"] = error_of(
+        lambda: [_backward(ddp, x) for x in batches])
+    ddp = _model()
+    opt = make(ddp)
+
+    def occasional_zero_grad() -> None:
+        for index, x in enumerate(batches):
+            _backward(ddp, x)
+            if index % 3 == 2:
+                opt.zero_grad()
+
+    out["backward only, zero_grad every 3"] = error_of(occasional_zero_grad)
+    return out
 
 
 def run(rank: int, world_size: int) -> dict[str, Any]:
-    return {name: _case(rank, make) for name, make in SETUPS.items()}
+    out: dict[str, Any] = {}
+    for name, make in SETUPS.items():
+        out[name] = {"refused": _refused_after_step(rank, make),
+                     "first window": _first_window(rank, make),
+                     "accepted": _accepted(rank, make)}
+    return out

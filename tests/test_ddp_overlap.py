@@ -147,7 +147,8 @@ ERRORS = {
     "own comm hook": ("ConfigurationError", "pass its name as overlap_ddp"),
     "unknown comm hook": ("UnknownNameError", "'allreduce', 'bf16_compress'"),
     "params not in model": ("ConfigurationError", "not a parameter of the DDP model"),
-    "params not managed": ("ConfigurationError", "not managed by DDP"),
+    "params not managed": ("ConfigurationError", "'head.bias' in params is trainable but not "
+                           "reduced by DDP"),
     "bad optimizer argument": ("ConfigurationError", "Fix the optimizer arguments"),
     "bad clip": ("ConfigurationError", "clip_grad_norm must be a positive"),
     "closure": ("ConfigurationError", "takes no closure"),

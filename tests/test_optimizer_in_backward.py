@@ -350,12 +350,6 @@ def _twice() -> None:
     overlapkit.optimizer_in_backward(model, torch.optim.SGD, lr=0.1)
 
 
-def _half_frozen() -> None:
-    model = nn.Linear(2, 2)
-    model.bias.requires_grad_(False)
-    overlapkit.optimizer_in_backward(model, torch.optim.SGD, params=model.parameters(), lr=0.1)
-
-
 def _closure() -> None:
     opt = overlapkit.optimizer_in_backward(nn.Linear(2, 2), torch.optim.SGD, lr=0.1)
     opt.step(lambda: 0.0)
@@ -384,8 +378,6 @@ ERRORS: dict[str, tuple[Callable[[], Any], type[Exception], str]] = {
         lambda: overlapkit.optimizer_in_backward(
             nn.Linear(2, 2), torch.optim.SGD, params=[nn.Parameter(torch.ones(2))], lr=0.1),
         overlapkit.ConfigurationError, "not a parameter of the module"),
-    "params without grad": (_half_frozen, overlapkit.ConfigurationError,
-                            "requires_grad=False"),
     "comm hook on a plain module": (
         lambda: overlapkit.optimizer_in_backward(nn.Linear(2, 2), torch.optim.SGD, lr=0.1,
                                                  comm_hook="fp16_compress"),

@@ -110,8 +110,26 @@ def test_the_training_loop_example_resumes_bitwise(tmp_path: Path) -> None:
     assert differ == []
 
 
-def test_the_changelog_has_the_unreleased_and_the_first_release() -> None:
+def test_the_changelog_has_the_unreleased_and_the_releases_newest_first() -> None:
     changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
     headings = [line for line in changelog.splitlines() if line.startswith("## ")]
-    assert headings[:3] == ["## 0.3.0 (unreleased)", "## 0.2.0 (unreleased)", "## 0.1.0"]
+    assert headings[:3] == ["## 0.3.0 (unreleased)", "## 0.2.0", "## 0.1.0"]
     assert "CHANGELOG.md" in README
+
+
+def test_the_package_version_is_the_changelogs() -> None:
+    """The wheel a clone builds and ``overlapkit --version`` say what the CHANGELOG
+    says: its top section, ``.dev0`` while it is unreleased (0.2 was built as 0.1.0)."""
+    import re
+    import subprocess
+    import sys
+
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    top = re.search(r"^## (\d+\.\d+\.\d+)( \(unreleased\))?$", changelog, re.MULTILINE)
+    assert top is not None
+    expected = top.group(1) + (".dev0" if top.group(2) else "")
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    assert f'\nversion = "{expected}"\n' in pyproject
+    printed = subprocess.run([sys.executable, "-m", "overlapkit", "--version"],
+                             capture_output=True, text=True, timeout=60, check=True)
+    assert printed.stdout.split() == ["overlapkit", expected]

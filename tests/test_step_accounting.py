@@ -1,12 +1,16 @@
-"""Two backwards with no step() or zero_grad() between them — gradient accumulation
-without no_sync(), two losses backpropagated separately — would be two steps of an
-overlapped optimizer where the plain loop takes one (0.033 off plain DDP after 4
-backwards, silently, in 0.1). The second backward is refused: a ConfigurationError on
-every rank that says how to accumulate, nothing stepped in it, the ranks still in step.
+"""Gradient accumulation written for a plain optimizer — several backwards, then one
+``step()`` — without ``no_sync()`` / ``no_step()`` would take one optimizer step per
+backward with an overlapped optimizer, where the plain loop takes one (0.033 off plain
+DDP after 4 backwards in 0.1). It is never silent: the first ``step()`` that ends such a
+window raises, on every rank, and once the loop has shown that it calls ``step()``, a
+second stepping backward before it is refused before anything steps. Loops that never
+call ``step()`` (the backward-only convention) are never refused
+(tests/test_loop_shapes.py trains them bitwise).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -21,26 +25,38 @@ from overlapkit.distributed import run_distributed
 
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, Any]]:
-    return run_distributed(run, 2, timeout=180)
+    return run_distributed(run, 2, timeout=300)
 
 
 @pytest.mark.parametrize("setup", SETUPS)
-def test_a_second_backward_without_step_is_refused_on_every_rank(
+def test_a_second_backward_in_a_loop_that_calls_step_is_refused_on_every_rank(
         results: list[dict[str, Any]], setup: str) -> None:
     for rank_results in results:
-        result = rank_results[setup]
+        result = rank_results[setup]["refused"]
         error = result["error"]
         assert error is not None and error["type"] == "ConfigurationError", error
         assert "no_sync()" in error["message"] and "before optimizer.step()" in error["message"]
         assert result["unchanged"], result["unchanged"]  # nothing stepped in it
+        assert result["moved after"]
 
 
 @pytest.mark.parametrize("setup", SETUPS)
-def test_a_loop_ending_each_iteration_with_zero_grad_is_not_refused(
+def test_accumulation_in_the_first_window_raises_at_its_step_on_every_rank(
         results: list[dict[str, Any]], setup: str) -> None:
     for rank_results in results:
-        assert rank_results[setup]["zero_grad loop"] is None
-        assert rank_results[setup]["moved"]
+        error = rank_results[setup]["first window"]["error"]
+        assert error is not None and error["type"] == "ConfigurationError", error
+        assert "after 2 backwards" in error["message"], error["message"]
+        assert "no_sync()" in error["message"]
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("loop", ["zero_grad loop", "set-up step, then backward only",
+                                  "backward only, zero_grad every 3"])
+def test_loops_that_step_once_per_backward_are_not_refused(
+        results: list[dict[str, Any]], setup: str, loop: str) -> None:
+    for rank_results in results:
+        assert rank_results[setup]["accepted"][loop] is None
 
 
 def _module() -> nn.Module:
@@ -48,19 +64,34 @@ def _module() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
 
 
+def _backward(model: nn.Module) -> None:
+    model(torch.randn(4, 8)).square().mean().backward()
+
+
 @pytest.mark.parametrize("clip", [None, 1.0])
 def test_optimizer_in_backward_on_a_module_refuses_it_too(clip: float | None) -> None:
     model = _module()
     opt = overlapkit.optimizer_in_backward(model, torch.optim.AdamW, lr=0.01,
                                            clip_grad_norm=clip)
-    model(torch.randn(4, 8)).square().mean().backward()
-    after_first = values(model)
+    _backward(model)
+    opt.step()  # the loop calls step()
+    _backward(model)
+    after_second = values(model)
     with pytest.raises(overlapkit.ConfigurationError, match=r"optimizer.no_step\(\)"):
-        model(torch.randn(4, 8)).square().mean().backward()
-    assert compare(after_first, values(model))
+        _backward(model)
+    assert compare(after_second, values(model))
     opt.step()  # the loop goes on as it should
-    model(torch.randn(4, 8)).square().mean().backward()
-    assert not compare(after_first, values(model))
+    _backward(model)
+    assert not compare(after_second, values(model))
+
+
+def test_optimizer_in_backward_on_a_module_raises_at_the_first_accumulation_step() -> None:
+    model = _module()
+    opt = overlapkit.optimizer_in_backward(model, torch.optim.AdamW, lr=0.01)
+    for _ in range(3):
+        _backward(model)
+    with pytest.raises(overlapkit.ConfigurationError, match=r"after 3 backwards.*no_step"):
+        opt.step()
 
 
 def test_accumulating_with_no_step_still_equals_the_plain_loop() -> None:
@@ -83,3 +114,18 @@ def test_accumulating_with_no_step_still_equals_the_plain_loop() -> None:
                 opt.zero_grad()
         runs.append(values(model))
     assert compare(*runs)
+
+
+def test_a_backward_only_loop_with_a_scheduler_gets_no_step_order_warning() -> None:
+    """torch warns at the first ``scheduler.step()`` when ``optimizer.step()`` never
+    ran ("Detected call of `lr_scheduler.step()` before `optimizer.step()`"); the
+    backward that stepped is that step, so torchtune's loop gets no false warning."""
+    model = _module()
+    opt = overlapkit.optimizer_in_backward(model, torch.optim.AdamW, lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            _backward(model)
+            scheduler.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.01 / 8)

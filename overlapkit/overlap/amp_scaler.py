@@ -27,7 +27,7 @@ import torch
 
 from overlapkit.errors import ConfigurationError
 
-__all__ = ["guard_param_groups", "refuse_scaler_step", "scaler_refusal"]
+__all__ = ["guard_param_groups", "hand_inf_check", "refuse_scaler_step", "scaler_refusal"]
 
 _UNSCALE_GRADS = torch.amp.GradScaler._unscale_grads_.__code__
 _UNSCALE = torch.amp.GradScaler.unscale_.__code__
@@ -73,22 +73,29 @@ def guard_param_groups(caller: FrameType | None, technique: str,
 
 
 def refuse_scaler_step(optimizer: torch.optim.Optimizer, technique: str,
-                       grad_scaler: Any | None,
-                       found_inf_per_device: dict[torch.device, torch.Tensor]) -> None:
-    """Called by the facade's ``step()``. When a ``GradScaler`` calls it (it set
-    ``grad_scale``/``found_inf`` on the optimizer, ``_step_supports_amp_scaling``):
-    hand the scaler the inf check of the end of backward, which ``update()`` reads;
-    or, without ``grad_scaler=``, raise (leaving no attribute behind).
+                       grad_scaler: Any | None) -> Any | None:
+    """Called first by the facade's ``step()``: the ``grad_scaler=`` scaler when a
+    ``GradScaler`` is calling it (it set ``grad_scale``/``found_inf`` on the optimizer,
+    ``_step_supports_amp_scaling``), None when no scaler is.
 
-    :raises ConfigurationError: a scaler drives an optimizer built without it.
+    :raises ConfigurationError: a scaler drives an optimizer built without
+        ``grad_scaler=`` (raised leaving no attribute behind).
     """
     attrs = optimizer.__dict__
     if "found_inf" not in attrs and "grad_scale" not in attrs:
-        return
+        return None
     if grad_scaler is None:
         # GradScaler.step deletes them after a step that returns; this one raises
         attrs.pop("found_inf", None)
         attrs.pop("grad_scale", None)
         raise scaler_refusal(technique)
+    return grad_scaler
+
+
+def hand_inf_check(optimizer: torch.optim.Optimizer, grad_scaler: Any,
+                   found_inf_per_device: dict[torch.device, torch.Tensor]) -> None:
+    """Give ``grad_scaler`` the inf check of the step just taken for ``optimizer``,
+    which ``scaler.update()`` reads (it replaces the check ``GradScaler.step`` made on
+    the gradients before calling ``step()``)."""
     state = grad_scaler._per_optimizer_states[id(optimizer)]
     state["found_inf_per_device"] = dict(found_inf_per_device)

@@ -18,8 +18,10 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
+from overlapkit.overlap.backward_scope import NEW, OUTSIDE, BackwardScope
 from overlapkit.overlap.bucket_layout import BucketLayouts, bucket_gradient_views
 from overlapkit.overlap.clipping import GradClipping
+from overlapkit.overlap.ddp_param_hooks import free_local_grads_once_bucketed, refuse_unfrozen
 from overlapkit.overlap.engine import OverlapEngine, StepPlan
 from overlapkit.overlap.global_step import GlobalStep
 from overlapkit.overlap.side_stream import SideStream
@@ -65,12 +67,11 @@ class BucketStepper(StepAccount):
         free_grads: bool = False,
         side_stream: SideStream | None = None,
         global_step: GlobalStep | None = None,
+        full_step: GlobalStep | None = None,
         technique: str = "overlap_ddp",
     ) -> None:
-        super().__init__()
+        super().__init__(technique, "inside `with ddp_model.no_sync():`")
         self.engine = engine
-        #: the function that built it, for messages
-        self.technique = technique
         self.inner_state = inner_state
         self.inner_hook = inner_hook
         self.track_usage = track_usage
@@ -89,13 +90,21 @@ class BucketStepper(StepAccount):
         #: set when steps wait for a global decision (global norm clipping, a
         #: GradScaler): buckets are only reduced, everything steps after finalize
         self.global_step = global_step
+        #: what a step() after backwards that stepped nothing applies (step_rules)
+        self.full_step = full_step
         #: bucket index -> the owned parameters stepped with it, last backward
         self.last_buckets: dict[int, list[torch.Tensor]] = {}
         #: parameters that got a gradient on this rank since the last synced backward
         self.used: set[torch.Tensor] = set()
-        # the autograd graph task whose end our callback is queued for; compared, not
-        # a bool, so a backward that raised before its end does not block the next
-        self._graph_task: int | None = None
+        # which backward a bucket's hook runs in (nested reentrant-checkpointing
+        # backwards belong to the outer one); its end runs _before_finalize
+        self._scope = BackwardScope(self._before_finalize)
+        #: (name, parameter) of the owned parameters DDP does not reduce because they
+        #: were frozen when it was built (set at set-up; see before_forward)
+        self.frozen: list[tuple[str, torch.Tensor]] = []
+        #: the stepped gradients are still in .grad (overlap_ddp keeps them for the
+        #: loop to read): a backward-only loop's next forward clears them
+        self._stepped_grads_kept = False
         #: set by register_bucket_stepper when parameters must free their local
         #: gradient once DDP has copied it (free_local_grads_once_bucketed)
         self.free_after_copy_model: DistributedDataParallel | None = None
@@ -106,24 +115,22 @@ class BucketStepper(StepAccount):
     # -- on the autograd thread -------------------------------------------------
 
     def run(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        task = torch._C._current_graph_task_id()
-        if task == -1:
+        entered = self._scope.enter()
+        if entered == OUTSIDE:
             # No backward: a rank joined under DDP.join() shadows each bucket's
             # reduction with zeros (DistributedDataParallel._match_all_reduce_for_bwd_pass
             # in torch 2.13), where queue_callback would raise "Final callbacks can
             # only be installed during backward pass". Reduce only, step nothing.
             return self.inner_hook(self.inner_state, bucket)
-        if task != self._graph_task:
-            self._graph_task = task
+        if entered == NEW:
             # buckets of a backward that raised before its end are not stepped
             self._pending.clear()
-            # a second stepping backward with no step() in between is refused: nothing
-            # is stepped in it, every bucket is still reduced (step_accounting)
-            self._step_error = self.backward_starts(
-                self.technique, "inside `with ddp_model.no_sync():`")
-            # DDP queues its own finalize after the last bucket's hook; a callback
-            # queued from ours (queued now, so it runs first) lands after it.
-            Variable._execution_engine.queue_callback(self._before_finalize)
+            # a second stepping backward with no step() in between, in a loop that
+            # calls step(), is refused: nothing is stepped in it, every bucket is still
+            # reduced (step_accounting). The scope queued _before_finalize for its end:
+            # DDP queues its own finalize after the last bucket's hook, so ours (queued
+            # now) runs first.
+            self._step_error = self.backward_starts()
         future = self.inner_hook(self.inner_state, bucket)
         if self.global_step is not None:
             return future  # reduced now, stepped with every other after finalize
@@ -156,7 +163,6 @@ class BucketStepper(StepAccount):
             self.side_stream.join()
 
     def _after_backward(self) -> None:
-        self._graph_task = None
         model = self.model_before_rebuild
         if model is not None:
             # DDP rebuilds its buckets at the next forward, allocating the new ones
@@ -176,8 +182,9 @@ class BucketStepper(StepAccount):
             # step() runs after backward). Buckets after the failing one were not
             # stepped; their gradients are kept.
             self.used.clear()
-            self.awaiting_step = False  # the loop learns of it here, not at step()
+            self.backward_refused()  # the loop learns of it here, not at step()
             raise error
+        self._stepped_grads_kept = not self.free_grads
         if self.global_step is not None:
             self._step_globally()
             return
@@ -213,13 +220,38 @@ class BucketStepper(StepAccount):
     def register(self, params: Iterable[torch.Tensor]) -> None:
         """Hook ``params`` (the engine's, at set-up or added later by
         ``add_param_group``): usage tracking and the early freeing of local
-        gradients, where this stepper needs them."""
-        params = list(params)
+        gradients, where this stepper needs them. Frozen ones (``requires_grad=False``,
+        never reduced by DDP) get no hook: see :meth:`before_forward`."""
+        params = [p for p in params if p.requires_grad]
         if self.track_usage:
             for param in params:
                 param.register_post_accumulate_grad_hook(self.note_used)
         if self.free_after_copy_model is not None:
-            self.free_local_grads_once_bucketed(self.free_after_copy_model, params)
+            free_local_grads_once_bucketed(self.free_after_copy_model, params)
+
+    def before_forward(self) -> None:
+        """Run before each forward of the DDP model (a forward pre-hook, registered
+        where needed):
+
+        - join a side stream whose end-of-backward join did not run (a backward that
+          raised);
+        - refuse a frozen parameter of ``params`` that has been unfrozen: DDP decides
+          at construction which parameters it reduces, so it never reduces that one's
+          gradient and no bucket steps it — where the plain loop would step it on this
+          rank's local gradient;
+        - in a loop that has not called ``step()`` or ``zero_grad()`` after its last
+          stepping backward (the backward-only loops of
+          :mod:`~overlapkit.overlap.step_accounting`), clear the gradients that
+          backward stepped, as the plain loop's ``zero_grad()`` would: the next backward
+          would accumulate onto them, and DDP would reduce the sum.
+        """
+        self.synchronize()
+        if self.frozen:
+            refuse_unfrozen(self.frozen, self.technique)
+        if self._stepped_grads_kept:
+            self._stepped_grads_kept = False
+            if self.window and not self.calls_step:
+                self.engine.zero_grad(set_to_none=True)
 
     def note_used(self, param: torch.Tensor) -> None:
         # Autograd calls post-accumulate-grad hooks with .grad None for a parameter
@@ -229,35 +261,6 @@ class BucketStepper(StepAccount):
         # "used" here either (measured on torch 2.13).
         if param.grad is not None:
             self.used.add(param)
-
-    def free_local_grads_once_bucketed(self, model: DistributedDataParallel,
-                                       params: Iterable[torch.Tensor]) -> None:
-        """With ``gradient_as_bucket_view=False``: set each parameter's local ``.grad``
-        to None as soon as DDP has copied it into its bucket, instead of when the
-        bucket is stepped, so at most one local gradient is alive at a time.
-
-        A post hook on the parameter's ``AccumulateGrad`` node, registered after the
-        one DDP's reducer registered when the model was built, runs right after that
-        copy (post hooks run in registration order). Not in backwards DDP does not
-        reduce (``no_sync()``: DDP copies nothing and the gradients accumulate), and
-        not with ``static_graph`` (its first backward copies every gradient into the
-        buckets only at the end).
-        """
-
-        def make_hook(param: torch.Tensor) -> Any:
-            def free_after_ddp_copied(grad_inputs: Any, grad_outputs: Any) -> None:
-                if model.require_forward_param_sync and not model.static_graph:
-                    param.grad = None
-
-            return free_after_ddp_copied
-
-        for param in params:
-            # the node autograd accumulates into, the one DDP's reducer holds
-            view_node = param.view_as(param).grad_fn
-            assert view_node is not None  # DDP manages only parameters that need grad
-            accumulator = view_node.next_functions[0][0]
-            assert accumulator is not None
-            accumulator.register_hook(make_hook(param))
 
     # -- on the autograd thread or a gloo worker thread ------------------------
 

@@ -93,7 +93,8 @@ def overlap_ddp(
         ``**optim_kwargs`` are passed to it as to the plain optimizer.
     :param params: the parameters (or param-group dicts) to optimise; default: every
         parameter DDP manages. The others in a bucket are left alone, for another
-        optimizer stepped after backward.
+        optimizer stepped after backward. Frozen parameters are accepted (never
+        stepped, no state), as torch's optimizers accept them.
     :param comm_hook: a registered comm hook (``overlapkit plugins`` lists them).
     :param comm_hook_options: keyword options for the comm hook's builder.
     :param step_thread: ``"backward"`` (default): each bucket whose reduction has
@@ -125,7 +126,7 @@ def overlap_ddp(
     :raises UnknownNameError: no comm hook is called ``comm_hook``.
     :raises ConfigurationError: a second call on one model, a comm hook already
         registered, ``params`` not managed by the model, bad optimizer arguments,
-        ``clip_grad_norm`` on a model with ``find_unused_parameters`` or
+        ``clip_grad_norm_scope="bucket"`` on a model with ``find_unused_parameters`` or
         ``static_graph``.
     """
     model = check_ddp_model(ddp_model, TECHNIQUE)

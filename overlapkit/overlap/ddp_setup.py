@@ -17,7 +17,7 @@ from overlapkit.errors import ConfigurationError, UnsupportedModelError
 from overlapkit.overlap.bucket_stepper import BucketStepper, overlapped_comm_hook
 from overlapkit.overlap.clipping import GradClipping
 from overlapkit.overlap.engine import OverlapEngine
-from overlapkit.overlap.global_step import GlobalStep, check_grad_scaler
+from overlapkit.overlap.global_step import check_grad_scaler, model_order, step_rules
 from overlapkit.overlap.setup import (
     build_engine,
     check_params_belong,
@@ -45,7 +45,10 @@ def ddp_params(model: DistributedDataParallel) -> list[torch.nn.Parameter]:
 
 
 def check_params_in_ddp_model(model: DistributedDataParallel, params: Iterable[Any]) -> None:
-    """:raises ConfigurationError: an item of ``params`` is not a parameter DDP reduces."""
+    """:raises ConfigurationError: an item of ``params`` is not a parameter of the model,
+    or a trainable one DDP does not reduce. Frozen parameters (``requires_grad=False``)
+    are accepted, as torch's optimizers accept them: they never get a gradient, so they
+    are never stepped and have no state."""
     managed = {id(p) for p in ddp_params(model)}
     in_model = {id(p): name for name, p in model.module.named_parameters()}
     for param in check_params_belong(
@@ -53,11 +56,13 @@ def check_params_in_ddp_model(model: DistributedDataParallel, params: Iterable[A
         unknown="so no bucket ever holds its gradient; pass only the model's parameters "
         "(ddp_model.parameters()), and step others with a plain optimizer.",
     ):
-        if id(param) not in managed:
+        if id(param) not in managed and param.requires_grad:
             raise ConfigurationError(
-                f"a parameter of shape {tuple(param.shape)} in params is not managed by "
-                "DDP (requires_grad=False, or in DDP's parameters to ignore), so it "
-                "never gets a reduced gradient; leave it out of params."
+                f"parameter {in_model[id(param)]!r} in params is trainable but not "
+                "reduced by DDP (in DDP's parameters to ignore, or frozen when "
+                "DistributedDataParallel was built and unfrozen since), so no bucket ever "
+                "holds its gradient and it would never be stepped; leave it out of params "
+                "(step it with a plain optimizer), or unfreeze it before building DDP."
             )
 
 
@@ -158,6 +163,10 @@ def register_bucket_stepper(
     if stepper.free_grads and not model.gradient_as_bucket_view:
         stepper.free_after_copy_model = model
     stepper.register(engine.parameters())
+    managed = {id(p) for p in ddp_params(model)}
+    names = {id(p): name for name, p in model.module.named_parameters()}
+    stepper.frozen = [(names[id(p)], p) for p in engine.parameters()
+                      if id(p) not in managed]
     return stepper
 
 
@@ -197,12 +206,12 @@ def set_up_on_ddp(
     check_unclaimed(owned, technique)
     if with_side_stream:
         stepper_options["side_stream"] = SideStream(owned)
-    if GlobalStep.needed(clipping, grad_scaler):
-        stepper_options["global_step"] = GlobalStep(clipping, grad_scaler)
+    stepper_options["global_step"], stepper_options["full_step"] = step_rules(
+        clipping, grad_scaler, order=model_order(model.module.parameters()))
     stepper = register_bucket_stepper(model, engine, hook_spec, hook_options, technique,
                                       clipping=clipping, **stepper_options)
-    if stepper.side_stream is not None and stepper.side_stream.active:
-        # the next forward reads the parameters: join a backward that raised
-        model.register_forward_pre_hook(lambda module, args: stepper.synchronize())
+    if ((stepper.side_stream is not None and stepper.side_stream.active)
+            or not stepper.free_grads or stepper.frozen):
+        model.register_forward_pre_hook(lambda module, args: stepper.before_forward())
     claim_params(owned, technique)
     return engine, stepper

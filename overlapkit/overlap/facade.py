@@ -19,7 +19,11 @@ import torch
 
 from overlapkit.errors import ConfigurationError
 from overlapkit.optimizer_wrapper import OptimizerWrapper
-from overlapkit.overlap.amp_scaler import guard_param_groups, refuse_scaler_step
+from overlapkit.overlap.amp_scaler import (
+    guard_param_groups,
+    hand_inf_check,
+    refuse_scaler_step,
+)
 from overlapkit.overlap.engine import OverlapEngine
 from overlapkit.overlap.global_step import GlobalStep
 from overlapkit.overlap.setup import (
@@ -33,14 +37,16 @@ __all__ = ["BackwardSteps", "OverlappedOptimizerFacade"]
 
 
 class BackwardSteps(Protocol):
-    """What steps during backward: it sets ``stepped_since_step`` when a backward
-    has stepped, and the facade's ``step()`` clears it; ``register(params)`` hooks
-    parameters added later (``add_param_group``)."""
+    """What steps during backward (a :class:`~overlapkit.overlap.step_accounting.StepAccount`):
+    the facade reports ``step()`` and ``zero_grad()`` calls to it; ``register(params)``
+    hooks parameters added later (``add_param_group``)."""
 
-    stepped_since_step: bool
+    #: any backward has stepped
+    has_stepped: bool
 
-    #: set when a backward has stepped; ``step()`` and ``zero_grad()`` clear it
-    awaiting_step: bool
+    def step_called(self) -> bool: ...
+
+    def zero_grad_called(self) -> None: ...
 
     def register(self, params: Iterable[torch.Tensor]) -> None: ...
 
@@ -48,6 +54,10 @@ class BackwardSteps(Protocol):
 
     #: what waits for the end of backward (global clipping, a GradScaler), or None
     global_step: GlobalStep | None
+
+    #: what a step() with no stepping backward since the last applies (clipping, a
+    #: GradScaler's unscale and inf check), or None for the optimizer's plain step()
+    full_step: GlobalStep | None
 
 
 class OverlappedOptimizerFacade(OptimizerWrapper):
@@ -100,31 +110,42 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
     #: ``torch.amp.GradScaler.step`` hands an optimizer with this flag the scale and
     #: the inf check as attributes (``grad_scale``, ``found_inf``) and calls its
     #: ``step()`` directly, instead of unscaling its gradients itself: so ``step()``
-    #: sees that a GradScaler drives it (see :meth:`_refuse_grad_scaler`).
+    #: sees that a GradScaler drives it (see :meth:`_scaler_driving`).
     _step_supports_amp_scaling = True
 
-    def _refuse_grad_scaler(self) -> None:
-        """Raise if a ``GradScaler`` that was not passed as ``grad_scaler=`` called
-        :meth:`step`; report the inf check to the one that was
-        (:func:`~overlapkit.overlap.amp_scaler.refuse_scaler_step`).
+    def _scaler_driving(self) -> Any | None:
+        """The ``grad_scaler=`` scaler when a ``GradScaler`` is calling :meth:`step`
+        (it set ``grad_scale``/``found_inf`` on the optimizer,
+        ``_step_supports_amp_scaling``), else None.
 
-        Without it the steps were taken during backward, on the gradients the scaler
-        had *scaled* (and with no inf check); unscaling them now changes nothing, so
-        the result would be silently wrong (measured: 1.7e15 off plain DDP after 3
-        steps).
+        :raises ConfigurationError: a scaler drives an optimizer built without
+            ``grad_scaler=``: its steps were taken during backward on the *scaled*
+            gradients, with no inf check, and unscaling them now changes nothing
+            (measured: 1.7e15 off plain DDP after 3 steps)
+            (:func:`~overlapkit.overlap.amp_scaler.refuse_scaler_step`).
         """
-        global_step = self._steps.global_step
-        scaler = None if global_step is None else global_step.grad_scaler
-        refuse_scaler_step(self, self._technique, scaler,
-                           {} if global_step is None else global_step.found_inf_per_device)
+        rule = self._steps.full_step
+        return refuse_scaler_step(self, self._technique,
+                                  None if rule is None else rule.grad_scaler)
+
+    @property
+    def _opt_called(self) -> bool:
+        """What an LR scheduler reads at its first ``step()`` to warn that
+        ``optimizer.step()`` never ran: true once a backward has stepped too, so the
+        backward-only loops (no ``optimizer.step()`` at all) get no false warning."""
+        return bool(self.__dict__.get("_opt_called_by_step")) or self._steps.has_stepped
+
+    @_opt_called.setter
+    def _opt_called(self, value: bool) -> None:
+        self.__dict__["_opt_called_by_step"] = value
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """The real optimizer's groups. ``GradScaler.unscale_`` reading them is refused
         (:func:`~overlapkit.overlap.amp_scaler.guard_param_groups`)."""
-        global_step = self._steps.global_step
+        rule = self._steps.full_step
         guard_param_groups(sys._getframe(1), self._technique,
-                           None if global_step is None else global_step.grad_scaler)
+                           None if rule is None else rule.grad_scaler)
         return self._wrapped.param_groups
 
     @param_groups.setter
@@ -146,28 +167,48 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         """Nothing to do after a backward that stepped: its parameters were stepped
         as their gradients arrived. Otherwise (no stepping backward since the last
-        ``step()``) an ordinary step of every parameter with a gradient, as the
-        plain optimizer would take.
+        ``step()``: only ``no_sync()``/``no_step()`` backwards, or ``.grad`` set by
+        hand) an ordinary step of every parameter with a gradient, as the plain
+        optimizer would take, with the same clipping and loss-scaler rules as the steps
+        in backward (:func:`~overlapkit.overlap.global_step.step_rules`).
 
-        :raises ConfigurationError: a closure was passed, or a ``GradScaler`` calls it.
+        :raises ConfigurationError: a closure was passed; a ``GradScaler`` that was
+            not passed as ``grad_scaler=`` calls it; it ends a window of several
+            stepping backwards (gradient accumulation without ``no_sync()`` /
+            ``no_step()``, :mod:`overlapkit.overlap.step_accounting`).
         """
-        self._refuse_grad_scaler()
-        self.synchronize()
         if closure is not None:
             raise ConfigurationError(
                 f"{self._technique} steps during backward, so step() takes no closure; "
                 "call loss.backward() yourself and then step() (or nothing)."
             )
-        self._steps.awaiting_step = False
-        if self._steps.stepped_since_step:
-            self._steps.stepped_since_step = False
-            return
-        self._engine.step()
+        scaler = self._scaler_driving()
+        self.synchronize()
+        steps = self._steps
+        try:
+            stepped = steps.step_called()
+        except ConfigurationError:
+            for name in ("found_inf", "grad_scale"):  # as GradScaler.step would
+                self.__dict__.pop(name, None)
+            raise
+        if stepped:
+            rule = steps.global_step
+        else:
+            rule = steps.full_step
+            if rule is None:
+                self._engine.step()
+            else:
+                with self._engine.lock:
+                    rule.step(self._engine, self._engine.parameters())
+        if scaler is not None and rule is not None:
+            # the inf check of this step, handed over once: a later step() hands its own
+            hand_inf_check(self, scaler, rule.found_inf_per_device)
+            rule.found_inf_per_device = {}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The real optimizer's ``zero_grad``. Also ends the optimizer iteration: the
         next backward may step (see :mod:`overlapkit.overlap.step_accounting`)."""
-        self._steps.awaiting_step = False
+        self._steps.zero_grad_called()
         self.synchronize()
         self._engine.zero_grad(set_to_none=set_to_none)
 

@@ -33,7 +33,7 @@ from overlapkit.overlap.ddp_setup import (
 )
 from overlapkit.overlap.engine import OverlapEngine
 from overlapkit.overlap.facade import BackwardSteps, OverlappedOptimizerFacade
-from overlapkit.overlap.global_step import GlobalStep, check_grad_scaler
+from overlapkit.overlap.global_step import check_grad_scaler, model_order, step_rules
 from overlapkit.overlap.param_stepper import ParamStepper
 from overlapkit.overlap.setup import (
     build_engine,
@@ -127,18 +127,16 @@ def _model_kind(module: Any) -> str:
 
 
 def _check_params_in_module(module: torch.nn.Module, params: Iterable[Any]) -> None:
+    """:raises ConfigurationError: an item of ``params`` is not a parameter of
+    ``module``, or is listed twice. Frozen parameters are accepted, as torch's
+    optimizers accept them (never stepped, no state; hooked if unfrozen later)."""
     in_module = {id(p): name for name, p in module.named_parameters()}
-    for param in check_params_belong(
+    check_params_belong(
         params, in_module, owner="the module", example="module.parameters()",
         unknown=f"so {TECHNIQUE} has no hook on it; pass only the module's parameters "
         "(for FSDP2: the sharded ones, module.parameters() after fully_shard), and step "
         "others with a plain optimizer.",
-    ):
-        if not param.requires_grad:
-            raise ConfigurationError(
-                f"a parameter of shape {tuple(param.shape)} in params has "
-                "requires_grad=False, so it never gets a gradient; leave it out of params."
-            )
+    )
 
 
 def _side_stream(params: list[torch.Tensor]) -> SideStream:
@@ -178,7 +176,10 @@ def optimizer_in_backward(
         ``**optim_kwargs`` are passed to it as to the plain optimizer.
     :param params: the parameters (or param-group dicts) to optimise; default: every
         trainable parameter (for DDP: every parameter DDP manages). Others keep
-        their gradients, for another optimizer stepped after backward.
+        their gradients, for another optimizer stepped after backward. Frozen
+        parameters are accepted (never stepped, no state), as torch's optimizers
+        accept them; one unfrozen later is stepped from the next forward's backward on
+        (plain module, FSDP2) or refused at that forward (DDP).
     :param comm_hook: DDP only: a registered comm hook, run before each bucket's step.
     :param comm_hook_options: DDP only: keyword options for the comm hook's builder.
     :param clip_grad_value: clamp each gradient to ``[-v, v]`` before its step
@@ -206,8 +207,8 @@ def optimizer_in_backward(
     :raises ConfigurationError: no trainable parameters, a second call for the same
         parameters, mixing with ``overlap_ddp``, ``params`` not in the model, a comm
         hook for a model that is not DDP, bad optimizer or clipping arguments,
-        ``clip_grad_norm`` on a DDP model with ``find_unused_parameters`` or
-        ``static_graph``.
+        ``clip_grad_norm_scope="bucket"`` on a DDP model with
+        ``find_unused_parameters`` or ``static_graph``.
     """
     kind = _model_kind(module)
     ddp_model = check_ddp_model(module, TECHNIQUE) if kind == "ddp" else None
@@ -241,10 +242,10 @@ def optimizer_in_backward(
     engine = build_engine(overlapped_cls, optim_cls, params, args, optim_kwargs, TECHNIQUE)
     owned = engine.parameters()
     check_unclaimed(owned, TECHNIQUE)
-    global_step = (GlobalStep(clipping, grad_scaler, sharded=kind == "fsdp2")
-                   if GlobalStep.needed(clipping, grad_scaler) else None)
+    global_step, full_step = step_rules(clipping, grad_scaler, sharded=kind == "fsdp2",
+                                       order=model_order(module.parameters()))
     stepper = ParamStepper(engine, clipping=clipping, side_stream=_side_stream(owned),
-                           global_step=global_step)
+                           global_step=global_step, full_step=full_step)
     stepper.register(owned)
     if kind == "module":
         stepper.handles.append(module.register_forward_pre_hook(_refuse_inside_ddp))
@@ -252,6 +253,11 @@ def optimizer_in_backward(
         anchors = [(names[id(p)], p) for p in (owned[0], owned[-1])]
         stepper.handles.append(module.register_forward_pre_hook(
             lambda module, args: _refuse_replaced_parameters(module, anchors)))
+    if stepper.frozen:
+        # a frozen parameter unfrozen later is hooked before the forward that builds
+        # the graph its gradient comes from: stepped from that backward on
+        stepper.handles.append(module.register_forward_pre_hook(
+            lambda module, args: stepper.hook_unfrozen()))
     if stepper.side_stream.active:
         # the next forward (FSDP2: its all-gather) reads the parameters: join a
         # backward that raised, whose end-of-backward join did not run

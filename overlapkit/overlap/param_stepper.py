@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
+from overlapkit.overlap.backward_scope import NEW, OUTSIDE, BackwardScope
 from overlapkit.overlap.clipping import GradClipping
 from overlapkit.overlap.engine import OverlapEngine, StepPlan
 from overlapkit.overlap.global_step import GlobalStep
@@ -41,12 +41,15 @@ class ParamStepper(StepAccount):
     """
 
     def __init__(self, engine: OverlapEngine, *, clipping: GradClipping,
-                 side_stream: SideStream, global_step: GlobalStep | None = None) -> None:
-        super().__init__()
+                 side_stream: SideStream, global_step: GlobalStep | None = None,
+                 full_step: GlobalStep | None = None) -> None:
+        super().__init__("optimizer_in_backward", "inside `with optimizer.no_step():`")
         self.engine = engine
         #: set when steps wait for a global decision (global norm clipping, a
         #: GradScaler): gradients are kept, everything steps at the end of backward
         self.global_step = global_step
+        #: what a step() after backwards that stepped nothing applies (step_rules)
+        self.full_step = full_step
         self.clipping = clipping
         self.side_stream = side_stream
         # read per parameter: worked out once (a CPU run has no side stream)
@@ -56,16 +59,33 @@ class ParamStepper(StepAccount):
         #: while true, gradients accumulate and nothing is stepped (no_step())
         self.paused = False
         self.handles: list[RemovableHandle] = []
-        # the autograd graph task whose end our callback is queued for; compared, not
-        # a bool, so a backward that raised before its end does not block the next
-        self._graph_task: int | None = None
+        # which backward a hook runs in (nested reentrant-checkpointing backwards
+        # belong to the outer one); its end runs _after_backward
+        self._scope = BackwardScope(self._after_backward)
+        #: owned parameters that had requires_grad=False at set-up (no hook yet):
+        #: hooked at the next forward if unfrozen since (see :meth:`hook_unfrozen`)
+        self.frozen: list[torch.Tensor] = []
         #: the first error a step raised during this backward; raised when it ends
         self._step_error: BaseException | None = None
 
     def register(self, params: Iterable[torch.Tensor]) -> None:
-        """Add the hook to each of ``params``."""
+        """Add the hook to each of ``params``; frozen ones (``requires_grad=False``,
+        where torch refuses a hook) are kept aside until they are unfrozen."""
         for param in params:
-            self.handles.append(param.register_post_accumulate_grad_hook(self._on_grad))
+            if param.requires_grad:
+                self.handles.append(param.register_post_accumulate_grad_hook(self._on_grad))
+            else:
+                self.frozen.append(param)
+
+    def hook_unfrozen(self) -> None:
+        """Hook the frozen parameters that have been unfrozen since; called before each
+        forward of the model while any is frozen, so the forward about to build the
+        graph already sees the hook: the unfrozen parameter is stepped from this
+        backward on, exactly as the plain optimizer (which holds it too) would step it."""
+        unfrozen = [p for p in self.frozen if p.requires_grad]
+        if unfrozen:
+            self.frozen = [p for p in self.frozen if not p.requires_grad]
+            self.register(unfrozen)
 
     def remove(self) -> None:
         """Remove every hook: from now on, nothing steps during backward."""
@@ -79,11 +99,20 @@ class ParamStepper(StepAccount):
             # not owned: removed from the optimizer (load_state_dict, param_groups
             # edited); its gradient is left alone
             return
-        queued = self._queue_end_of_backward()
-        if queued and self._step_error is not None:
+        entered = self._scope.enter()
+        if entered == NEW:
+            # a second stepping backward with no step() in between, in a loop that
+            # calls step(), is refused: nothing is stepped in it (step_accounting); on
+            # FSDP2 every reduce-scatter still runs
+            self._step_error = self.backward_starts()
+        in_backward = entered != OUTSIDE
+        if in_backward and self._step_error is not None:
             return  # a step of this backward raised: the rest keep their gradients
-        if self.global_step is not None and queued:
+        if self.global_step is not None and in_backward:
             return  # stepped with every other gradient at the end of backward
+        if not in_backward:
+            # outside autograd (a hook called by hand): one step, finished here
+            self.stepped_since_step = self.has_stepped = True
         try:
             plan = self._plan_of(param)
             if self._inline:
@@ -92,7 +121,7 @@ class ParamStepper(StepAccount):
                 with self.side_stream.running(plan.params, freed=(grad,)):
                     self._step(plan)
         except Exception as error:
-            if not queued:
+            if not in_backward:
                 raise
             # Held until backward ends, as the bucket stepper does: on FSDP2 this
             # hook runs between reduce-scatters, and raising here would stop this
@@ -101,7 +130,7 @@ class ParamStepper(StepAccount):
             return
         param.grad = None
         del grad
-        if not queued:
+        if not in_backward:
             self._after_backward()
 
     def _plan_of(self, param: torch.Tensor) -> StepPlan:
@@ -116,31 +145,11 @@ class ParamStepper(StepAccount):
             self.clipping.apply(plan.params)
         self.engine.step_plan(plan)
 
-    def _queue_end_of_backward(self) -> bool:
-        """Make sure :meth:`_after_backward` runs at the end of the current backward;
-        False when the hook was called outside autograd (then the caller finishes
-        this step on its own)."""
-        task = torch._C._current_graph_task_id()
-        if task == -1:
-            # outside autograd, where queue_callback raises "Final callbacks can
-            # only be installed during backward pass"
-            self.stepped_since_step = True
-            return False
-        if task != self._graph_task:
-            self._graph_task = task
-            # a second stepping backward with no step() in between is refused: nothing
-            # is stepped in it (step_accounting); on FSDP2 every reduce-scatter still runs
-            self._step_error = self.backward_starts(
-                "optimizer_in_backward", "inside `with optimizer.no_step():`")
-            Variable._execution_engine.queue_callback(self._after_backward)
-        return True
-
     def synchronize(self) -> None:
         """Make the compute stream wait for every step enqueued so far (no-op inline)."""
         self.side_stream.join()
 
     def _after_backward(self) -> None:
-        self._graph_task = None
         error, self._step_error = self._step_error, None
         if error is None and self.global_step is not None:
             owned = self.engine.parameters()
@@ -150,5 +159,5 @@ class ParamStepper(StepAccount):
                 param.grad = None
         self.side_stream.join()
         if error is not None:
-            self.awaiting_step = False  # the loop learns of it here, not at step()
+            self.backward_refused()  # the loop learns of it here, not at step()
             raise error

@@ -1,28 +1,49 @@
-"""One optimizer step per backward: the check that a loop ends each optimizer iteration
-(``step()`` or ``zero_grad()``) before the next stepping backward.
+"""One optimizer step per iteration of the user's loop, whatever shape the loop has.
 
-Plain training steps once per ``optimizer.step()``, however many backwards ran before it
-(gradients accumulate). An overlapped optimizer steps *during* backward, so a loop that
-runs two backwards before one ``step()`` — gradient accumulation without ``no_sync()``,
-two losses backpropagated separately — would take two steps where the plain loop takes
-one, silently (measured on 0.1: Adam 0.033 off plain DDP after 4 backwards and 2
-``step()`` calls). The steppers therefore refuse a backward that starts while the
-previous stepping backward has not been followed by ``step()`` or ``zero_grad()`` (after
-``zero_grad()`` no gradient is left to accumulate into): nothing is stepped in it, every
-bucket is still reduced (the ranks stay in step), and the error below is raised when it
-ends, on every rank. Backwards inside ``no_sync()`` / ``no_step()`` step nothing and
-are not counted.
+An overlapped optimizer steps *during* backward, so each backward that reaches it (not
+inside ``no_sync()`` / ``no_step()``) is one optimizer step. The loops people write
+around such an optimizer come in three shapes, all trained exactly as the plain loop
+(backward, ``step()``, ``zero_grad()`` each iteration):
+
+- **backward only** — PyTorch's tutorial on fusing the step into backward, PyTorch's own
+  tests of ``DDP._register_fused_optim`` and ``_apply_optimizer_in_backward``: the loop
+  never calls ``step()``;
+- **backward, then** ``lr_scheduler.step()`` — torchtune's recipes with
+  ``optimizer_in_bwd=True``: no ``step()``, no ``zero_grad()``;
+- **backward,** ``step()``, ``zero_grad()`` — torchtitan, every plain loop.
+
+What must never pass silently is gradient accumulation written for a plain optimizer
+— K backwards, then one ``step()`` — without ``no_sync()`` / ``no_step()``: the
+overlapped optimizer takes K steps where the plain loop takes one (measured on 0.1:
+Adam 0.033 off plain DDP after 4 backwards and 2 ``step()`` calls). A loop's shape is
+known only from what it calls, so :class:`StepAccount` learns it:
+
+- until the loop has called ``step()`` or ``zero_grad()`` right after a stepping
+  backward, it may be a backward-only loop, and every backward steps. The first
+  ``step()`` that ends a window of more than one stepping backward raises
+  :func:`accumulation_error` (on every rank: every rank calls it after the same
+  backwards) — the first accumulation window is where such a loop shows itself;
+- once it has (``calls_step``), a second stepping backward before the next ``step()``
+  or ``zero_grad()`` is refused before anything steps in it
+  (:func:`backward_without_step_error`): nothing is stepped, every DDP bucket is still
+  reduced (the ranks stay in step) and the error is raised when it ends, on every rank.
+
+A ``step()`` or ``zero_grad()`` that does not follow a stepping backward (set-up code
+creating optimizer state, a first ``zero_grad()`` before the loop) says nothing about
+the loop. A ``zero_grad()`` after several stepping backwards (with no ``step()``) is a
+backward-only loop clearing gradients now and then, and is accepted.
 """
 
 from __future__ import annotations
 
 from overlapkit.errors import ConfigurationError
 
-__all__ = ["StepAccount", "backward_without_step_error"]
+__all__ = ["StepAccount", "accumulation_error", "backward_without_step_error"]
 
 
 def backward_without_step_error(technique: str, accumulate: str) -> ConfigurationError:
-    """The error of a backward that follows a stepping backward with no ``step()``.
+    """The error of a stepping backward that follows another with no ``step()`` or
+    ``zero_grad()`` between them, in a loop that calls them.
 
     :param technique: ``"overlap_ddp"`` or ``"optimizer_in_backward"``.
     :param accumulate: how to accumulate with this model, e.g.
@@ -31,32 +52,84 @@ def backward_without_step_error(technique: str, accumulate: str) -> Configuratio
     return ConfigurationError(
         "backward() ran again before optimizer.step() or zero_grad() was called for the "
         f"previous backward, which already stepped the parameters: {technique} steps during "
-        "backward, so every backward is one optimizer step, and a second one would be "
-        "a step the plain loop never takes. Nothing was stepped in this backward. To "
-        "accumulate gradients "
-        f"over several backwards, run all but the last {accumulate}; otherwise call "
+        "backward, so every backward is one optimizer step, and this loop calls step() "
+        "after its backwards, where a second backward would be a step the plain loop "
+        "never takes. Nothing was stepped in this backward. To accumulate gradients over "
+        f"several backwards, run all but the last {accumulate}; otherwise call "
         "optimizer.step() (a no-op) or zero_grad() after every backward."
     )
 
 
+def accumulation_error(technique: str, accumulate: str, backwards: int) -> ConfigurationError:
+    """The error of a ``step()`` that ends a window of ``backwards`` (> 1) stepping
+    backwards: gradient accumulation written for a plain optimizer."""
+    return ConfigurationError(
+        f"optimizer.step() was called after {backwards} backwards that each stepped the "
+        f"parameters: {technique} steps during backward, so this took {backwards} optimizer "
+        "steps where the plain loop (gradient accumulation, then one step()) takes one. "
+        f"To accumulate gradients over several backwards, run all but the last {accumulate} "
+        "(they then step nothing, and the last backward steps the sum, exactly as the "
+        "plain step() would). The parameters have already taken those steps: restart from "
+        "the last checkpoint after fixing the loop."
+    )
+
+
 class StepAccount:
-    """What a stepper counts of the backwards that stepped, for the optimizer it steps
-    (the facade reads and clears both flags). The bucket and parameter steppers
-    derive from it."""
+    """What a stepper counts of the backwards that stepped, for the optimizer it steps.
 
-    def __init__(self) -> None:
-        #: set when a backward has stepped; the optimizer's ``step()`` clears it (and
-        #: is then a no-op)
+    The bucket and parameter steppers derive from it; the facade's ``step()`` and
+    ``zero_grad()`` report to it (:meth:`step_called`, :meth:`zero_grad_called`).
+
+    :param technique: the function that built it, for messages.
+    :param accumulate: how to accumulate with this model, for messages.
+    """
+
+    def __init__(self, technique: str, accumulate: str) -> None:
+        self.technique = technique
+        self.accumulate = accumulate
+        #: a backward has stepped since the last ``step()``, which is then a no-op
         self.stepped_since_step = False
-        #: set likewise; cleared by ``step()`` and ``zero_grad()``: a stepping backward
-        #: while it is set is refused
-        self.awaiting_step = False
+        #: stepping backwards since the last ``step()`` or ``zero_grad()``
+        self.window = 0
+        #: the loop has called ``step()`` or ``zero_grad()`` right after a stepping
+        #: backward: from now on a second stepping backward in a window is refused
+        self.calls_step = False
+        #: any backward has stepped (read by LR schedulers through the facade, whose
+        #: first ``scheduler.step()`` would warn that ``optimizer.step()`` never ran)
+        self.has_stepped = False
 
-    def backward_starts(self, technique: str, accumulate: str) -> ConfigurationError | None:
+    def backward_starts(self) -> ConfigurationError | None:
         """Count a stepping backward that starts now: the error to hold until it ends
-        (nothing steps in it) when the previous one was followed by neither ``step()``
-        nor ``zero_grad()``, else None."""
-        error = backward_without_step_error(technique, accumulate) if self.awaiting_step \
-            else None
-        self.stepped_since_step = self.awaiting_step = True
-        return error
+        (nothing steps in it) when the loop calls ``step()`` and has not since the
+        previous stepping backward, else None."""
+        if self.window and self.calls_step:
+            return backward_without_step_error(self.technique, self.accumulate)
+        self.window += 1
+        self.stepped_since_step = self.has_stepped = True
+        return None
+
+    def backward_refused(self) -> None:
+        """A backward raised (a refused one, or a step that failed): the loop learns of
+        it there, so the window is closed and the next backward is not refused for it."""
+        self.window = 0
+
+    def step_called(self) -> bool:
+        """``step()`` was called: whether a backward stepped since the last one (the call
+        is then a no-op).
+
+        :raises ConfigurationError: it ends a window of several stepping backwards
+            (:func:`accumulation_error`).
+        """
+        window, self.window = self.window, 0
+        stepped, self.stepped_since_step = self.stepped_since_step, False
+        if window:
+            self.calls_step = True
+        if window > 1:
+            raise accumulation_error(self.technique, self.accumulate, window)
+        return stepped
+
+    def zero_grad_called(self) -> None:
+        """``zero_grad()`` was called: it ends the window (see the module docstring)."""
+        if self.window == 1:
+            self.calls_step = True
+        self.window = 0

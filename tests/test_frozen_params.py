@@ -1,0 +1,56 @@
+"""Frozen parameters in ``params=`` are accepted as torch's optimizers accept them
+(``optimizer_in_backward(model, AdamW, params=model.parameters())`` with a frozen
+embedding, param-group dicts from ``named_parameters()``): never stepped, no state,
+``state_dict()`` equal to the plain optimizer's. 0.2 refused them. A parameter unfrozen
+after set-up is stepped from the next backward on, bitwise the plain optimizer (a plain
+module, FSDP2), or — on DDP, which decides at construction which parameters it reduces —
+refused with a clear error at the next forward, before anything changes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from frozen_params_ranks import cases, run
+
+from overlapkit.distributed import run_distributed
+
+CASES = [" | ".join(case) for case in cases()]
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return run_distributed(run, 2, timeout=300)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_frozen_parameters_in_params_train_as_the_plain_optimizer(
+        results: list[dict[str, Any]], case: str) -> None:
+    for rank_results in results:
+        result = rank_results[case]
+        assert result["values"], result["values"]
+        assert result["state"], result["state"]  # no state for the frozen embedding
+        assert result["groups"]
+        assert not result["embedding state"]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not c.startswith("ddp")])
+def test_a_parameter_unfrozen_later_is_stepped_as_the_plain_optimizer_steps_it(
+        results: list[dict[str, Any]], case: str) -> None:
+    for rank_results in results:
+        result = rank_results[f"{case} | unfrozen later"]
+        assert result["values"], result["values"]
+        assert result["state"], result["state"]
+        assert result["embedding state"]  # it was stepped
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("ddp")])
+def test_a_parameter_unfrozen_later_under_ddp_is_refused_before_anything_changes(
+        results: list[dict[str, Any]], case: str) -> None:
+    for rank_results in results:
+        result = rank_results[f"{case} | unfrozen later"]
+        error = result["error"]
+        assert error is not None and error["type"] == "ConfigurationError", error
+        assert "'embed.weight' was frozen" in error["message"]
+        assert "build a new DistributedDataParallel" in error["message"]
+        assert result["unchanged"]
