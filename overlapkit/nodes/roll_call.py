@@ -94,10 +94,11 @@ def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-_WATCHED: set[int] = set()
+#: id of a watched default group -> its heartbeat (``None``: the store did not answer);
+#: a group whose heartbeat ended (destroyed: its id may be another group's now) is
+#: watched again
+_WATCHED: dict[int, threading.Thread | None] = {}
 _WATCH_LOCK = threading.Lock()
-
-
 _HEARTBEAT_STOP = threading.Event()
 _HEARTBEATS: list[threading.Thread] = []
 
@@ -118,20 +119,23 @@ def watch() -> None:
     group = dist.distributed_c10d._get_default_group()
     with _WATCH_LOCK:
         if id(group) in _WATCHED:
+            known = _WATCHED[id(group)]
+            if known is None or known.is_alive():
+                return
+        first = not _HEARTBEATS
+        _WATCHED[id(group)] = None
+        rank = dist.get_rank()
+        try:
+            store = _bounded(lambda: _store(_STORE_SECONDS), _STORE_SECONDS)
+            store.set(f"node/{rank}", this_node()[1])
+            store.add(f"beat/{rank}", 1)
+        except Exception:  # the roll call then knows this rank by its answer alone
             return
-        _WATCHED.add(id(group))
-        first = len(_WATCHED) == 1
-    rank = dist.get_rank()
-    try:
-        store = _bounded(lambda: _store(_STORE_SECONDS), _STORE_SECONDS)
-        store.set(f"node/{rank}", this_node()[1])
-        store.add(f"beat/{rank}", 1)
-    except Exception:  # the roll call then knows this rank by its answer alone
-        return
-    thread = threading.Thread(target=_beat, args=(store, rank, group), daemon=True,
-                              name="overlapkit-heartbeat")
-    thread.start()
-    _HEARTBEATS.append(thread)
+        thread = threading.Thread(target=_beat, args=(store, rank, group), daemon=True,
+                                  name="overlapkit-heartbeat")
+        thread.start()
+        _WATCHED[id(group)] = thread
+        _HEARTBEATS.append(thread)
     if first:
         atexit.register(_leave_note)
 
@@ -194,18 +198,22 @@ class Verdict:
         return self.answered | self.beating
 
 
-_VERDICT: list[Verdict] = []
+#: the default group a roll call was taken for, and its verdict
+_VERDICT: list[tuple[Any, Verdict]] = []
 _ROLL_CALL_LOCK = threading.Lock()
 
 
 def roll_call() -> Verdict:
-    """Take the roll call (a few seconds), or return the one this process already took:
-    a failure is final for a process group, so later ones (other buckets of the same
-    backward, the next overlapkit call) share the first verdict."""
+    """Take the roll call (a few seconds), or return the one this process already took
+    for the default group: a failure is final for a process group, so later ones (other
+    buckets of the same backward, the next overlapkit call) share the first verdict."""
+    import torch.distributed as dist
+
+    group = dist.distributed_c10d._get_default_group()
     with _ROLL_CALL_LOCK:
-        if not _VERDICT:
-            _VERDICT.append(_take_roll_call())
-        return _VERDICT[0]
+        if not _VERDICT or _VERDICT[0][0] is not group:
+            _VERDICT[:] = [(group, _take_roll_call())]
+        return _VERDICT[0][1]
 
 
 def agent_keeps_store() -> bool:
