@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from overlapkit.errors import (
     CheckpointError,
     ConfigurationError,
+    MissingDependencyError,
     OverlapkitError,
     PluginConflictError,
     PluginLoadError,
@@ -110,6 +111,7 @@ __all__ = [
     "ConfigurationError",
     "DDPOverlapOptimizer",
     "LoadPlannerRecord",
+    "MissingDependencyError",
     "OptimizerInBackward",
     "OptimizerRecord",
     "OverlapkitError",

@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointError",
     "ConfigurationError",
+    "MissingDependencyError",
     "OverlapkitError",
     "PluginConflictError",
     "PluginLoadError",
@@ -61,6 +62,14 @@ class UnsupportedModelError(OverlapkitError, TypeError):
 
 class CheckpointError(OverlapkitError, ValueError):
     """A checkpoint is missing, corrupt, or does not fit the model it is loaded into."""
+
+
+class MissingDependencyError(OverlapkitError, ImportError):
+    """An optional dependency is not installed (a trainer framework an integration needs);
+    the message names the extra that installs it.
+
+    .. versionadded:: 0.3
+    """
 
 
 class PluginLoadError(OverlapkitError, ImportError):
