@@ -52,6 +52,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from overlapkit.nodes.lost_ranks import name_lost_ranks, watch
 from overlapkit.overlap.sharded.ownership import Ownership
 from overlapkit.overlap.side_stream import SideStream
 
@@ -166,6 +167,7 @@ class ParameterExchange:
         if self.active:
             self._global_ranks = [dist.get_global_rank(group, r)
                                   for r in range(ownership.world_size)]
+            watch()  # a lost node is then named by the survivors (overlapkit.nodes)
         #: what was sent and received since the last :meth:`reset_traffic`
         self.traffic = Traffic()
         #: how many broadcasts had not arrived yet when :meth:`wait` last found any
@@ -268,7 +270,14 @@ class ParameterExchange:
 
     def _land(self, item: _Pending) -> None:
         with self._stream(item.transfer, after_compute=False):
-            item.work.wait()
+            try:
+                item.work.wait()
+            except Exception as error:  # a lost node: named, as for the allreduces
+                named = name_lost_ranks(
+                    error, "exchanging the updated parameters (sharded optimizer state)")
+                if named is None:
+                    raise
+                raise named from error
             received = item.received
             if received is None:
                 return
