@@ -52,6 +52,12 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
     from overlapkit.overlap.ddp import DDPOverlapOptimizer, overlap_ddp
     from overlapkit.overlap.engine import OverlapEngine, OverlappedOptimizer
     from overlapkit.overlap.in_backward import OptimizerInBackward, optimizer_in_backward
+    from overlapkit.overlap.sharded import (
+        ParamSlot,
+        ShardedOverlapOptimizer,
+        ShardingPolicy,
+        SizeBalancedPolicy,
+    )
     from overlapkit.plugin.manager import (
         PluginInfo,
         create_plugin_manager,
@@ -83,6 +89,10 @@ _LAZY: dict[str, str] = {
     "OverlappedOptimizer": "overlapkit.overlap.engine",
     "OptimizerInBackward": "overlapkit.overlap.in_backward",
     "optimizer_in_backward": "overlapkit.overlap.in_backward",
+    "ParamSlot": "overlapkit.overlap.sharded",
+    "ShardedOverlapOptimizer": "overlapkit.overlap.sharded",
+    "ShardingPolicy": "overlapkit.overlap.sharded",
+    "SizeBalancedPolicy": "overlapkit.overlap.sharded",
     "PluginInfo": "overlapkit.plugin.manager",
     "create_plugin_manager": "overlapkit.plugin.manager",
     "get_plugin_manager": "overlapkit.plugin.manager",
@@ -115,6 +125,7 @@ __all__ = [
     "OptimizerInBackward",
     "OptimizerRecord",
     "OverlapkitError",
+    "ParamSlot",
     "OverlapEngine",
     "PluginConflictError",
     "PluginInfo",
@@ -122,6 +133,9 @@ __all__ = [
     "PluginValidationError",
     "PostLocalSGDOptimizer",
     "RanksLostError",
+    "ShardedOverlapOptimizer",
+    "ShardingPolicy",
+    "SizeBalancedPolicy",
     "UnknownNameError",
     "UnsupportedModelError",
     "UnsupportedOptimizerError",

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["OptimizerWrapper", "unwrapped"]
+__all__ = ["OptimizerWrapper", "local_state_params", "unwrapped"]
 
 
 class OptimizerWrapper(torch.optim.Optimizer):
@@ -61,6 +61,16 @@ class OptimizerWrapper(torch.optim.Optimizer):
         """Why :mod:`overlapkit.checkpoint` cannot save or load this wrapper exactly
         (it saves the real optimizer's state, one copy of what DDP replicates), with
         what to do instead; None (the default) when it can."""
+        return None
+
+    def local_state_params(self) -> set[int] | None:
+        """``id`` of the parameters whose optimizer state this rank keeps, when it keeps
+        the state of a share of them only (sharded optimizer state); None (the default)
+        when it keeps all of it. :mod:`overlapkit.checkpoint` saves and loads only that
+        share on this rank.
+
+        .. versionadded:: 0.3
+        """
         return None
 
     def quiesced(self) -> AbstractContextManager[Any]:
@@ -140,6 +150,18 @@ class OptimizerWrapper(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._wrapped!r})"
+
+
+def local_state_params(optimizer: torch.optim.Optimizer) -> set[int] | None:
+    """What the outermost wrapper of ``optimizer`` that keeps a share of the state says
+    (:meth:`OptimizerWrapper.local_state_params`); None for a plain optimizer, or when
+    no wrapper keeps a share."""
+    while isinstance(optimizer, OptimizerWrapper):
+        share = optimizer.local_state_params()
+        if share is not None:
+            return share
+        optimizer = optimizer.wrapped
+    return None
 
 
 @contextmanager

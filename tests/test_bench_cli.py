@@ -28,6 +28,7 @@ EXPECTED_VARIANTS = {
                         "plain_clip", "overlap_ddp_clip", "overlap_ddp_clip_bucket"},
     "post_local_sgd": {"overlapkit_post_local_sgd", "torch_post_local_sgd", "ddp"},
     "checkpoint": {"overlapkit", "torch"},
+    "sharded_state": {"plain", "overlap_ddp", "sharded", "zero"},
 }
 
 

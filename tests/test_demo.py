@@ -34,13 +34,14 @@ def demo_rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, o
 
 def test_demo_runs_every_technique(demo_rows: dict[str, dict[str, object]]) -> None:
     assert set(demo_rows) - {"_plot"} == {
-        "plain", "overlap_ddp", "optimizer_in_backward", "post_local_sgd", "checkpoint"}
+        "plain", "overlap_ddp", "sharded", "optimizer_in_backward", "post_local_sgd",
+        "checkpoint"}
     for name, row in demo_rows.items():
         if name != "_plot":
             assert len(row["peak_rss_mib"]) >= 1 and row["step_ms"] > 0
 
 
-@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+@pytest.mark.parametrize("technique", ["overlap_ddp", "sharded", "optimizer_in_backward"])
 def test_demo_reports_bitwise_parity_with_plain_ddp(
     demo_rows: dict[str, dict[str, object]], technique: str
 ) -> None:

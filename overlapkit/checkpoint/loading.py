@@ -32,11 +32,12 @@ from overlapkit.checkpoint.state_dicts import (
     OPTIMIZER_KEY,
     converted_dcp_errors,
     load_into,
+    share_fqns,
     state_dicts,
 )
 from overlapkit.checkpoint.validation import check_against_metadata, check_param_groups
 from overlapkit.nodes.lost_ranks import lost_ranks_named
-from overlapkit.optimizer_wrapper import unwrapped
+from overlapkit.optimizer_wrapper import local_state_params, unwrapped
 
 __all__ = ["load"]
 
@@ -98,8 +99,12 @@ def _load(path: str | os.PathLike[str], model: torch.nn.Module,
         verify_files(directory, metadata.storage_data,
                      share=dist.get_rank() if ranks > 1 else 0, shares=ranks)
     verified = (directory / MANIFEST_FILE).is_file()
+    # sharded optimizer state: this rank reads its share only, whatever the saving
+    # run's world size was (the checkpoint holds every share)
+    share = None if optimizer is None else local_state_params(optimizer)
     with unwrapped(optimizer) if optimizer is not None else nullcontext() as real:
-        _load_into_real(directory, metadata, model, real, planner, verified=verified)
+        _load_into_real(directory, metadata, model, real, planner, verified=verified,
+                        share=share)
     return read_extra(directory)
 
 
@@ -187,20 +192,27 @@ def skip_state_never_saved(optim_state_dict: dict[str, Any], metadata: Metadata)
 
 def _load_into_real(path: Path, metadata: Metadata, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None,
-                    planner: LoadPlanner | str | None, *, verified: bool) -> None:
+                    planner: LoadPlanner | str | None, *, verified: bool,
+                    share: set[int] | None = None) -> None:
     created: list[torch.Tensor] = []
     try:
         with checks_on_every_rank("load"):
             if optimizer is not None:
-                created = allocate_optimizer_state(optimizer)
-            state = state_dicts(model, optimizer)
+                created = allocate_optimizer_state(optimizer, only=share)
+            state = state_dicts(model, optimizer, only=share)
             skipped = False
             if optimizer is not None:
                 follow_saved_group_keys(state[OPTIMIZER_KEY], metadata)
                 skipped = skip_state_never_saved(state[OPTIMIZER_KEY], metadata)
             flat, _ = flatten_state_dict(state)
+            others: list[str] = []
+            if optimizer is not None and share is not None:  # the other ranks' shares
+                every = {id(p) for group in optimizer.param_groups for p in group["params"]}
+                others = [f"{OPTIMIZER_KEY}.state.{fqn}" for fqn in
+                          share_fqns(model, every) - share_fqns(model, share)]
             check_against_metadata(flat, metadata, path=path, model_key=MODEL_KEY,
-                                   optimizer_key=OPTIMIZER_KEY if optimizer else None)
+                                   optimizer_key=OPTIMIZER_KEY if optimizer else None,
+                                   others=others)
             values = _read_values_first(path, metadata, flat)
             if optimizer is not None:
                 check_param_groups(values, metadata, state[OPTIMIZER_KEY]["param_groups"],
@@ -214,7 +226,8 @@ def _load_into_real(path: Path, metadata: Metadata, model: torch.nn.Module,
             converted_dcp_errors("loading the checkpoint at", path,
                                  lambda: dcp.load(state, storage_reader=reader,
                                                   planner=chosen))
-            load_into(model, optimizer, state, partial_optimizer_state=skipped)
+            load_into(model, optimizer, state,
+                      partial_optimizer_state=skipped or share is not None)
         except BaseException:
             with torch.no_grad():
                 for tensor, copy in kept:

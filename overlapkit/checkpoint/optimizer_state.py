@@ -23,7 +23,8 @@ def remove_state_except(optimizer: torch.optim.Optimizer, kept: set[int]) -> Non
         del optimizer.state[param]
 
 
-def init_optimizer_state(optimizer: torch.optim.Optimizer, *, missing: bool = False) -> None:
+def init_optimizer_state(optimizer: torch.optim.Optimizer, *, missing: bool = False,
+                         only: set[int] | None = None) -> None:
     """Create the optimizer's state tensors (the tensors a load then fills in place) by
     stepping each parameter alone with a zero gradient and a learning rate of 0.
 
@@ -43,6 +44,8 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer, *, missing: bool = Fa
         parameters without any get it (a load fills it). By default an optimizer with
         state is left as it is (a save writes the state it has: none for a parameter
         that never got a gradient).
+    :param only: ``id`` of the parameters to give state to (sharded optimizer state:
+        this rank's share); None: every parameter.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if optimizer.state and not (missing and _keeps_state_per_parameter(optimizer)):
@@ -52,7 +55,8 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer, *, missing: bool = Fa
     except Exception:
         meta_state = None
     stepped = [p for p in params if p.requires_grad and p not in optimizer.state
-               and (meta_state is None or p in meta_state)]
+               and (meta_state is None or p in meta_state)
+               and (only is None or id(p) in only)]
     if not stepped:
         return
     grads = [p.grad for p in params]
@@ -76,7 +80,8 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer, *, missing: bool = Fa
             p.grad = grad
 
 
-def allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+def allocate_optimizer_state(optimizer: torch.optim.Optimizer,
+                             only: set[int] | None = None) -> list[torch.Tensor]:
     """Give each parameter that has no optimizer state yet its state tensors,
     uninitialised, for a load to fill in place; the parameters it gave state to (so a
     failed load can remove it again).
@@ -97,17 +102,21 @@ def allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Ten
     from the heap and stay resident), about 1 MB per parameter: the load's peak RSS was
     1.5x the local shard instead of 1.1x. Optimizers whose step cannot run on meta
     tensors, or keeps state that is not per parameter, get :func:`init_optimizer_state`.
+
+    :param only: ``id`` of the parameters to give state to (sharded optimizer state:
+        this rank's share); None: every parameter.
     """
     before = {id(p) for p in optimizer.state}
     try:
         meta_state = _state_from_meta_step(optimizer)
         state = None if meta_state is None else {
             param: {key: _materialised(value, param) for key, value in values.items()}
-            for param, values in meta_state.items() if id(param) not in before}
+            for param, values in meta_state.items() if id(param) not in before
+            and (only is None or id(param) in only)}
     except Exception:
         state = None
     if state is None:
-        init_optimizer_state(optimizer, missing=True)
+        init_optimizer_state(optimizer, missing=True, only=only)
     else:
         for param, values in state.items():
             optimizer.state[param] = values

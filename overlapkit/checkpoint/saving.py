@@ -42,7 +42,7 @@ from overlapkit.checkpoint.state_dicts import (
 )
 from overlapkit.errors import CheckpointError
 from overlapkit.nodes.lost_ranks import lost_ranks_named
-from overlapkit.optimizer_wrapper import unwrapped
+from overlapkit.optimizer_wrapper import local_state_params, unwrapped
 
 __all__ = ["save"]
 
@@ -224,10 +224,12 @@ def _save(path: str | os.PathLike[str], model: torch.nn.Module,
         _recover_and_clean(path, saving, old)
 
     _on_rank_zero("preparing its directory", path, prepare)
+    # sharded optimizer state: this rank writes its share (the shares are disjoint)
+    share = None if optimizer is None else local_state_params(optimizer)
     with unwrapped(optimizer) if optimizer is not None else nullcontext() as real:
         had_state = set() if real is None else {id(p) for p in real.state}
         try:
-            state = state_dicts(model, real)
+            state = state_dicts(model, real, only=share)
             state[MODEL_KEY] = with_rank_zero_buffers(model, state[MODEL_KEY])
             if real is not None and not had_state:
                 without_created_state(state)

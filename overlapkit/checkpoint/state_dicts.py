@@ -18,6 +18,7 @@ import torch
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    _get_fqns,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -27,7 +28,8 @@ from torch.distributed.checkpoint.state_dict import (
 from overlapkit.checkpoint.optimizer_state import init_optimizer_state
 from overlapkit.errors import CheckpointError
 
-__all__ = ["MODEL_KEY", "OPTIMIZER_KEY", "converted_dcp_errors", "load_into", "state_dicts"]
+__all__ = ["MODEL_KEY", "OPTIMIZER_KEY", "converted_dcp_errors", "load_into", "share_fqns",
+           "state_dicts"]
 
 #: the top-level keys of a checkpoint written by :func:`overlapkit.checkpoint.save`
 MODEL_KEY = "model"
@@ -36,18 +38,38 @@ OPTIMIZER_KEY = "optimizer"
 T = TypeVar("T")
 
 
-def state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
-                ) -> dict[str, Any]:
+def state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                only: set[int] | None = None) -> dict[str, Any]:
     """``{"model": ..., "optimizer": ...}`` as DCP's ``get_state_dict`` builds them.
 
     An optimizer that has no state yet (loading into a fresh one) gets it first, see
     :func:`init_optimizer_state`.
+
+    :param only: ``id`` of the parameters whose optimizer state this rank keeps
+        (sharded optimizer state): the optimizer state dict holds theirs only. DCP's
+        ``get_state_dict`` gives an optimizer with no state at all some for every
+        parameter first (a step with zero gradients): on a rank whose share has none,
+        that state is left out here, and removed by the caller.
     """
     if optimizer is None:
         return {MODEL_KEY: get_model_state_dict(model)}
-    init_optimizer_state(optimizer)
+    init_optimizer_state(optimizer, only=only)
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    if only is not None:
+        keep = share_fqns(model, only)
+        saved: Any = optim_sd["state"]
+        optim_sd["state"] = {fqn: value for fqn, value in saved.items() if fqn in keep}
     return {MODEL_KEY: model_sd, OPTIMIZER_KEY: optim_sd}
+
+
+def share_fqns(model: torch.nn.Module, ids: set[int]) -> set[str]:
+    """The names DCP's state dicts give the parameters whose ``id`` is in ``ids`` (DCP's
+    own ``_get_fqns``, which drops the wrappers' prefixes: DDP's ``module.``)."""
+    names: set[str] = set()
+    for name, param in model.named_parameters():
+        if id(param) in ids:
+            names |= set(_get_fqns(model, name))
+    return names
 
 
 def load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,

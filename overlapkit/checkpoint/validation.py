@@ -43,10 +43,13 @@ def check_against_metadata(
     path: object,
     model_key: str = "model",
     optimizer_key: str | None = "optimizer",
+    others: Iterable[str] = (),
 ) -> None:
     """Raise a :class:`CheckpointError` unless every entry of ``flat_state_dict`` (a DCP
     flattened state dict) is in the checkpoint with the same global shape, and the
-    checkpoint holds nothing else under ``model_key`` and ``optimizer_key``.
+    checkpoint holds nothing else under ``model_key`` and ``optimizer_key`` (but under
+    the prefixes ``others``: the optimizer state of the parameters other ranks own when
+    it is sharded, which those ranks check).
 
     Checked in this order, so the most telling error wins: model keys (a checkpoint
     of a different model), the optimizer key itself, optimizer keys (a different
@@ -54,9 +57,12 @@ def check_against_metadata(
     """
     saved = metadata.state_dict_metadata
     wanted = set(flat_state_dict)
+    elsewhere: set[str] = set()
+    for prefix in others:
+        elsewhere |= _under(saved, prefix)
     sections = [model_key] + ([optimizer_key] if optimizer_key else [])
     for section in sections:
-        mine, theirs = _under(wanted, section), _under(saved, section)
+        mine, theirs = _under(wanted, section), _under(saved, section) - elsewhere
         if mine and not theirs:
             tops = sorted({str(k).split(".", 1)[0] for k in saved})
             raise CheckpointError(

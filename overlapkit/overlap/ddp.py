@@ -30,6 +30,8 @@ from overlapkit.overlap.facade import OverlappedOptimizerFacade
 from overlapkit.overlap.setup import (
     resolve_overlapped_cls,
 )
+from overlapkit.overlap.sharded.optimizer import ShardedOverlapOptimizer
+from overlapkit.overlap.sharded.setup import resolve_policy, shard_on_ddp
 
 __all__ = ["STEP_THREADS", "DDPOverlapOptimizer", "overlap_ddp"]
 
@@ -79,8 +81,9 @@ def overlap_ddp(
     clip_norm_type: float = 2.0,
     clip_grad_norm_scope: str = "global",
     grad_scaler: Any | None = None,
+    shard_optimizer_state: Any = False,
     **optim_kwargs: Any,
-) -> DDPOverlapOptimizer:
+) -> DDPOverlapOptimizer | ShardedOverlapOptimizer:
     """Step ``optim_cls`` on each DDP gradient bucket as soon as its comm hook
     completes, while backward still runs for the other buckets.
 
@@ -118,8 +121,14 @@ def overlap_ddp(
         gradients are unscaled and checked for infs as ``scaler.step`` would, and all
         steps skipped when any rank overflowed — bitwise plain DDP with the scaler. The
         steps wait for the end of backward.
+    :param shard_optimizer_state: ``True``: each rank keeps the optimizer state of, and
+        steps, only its share of the parameters (whole parameters, balanced by size),
+        and sends the updated ones to the other ranks while backward goes on (ZeRO-1);
+        or a :class:`~overlapkit.ShardingPolicy` deciding the shares. Bitwise the same
+        training; see ``docs/sharded_state.rst``.
     :return: a ``torch.optim.Optimizer``; its ``step()`` is a no-op after a backward
-        that already stepped.
+        that already stepped (a :class:`~overlapkit.ShardedOverlapOptimizer` with
+        ``shard_optimizer_state``).
     :raises UnsupportedModelError: ``ddp_model`` is not DDP.
     :raises UnsupportedOptimizerError: ``optim_cls`` is not an optimizer class, or
         cannot step per bucket (LBFGS, SparseAdam).
@@ -127,7 +136,12 @@ def overlap_ddp(
     :raises ConfigurationError: a second call on one model, a comm hook already
         registered, ``params`` not managed by the model, bad optimizer arguments,
         ``clip_grad_norm_scope="bucket"`` on a model with ``find_unused_parameters`` or
-        ``static_graph``.
+        ``static_graph``; with ``shard_optimizer_state``: ``step_thread="comm"``,
+        ``find_unused_parameters``, a policy that answers badly or differently on
+        different ranks.
+    :raises UnsupportedOptimizerError: with ``shard_optimizer_state``, an optimizer
+        whose step couples parameters (state not per parameter, values written into its
+        param groups).
     """
     model = check_ddp_model(ddp_model, TECHNIQUE)
     overlapped_cls = resolve_overlapped_cls(optim_cls)
@@ -138,6 +152,11 @@ def overlap_ddp(
         )
     clipping = GradClipping(value=clip_grad_value, norm=clip_grad_norm,
                             norm_type=clip_norm_type, scope=clip_grad_norm_scope)
+    policy = resolve_policy(shard_optimizer_state)
+    if policy is not None:
+        return shard_on_ddp(model, overlapped_cls, optim_cls, args, optim_kwargs, params,
+                            comm_hook, comm_hook_options, clipping, policy=policy,
+                            step_thread=step_thread, grad_scaler=grad_scaler)
     engine, stepper = set_up_on_ddp(
         model, overlapped_cls, optim_cls, args, optim_kwargs, params, comm_hook,
         comm_hook_options, clipping, TECHNIQUE, step_thread=step_thread,

@@ -134,16 +134,18 @@ def register_bucket_stepper(
     hook_spec: CommHookRecord,
     hook_options: dict[str, Any],
     technique: str,
+    stepper_cls: type[BucketStepper] = BucketStepper,
     **stepper_options: Any,
 ) -> BucketStepper:
     """Build the comm hook of ``hook_spec`` and register a :class:`BucketStepper`
-    running it, then stepping ``engine``, on ``model``. ``stepper_options`` are
-    :class:`BucketStepper`'s keyword arguments but ``track_usage`` and
-    ``grads_are_bucket_views``, which are read from the model."""
+    (``stepper_cls``: a subclass, for sharded optimizer state) running it, then stepping
+    ``engine``, on ``model``. ``stepper_options`` are :class:`BucketStepper`'s keyword
+    arguments but ``track_usage`` and ``grads_are_bucket_views``, which are read from
+    the model."""
     inner_state, inner_hook = hook_spec.create(process_group=model.process_group,
                                               **hook_options)
     track_usage = bool(model.find_unused_parameters or model.static_graph)
-    stepper = BucketStepper(
+    stepper = stepper_cls(
         engine, inner_state, inner_hook, track_usage=track_usage,
         grads_are_bucket_views=bool(model.gradient_as_bucket_view), technique=technique,
         **stepper_options,

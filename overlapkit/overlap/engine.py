@@ -86,6 +86,8 @@ class OverlapEngine:
         # keyed by id(): Tensor.__hash__ is a Python-level call, id() is not
         self._group_of: dict[int, int] = {}
         self._layout_version = 0
+        #: ids of the parameters this engine steps, or None for all (see step_only)
+        self._stepped: frozenset[int] | None = None
         self.reindex()
 
     # -- what subclasses implement ----------------------------------------------
@@ -149,8 +151,25 @@ class OverlapEngine:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def owns(self, param: torch.Tensor) -> bool:
-        """Whether ``param`` is one of the real optimizer's parameters."""
+        """Whether this engine steps ``param``: one of the real optimizer's parameters
+        (and, after :meth:`step_only`, one of those it was given)."""
         return id(param) in self._group_of
+
+    def step_only(self, params: Iterable[torch.Tensor] | None) -> None:
+        """From now on step only ``params`` among the real optimizer's parameters (None:
+        all of them, the default).
+
+        Sharded optimizer state (``overlap_ddp(..., shard_optimizer_state=True)``) sets
+        each rank's share here: the other parameters stay in ``param_groups`` (LR
+        schedulers, the ``state_dict()`` format, global clipping and a GradScaler read
+        them all), but no step — per bucket, global or full — touches them, so they
+        never get optimizer state on this rank. Thread-safe.
+
+        .. versionadded:: 0.3
+        """
+        with self.lock:
+            self._stepped = None if params is None else frozenset(id(p) for p in params)
+            self.reindex()
 
     @property
     def layout_version(self) -> int:
@@ -189,9 +208,13 @@ class OverlapEngine:
         self.step_plan(self.plan(params))
 
     def step(self) -> None:
-        """One ordinary step of every parameter that has a gradient. Thread-safe."""
+        """One ordinary step of every parameter that has a gradient (of those given to
+        :meth:`step_only`, when it was called). Thread-safe."""
         with self.lock:
-            self.optimizer.step()
+            if self._stepped is None:
+                self.optimizer.step()
+            else:
+                self.step_params(self.parameters())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The real optimizer's ``zero_grad``. Thread-safe."""
@@ -222,10 +245,12 @@ class OverlapEngine:
         editing ``param_groups[i]["params"]`` by hand.
         """
         with self.lock:
+            stepped = self._stepped
             self._group_of = {
                 id(param): index
                 for index, group in enumerate(self.optimizer.param_groups)
                 for param in group["params"]
+                if stepped is None or id(param) in stepped
             }
             self._layout_version += 1
 

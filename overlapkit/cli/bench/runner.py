@@ -33,6 +33,7 @@ BENCHMARKS: dict[str, str] = {
     "mixed_precision": "overlapkit.cli.bench.mixed_precision",
     "post_local_sgd": "overlapkit.cli.bench.local_sgd",
     "checkpoint": "overlapkit.cli.bench.checkpoint",
+    "sharded_state": "overlapkit.cli.bench.sharded_state",
 }
 
 #: names used before 0.2 -> the name now; still accepted by ``--only``
@@ -42,7 +43,7 @@ ALIASES: dict[str, str] = {"ddp_overlap": "overlap_ddp", "local_sgd": "post_loca
 QUICK_ROUNDS = 1
 
 #: the benchmarks that also run on GPUs (``--device cuda``: NCCL, one GPU per rank)
-GPU_BENCHMARKS = ("overlap_ddp",)
+GPU_BENCHMARKS = ("overlap_ddp", "sharded_state")
 
 
 def machine_description() -> str:

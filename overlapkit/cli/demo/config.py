@@ -48,6 +48,8 @@ MODEL_SIZES: dict[str, ModelSize] = {
 TECHNIQUES: dict[str, str] = {
     "plain": "DDP + AdamW, step() after backward (the reference)",
     "overlap_ddp": "AdamW stepped per gradient bucket as its allreduce completes",
+    "sharded": "overlap_ddp with the optimizer state sharded across ranks (ZeRO-1): each "
+    "rank steps its share, the updated parameters are exchanged during backward",
     "optimizer_in_backward": "AdamW stepped during backward, gradients freed at once",
     "post_local_sgd": "AdamW with post-local SGD: global allreduce in warm-up, then "
     "local steps and periodic model averaging",

@@ -35,6 +35,13 @@ def _overlap_ddp(ddp: DDP, cfg: DemoConfig) -> torch.optim.Optimizer:
     return overlapkit.overlap_ddp(ddp, torch.optim.AdamW, lr=cfg.lr)
 
 
+def _sharded(ddp: DDP, cfg: DemoConfig) -> torch.optim.Optimizer:
+    import overlapkit
+
+    return overlapkit.overlap_ddp(ddp, torch.optim.AdamW, lr=cfg.lr,
+                                  shard_optimizer_state=True)
+
+
 def _optimizer_in_backward(ddp: DDP, cfg: DemoConfig) -> torch.optim.Optimizer:
     import overlapkit
 
@@ -56,6 +63,7 @@ def _post_local_sgd(ddp: DDP, cfg: DemoConfig) -> torch.optim.Optimizer:
 OPTIMIZER_SETUPS: dict[str, Callable[[DDP, DemoConfig], torch.optim.Optimizer]] = {
     "plain": _plain,
     "overlap_ddp": _overlap_ddp,
+    "sharded": _sharded,
     "optimizer_in_backward": _optimizer_in_backward,
     "post_local_sgd": _post_local_sgd,
     "checkpoint": _plain,

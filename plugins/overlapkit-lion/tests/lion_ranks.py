@@ -62,3 +62,23 @@ def engine_when_blocked(rank: int, world_size: int) -> dict[str, Any]:
     plain, _, _ = _train(rank, False)
     ours, _, engine = _train(rank, True)
     return {"plain": plain, "ours": ours, "engine": engine}
+
+
+def sharded(rank: int, world_size: int) -> dict[str, Any]:
+    """Lion through overlap_ddp with sharded optimizer state (each rank keeps the momenta
+    of its share), against plain Lion; the plugin's engine steps the share."""
+    plain, plain_state, _ = _train(rank, False, weight_decay=0.1)
+    ddp = DDP(_model(), bucket_cap_mb=0.002)
+    opt = overlapkit.overlap_ddp(ddp, Lion, lr=1e-3, weight_decay=0.1,
+                                 shard_optimizer_state=True)
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(100 * rank + step)
+        x, y = torch.randn(8, 12, generator=gen), torch.randn(8, 4, generator=gen)
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    params = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]).clone()
+    opt.consolidate_state_dict(to=0)
+    return {"plain": plain, "ours": params, "engine": type(opt.engine).__name__,
+            "plain_state": plain_state, "our_state": opt.state_dict() if rank == 0 else None,
+            "held": len(opt.optimizer.state), "owned": len(opt.owned_parameters())}

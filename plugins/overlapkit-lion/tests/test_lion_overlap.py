@@ -44,3 +44,15 @@ def test_blocking_the_plugin_falls_back_to_the_generic_engine() -> None:
                               env={"OVERLAPKIT_DISABLE_PLUGINS": "lion"})
     assert results[0]["engine"].startswith("GenericOverlapEngine (6 momentum")
     assert torch.equal(results[0]["ours"], results[0]["plain"])
+
+
+def test_sharded_lion_matches_plain_lion_bitwise() -> None:
+    results = run_distributed(lion_ranks.sharded, 2, timeout=180)
+    for result in results:
+        assert result["engine"] == "LionOverlapped"
+        assert torch.equal(result["ours"], result["plain"])
+        assert 0 < result["held"] == result["owned"] < 6  # its share of the momenta
+    ours, plain = results[0]["our_state"], results[0]["plain_state"]
+    assert ours["state"].keys() == plain["state"].keys()
+    for index, state in plain["state"].items():
+        assert torch.equal(ours["state"][index]["exp_avg"], state["exp_avg"])

@@ -1,0 +1,33 @@
+"""Sharded optimizer state with the overlapped step (ZeRO-1):
+``overlap_ddp(..., shard_optimizer_state=True)``.
+
+Each rank keeps the optimizer state of its share of the parameters, steps that share as
+each bucket's reduction completes, and sends the updated parameters to the other ranks
+while backward goes on. Split by the question each part answers:
+
+- :mod:`~overlapkit.overlap.sharded.ownership`: who owns what (the sharding policy);
+- :mod:`~overlapkit.overlap.sharded.setup`: the checks and the set-up;
+- :mod:`~overlapkit.overlap.sharded.stepper`: stepping, then exchanging, per bucket;
+- :mod:`~overlapkit.overlap.sharded.exchange`: sending the updated parameters;
+- :mod:`~overlapkit.overlap.sharded.optimizer`: the ``torch.optim.Optimizer`` users get;
+- :mod:`~overlapkit.overlap.sharded.state_dicts`: whole and per-rank state dicts.
+
+The engine, the bucket stepper, global clipping, the GradScaler rules and the loop
+conventions are ``overlap_ddp``'s own; ``overlapkit.checkpoint`` saves each rank's share
+and reshards to any world size.
+
+.. versionadded:: 0.3
+"""
+
+from __future__ import annotations
+
+from overlapkit.overlap.sharded.optimizer import ShardedOverlapOptimizer
+from overlapkit.overlap.sharded.ownership import (
+    Ownership,
+    ParamSlot,
+    ShardingPolicy,
+    SizeBalancedPolicy,
+)
+
+__all__ = ["Ownership", "ParamSlot", "ShardedOverlapOptimizer", "ShardingPolicy",
+           "SizeBalancedPolicy"]

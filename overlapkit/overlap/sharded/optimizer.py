@@ -1,0 +1,264 @@
+"""The optimizer ``overlap_ddp(..., shard_optimizer_state=True)`` returns:
+:class:`ShardedOverlapOptimizer`.
+
+It is ``overlap_ddp``'s optimizer — a ``torch.optim.Optimizer`` whose steps happen during
+backward, one DDP bucket at a time, bitwise plain DDP — with each rank keeping the
+optimizer state of its share of the parameters only. The parameters another rank owns
+are updated by that rank's broadcast, which lands before ``backward()`` returns. What
+differs for the loop:
+
+- ``state_dict()`` is the whole optimizer's state, gathered on demand: call
+  :meth:`~ShardedOverlapOptimizer.consolidate_state_dict` on every rank first (as with
+  ``ZeroRedundancyOptimizer``), or save with ``overlapkit.checkpoint``, which writes
+  each rank's share and reshards; ``local_state_dict()`` is this rank's share.
+
+.. versionadded:: 0.3
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import attrs
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from overlapkit.errors import ConfigurationError
+from overlapkit.overlap.ddp_setup import check_params_in_ddp_model, ddp_params
+from overlapkit.overlap.engine import OverlapEngine
+from overlapkit.overlap.facade import OverlappedOptimizerFacade
+from overlapkit.overlap.setup import (
+    check_unclaimed,
+    claim_params,
+    flatten_params,
+    materialise_params,
+)
+from overlapkit.overlap.sharded.ownership import (
+    Ownership,
+    ShardingPolicy,
+    assign_owners,
+    drop_state_outside_share,
+    slots_of,
+)
+from overlapkit.overlap.sharded.state_dicts import (
+    gather_state_dict,
+    sharded_state_dict,
+    share_of,
+)
+from overlapkit.overlap.sharded.stepper import ShardedBucketStepper
+
+__all__ = ["TECHNIQUE", "ShardedOverlapOptimizer"]
+
+TECHNIQUE = "overlap_ddp"
+
+
+@attrs.frozen
+class _Consolidated:
+    """A whole state dict gathered on one rank, valid while nothing has stepped since."""
+
+    to: int
+    generation: int
+    state_dict: dict[str, Any] | None
+
+
+class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
+    """A ``torch.optim.Optimizer`` stepping during backward, one DDP bucket at a time,
+    each rank stepping (and keeping the state of) only the parameters it owns.
+
+    ``param_groups`` hold every parameter on every rank (LR schedulers drive them as
+    usual); ``state`` holds this rank's share. See the module docstring for what differs
+    from ``overlap_ddp`` without sharding.
+    """
+
+    def __init__(self, engine: OverlapEngine, stepper: ShardedBucketStepper,
+                 model: DistributedDataParallel, ownership: Ownership,
+                 policy: ShardingPolicy) -> None:
+        super().__init__(engine, stepper, TECHNIQUE,
+                         lambda groups: check_params_in_ddp_model(model, groups))
+        self._stepper = stepper
+        self._model = model
+        self._ownership = ownership
+        self._policy = policy
+        self._consolidated: _Consolidated | None = None
+
+    # -- what is sharded --------------------------------------------------------
+
+    @property
+    def ownership(self) -> Ownership:
+        """Which rank owns each parameter (:class:`~overlapkit.overlap.sharded.ownership.
+        Ownership`)."""
+        return self._ownership
+
+    @property
+    def policy(self) -> ShardingPolicy:
+        """The sharding policy that assigned the parameters."""
+        return self._policy
+
+    def owned_parameters(self) -> list[torch.Tensor]:
+        """The parameters this rank steps and keeps the optimizer state of."""
+        return self._ownership.mine()
+
+    def local_state_params(self) -> set[int]:
+        """``id`` of the parameters whose optimizer state this rank keeps: its share
+        (what ``overlapkit.checkpoint`` saves from and loads into on this rank)."""
+        return {id(p) for p in self._ownership.mine()}
+
+    def last_buckets(self) -> list[list[torch.Tensor]]:
+        """The parameters this rank stepped together in each bucket of the last
+        synchronised backward, in bucket order."""
+        buckets = self._stepper.last_buckets
+        return [list(buckets[i]) for i in sorted(buckets)]
+
+    # -- waiting for the other ranks' updates ------------------------------------
+
+    def synchronize(self) -> None:
+        """Wait until every parameter holds its owner's last update (the parameter
+        exchange has landed) and, on an accelerator, make the current stream wait for
+        the steps and copies on the side stream.
+
+        Done at the end of every backward; called again by :meth:`step`,
+        :meth:`zero_grad`, the state-dict methods, checkpoint save and load, and before
+        each forward of the model, which matters only after a backward that raised.
+        """
+        self._stepper.wait_for_parameters()
+
+    def quiesced(self) -> AbstractContextManager[Any]:
+        """The parameters updated (:meth:`synchronize`), then the engine's lock held:
+        what checkpoint save and load work under."""
+        @contextmanager
+        def updated_and_locked() -> Iterator[None]:
+            self.synchronize()
+            with self._engine.lock:
+                yield
+
+        return updated_and_locked()
+
+    # -- the Optimizer API --------------------------------------------------------
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """As ``overlap_ddp``'s ``step()``: nothing to do after a backward that
+        stepped (it returns once the other ranks' updates have landed). A full step (no
+        stepping backward since the last ``step()``) steps this rank's share, then
+        exchanges it."""
+        full = not self._stepper.stepped_since_step
+        super().step(closure)
+        if full:
+            self._stepper.full_step_taken()
+            self._consolidated = None
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the whole optimizer state on rank ``to`` (of the DDP model's process
+        group), for :meth:`state_dict` there. Call it on every rank (a collective), after
+        the last step to be saved: a step after it makes the gathered state stale, and
+        ``state_dict()`` then refuses it.
+
+        Rank ``to`` then holds every rank's state, as CPU tensors (as
+        ``ZeroRedundancyOptimizer.consolidate_state_dict`` does); ``overlapkit.checkpoint``
+        saves without gathering.
+        """
+        world_size = self._ownership.world_size
+        if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < world_size:
+            raise ConfigurationError(
+                f"consolidate_state_dict(to=...) takes a rank from 0 to {world_size - 1} "
+                f"(the DDP model's process group), got {to!r}."
+            )
+        self.synchronize()
+        with self._engine.lock:
+            local = self._engine.state_dict()
+        gathered = gather_state_dict(local, self._ownership, self._model.process_group, to)
+        self._consolidated = _Consolidated(to, self._stepper.generation, gathered)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole optimizer's state dict, in the plain optimizer's format (it loads
+        into a plain optimizer of the same class, ``overlap_ddp`` without sharding, or a
+        sharded one at any world size).
+
+        At world size 1 it is read directly. Otherwise it is the one
+        :meth:`consolidate_state_dict` gathered on this rank since the last step.
+
+        :raises ConfigurationError: at world size > 1, no current consolidated state
+            dict on this rank (never gathered, gathered on another rank, or a step since).
+        """
+        self.synchronize()
+        if self._ownership.world_size == 1:
+            return self._engine.state_dict()
+        held = self._consolidated
+        rank = self._ownership.rank
+        if held is None or held.to != rank or held.state_dict is None:
+            where = "" if held is None else f" (it was gathered on rank {held.to})"
+            raise ConfigurationError(
+                "the optimizer state is sharded across ranks, so state_dict() returns "
+                "the whole state once it has been gathered on this rank, and it has not "
+                f"been{where}. Call optimizer.consolidate_state_dict(to={rank}) on every "
+                f"rank first, then state_dict() on rank {rank}; or save with "
+                "overlapkit.checkpoint.save(path, model, optimizer) on every rank (no "
+                "gathering, loads at any world size); local_state_dict() is this "
+                "rank's share."
+            )
+        if held.generation != self._stepper.generation:
+            raise ConfigurationError(
+                "the state dict gathered by consolidate_state_dict() is stale: the "
+                "optimizer has stepped since. Call consolidate_state_dict() on every rank "
+                "again after the last step you want to save, then state_dict()."
+            )
+        return held.state_dict
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's share of the state, with the ownership it belongs to: for saving
+        one file per rank (``torch.save(opt.local_state_dict(), f"optim-{rank}.pt")``)
+        and loading it back at the same world size. No communication."""
+        self.synchronize()
+        return sharded_state_dict(self._engine.state_dict(), self._ownership)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a whole state dict (from :meth:`state_dict`, a plain optimizer of the same
+        class, or ``overlap_ddp`` without sharding, saved at any world size) keeping this
+        rank's share, or this rank's own :meth:`local_state_dict`.
+
+        :raises ConfigurationError: a sharded state dict saved at another world size,
+            with another ownership, or by another rank; not a state dict. Nothing is
+            changed then.
+        """
+        self.synchronize()
+        share = share_of(state_dict, self._ownership)
+        self._engine.load_state_dict(share)
+        self._stepper.generation += 1
+        self._consolidated = None
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group of the model's parameters; the sharding policy assigns them to
+        ranks, balanced against what each rank owns already. Call it on every rank (the
+        ranks check that they agree: a collective)."""
+        (group,) = materialise_params([param_group])
+        if self._check_params is not None:
+            self._check_params([group])
+        engine = self._engine
+        params = flatten_params([group])
+        known = {id(p) for p in engine.parameters()}
+        # parameters the optimizer holds already are left to its own error
+        check_unclaimed([p for p in params if id(p) not in known], self._technique)
+        ownership = self._ownership
+        names = {id(p): n for n, p in self._model.module.named_parameters()}
+        slots = slots_of(params, [len(engine.param_groups)] * len(params), names,
+                         start=len(ownership.params))
+        owners = assign_owners(self._policy, slots, ownership.world_size,
+                               ownership.loads(), self._model.process_group)
+        self.synchronize()
+        engine.add_param_group(group)
+        ownership = ownership.extended(params, owners)
+        engine.step_only(ownership.mine())
+        drop_state_outside_share(engine.optimizer, ownership)
+        self._ownership = ownership
+        reduced = {id(p) for p in ddp_params(self._model)}
+        self._stepper.exchange.set_ownership(
+            ownership, {id(p) for p in ownership.params if id(p) in reduced})
+        self._steps.register(params)
+        claim_params(params, self._technique)
+        self._consolidated = None
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self._engine.optimizer!r}, rank "
+                f"{self._ownership.rank} of {self._ownership.world_size}, "
+                f"{self._policy!r})")

@@ -1,0 +1,219 @@
+"""The set-up of sharded optimizer state on a DDP model: every check, the ownership,
+then ``overlap_ddp``'s own set-up with the sharded stepper, this rank's share and the
+parameter exchange.
+
+Everything that can be refused is refused before the comm hook is registered: the
+options sharding cannot honour (``step_thread="comm"``, ``find_unused_parameters``), an
+optimizer whose step couples parameters, a sharding policy that answers badly or
+differently on different ranks.
+
+.. versionadded:: 0.3
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from overlapkit.errors import ConfigurationError, UnsupportedOptimizerError
+from overlapkit.overlap.clipping import GradClipping
+from overlapkit.overlap.ddp_setup import check_params_in_ddp_model, ddp_params, set_up_on_ddp
+from overlapkit.overlap.engine import OverlapEngine
+from overlapkit.overlap.setup import materialise_params, optimizer_probe
+from overlapkit.overlap.sharded.exchange import ParameterExchange, exchange_group
+from overlapkit.overlap.sharded.optimizer import TECHNIQUE, ShardedOverlapOptimizer
+from overlapkit.overlap.sharded.ownership import (
+    Ownership,
+    ShardingPolicy,
+    SizeBalancedPolicy,
+    assign_owners,
+    drop_state_outside_share,
+    slots_of,
+)
+from overlapkit.overlap.sharded.stepper import ShardedBucketStepper
+
+__all__ = ["check_shardable", "resolve_policy", "shard_on_ddp"]
+
+
+def resolve_policy(shard_optimizer_state: Any) -> ShardingPolicy | None:
+    """The policy ``shard_optimizer_state`` asks for: None (not sharded) for False,
+    :class:`SizeBalancedPolicy` for True, or the :class:`ShardingPolicy` given.
+
+    :raises ConfigurationError: anything else.
+    """
+    if shard_optimizer_state is False or shard_optimizer_state is None:
+        return None
+    if shard_optimizer_state is True:
+        return SizeBalancedPolicy()
+    if isinstance(shard_optimizer_state, ShardingPolicy):
+        return shard_optimizer_state
+    if isinstance(shard_optimizer_state, type) and issubclass(shard_optimizer_state,
+                                                             ShardingPolicy):
+        got = (f"the class {shard_optimizer_state.__qualname__} (pass an instance: "
+               f"{shard_optimizer_state.__name__}())")
+    else:
+        got = repr(shard_optimizer_state)
+    raise ConfigurationError(
+        "shard_optimizer_state must be True, False or a "
+        f"overlapkit.ShardingPolicy instance, got {got}."
+    )
+
+
+def _twins(params: Sequence[Any]) -> list[Any]:
+    """``params`` (tensors or group dicts) with every parameter replaced by a meta twin
+    (same shape and dtype, no memory) holding a zero gradient."""
+    def twin(param: torch.Tensor) -> torch.Tensor:
+        copy = torch.empty_like(param, device="meta")
+        if param.requires_grad:
+            copy.requires_grad_(True)
+            copy.grad = torch.zeros_like(copy)
+        return copy
+
+    out: list[Any] = []
+    for item in params:
+        if isinstance(item, Mapping):
+            inner = item["params"]
+            inner = [inner] if isinstance(inner, torch.Tensor) else list(inner)
+            out.append({**item, "params": [twin(p) for p in inner]})
+        else:
+            out.append(twin(item))
+    return out
+
+
+def check_shardable(optim_cls: type[torch.optim.Optimizer], args: Sequence[Any],
+                    optim_kwargs: Mapping[str, Any], params: Sequence[Any]) -> None:
+    """Refuse an optimizer whose step couples parameters, which a rank stepping only
+    its share would compute differently from the plain optimizer.
+
+    One step of a throwaway instance over meta-device twins of the parameters (no
+    memory, nothing computed, the real optimizer untouched) shows what the step keeps:
+    state under keys that are not parameters, or values written into the param groups
+    (D-Adaptation's and Prodigy's ``d``, computed from all parameters), are such
+    coupling. An optimizer that cannot be built or stepped on meta tensors is let
+    through (its own errors come at the real set-up and step).
+
+    :raises UnsupportedOptimizerError: naming what couples the parameters.
+    """
+    try:
+        optimizer = optim_cls(_twins(params), *args, **optim_kwargs)
+        before = [dict(group) for group in optimizer.param_groups]
+        optimizer.step()
+    except Exception:  # not decidable here: the real set-up and step will tell
+        return
+    twins = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    foreign = [key for key in optimizer.state if id(key) not in twins]
+    if foreign:
+        raise UnsupportedOptimizerError(
+            f"{optim_cls.__qualname__} keeps optimizer state that belongs to no single "
+            f"parameter ({len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} keyed "
+            "by something else), so it cannot be sharded by parameter: each rank would "
+            "keep its own copy, computed from its share. Use overlap_ddp without "
+            "shard_optimizer_state, or an optimizer whose state is per parameter."
+        )
+    for index, (group, old) in enumerate(zip(optimizer.param_groups, before, strict=True)):
+        changed = sorted(key for key, value in group.items()
+                         if key != "params" and (key not in old or old[key] is not value))
+        if changed:
+            raise UnsupportedOptimizerError(
+                f"{optim_cls.__qualname__} writes {', '.join(map(repr, changed))} into "
+                f"param group {index} during step(): a value computed from every "
+                "parameter of the group (as D-Adaptation's and Prodigy's 'd'), which a "
+                "rank stepping only its share would compute differently. Use overlap_ddp "
+                "without shard_optimizer_state for this optimizer."
+            )
+
+
+def _refuse_options(model: DistributedDataParallel, step_thread: str) -> None:
+    """:raises ConfigurationError: options sharded optimizer state cannot honour."""
+    if step_thread != "backward":
+        raise ConfigurationError(
+            f"step_thread={step_thread!r} cannot be used with shard_optimizer_state: the "
+            "updated parameters are sent to the other ranks right after each bucket's "
+            "step, and every rank must send them in the same order, which steps on "
+            "communication threads (several, concurrently) do not give. Use "
+            "step_thread='backward' (the default)."
+        )
+    if model.find_unused_parameters:
+        raise ConfigurationError(
+            "shard_optimizer_state cannot be used with a DDP model built with "
+            "find_unused_parameters=True: which parameters each rank steps in a bucket "
+            "then depends on what that rank used, where sharding needs every rank to "
+            "know which updates each bucket brings. Build the model without "
+            "find_unused_parameters (with static_graph=True if some parameters are "
+            "unused in every iteration), or use overlap_ddp without "
+            "shard_optimizer_state."
+        )
+
+
+def _groups_of(params: Sequence[Any]) -> tuple[list[torch.Tensor], list[int]]:
+    """The parameters of ``params`` in the optimizer's order, and each one's group."""
+    flat: list[torch.Tensor] = []
+    groups: list[int] = []
+    if params and all(isinstance(item, Mapping) for item in params):
+        for index, item in enumerate(params):
+            inner = item["params"]
+            inner = [inner] if isinstance(inner, torch.Tensor) else list(inner)
+            flat += inner
+            groups += [index] * len(inner)
+    else:
+        flat = list(params)
+        groups = [0] * len(flat)
+    return flat, groups
+
+
+def shard_on_ddp(
+    model: DistributedDataParallel,
+    overlapped_cls: type[OverlapEngine],
+    optim_cls: type[torch.optim.Optimizer],
+    args: tuple[Any, ...],
+    optim_kwargs: dict[str, Any],
+    params: Iterable[Any] | None,
+    comm_hook: str,
+    comm_hook_options: Mapping[str, Any] | None,
+    clipping: GradClipping,
+    *,
+    policy: ShardingPolicy,
+    step_thread: str,
+    grad_scaler: Any | None,
+) -> ShardedOverlapOptimizer:
+    """``overlap_ddp``'s set-up with sharded optimizer state (see
+    :func:`overlapkit.overlap_ddp`): checks, ownership, then the comm hook."""
+    _refuse_options(model, step_thread)
+    if params is None:
+        params = ddp_params(model)
+    else:
+        params = materialise_params(params, optimizer_probe(optim_cls, args, optim_kwargs))
+        check_params_in_ddp_model(model, params)
+    params = list(params)
+    check_shardable(optim_cls, args, optim_kwargs, params)
+    flat, groups = _groups_of(params)
+    group = model.process_group
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    names = {id(p): name for name, p in model.module.named_parameters()}
+    owners = assign_owners(policy, slots_of(flat, groups, names), world_size,
+                           [0] * world_size, group)
+    engine, stepper = set_up_on_ddp(
+        model, overlapped_cls, optim_cls, args, optim_kwargs, params, comm_hook,
+        comm_hook_options, clipping, TECHNIQUE, step_thread=step_thread,
+        with_side_stream=True, grad_scaler=grad_scaler, stepper_cls=ShardedBucketStepper,
+    )
+    assert isinstance(stepper, ShardedBucketStepper)
+    held = engine.parameters()
+    if len(held) != len(flat) or any(a is not b for a, b in zip(held, flat, strict=True)):
+        raise AssertionError("the optimizer holds its parameters in another order")
+    ownership = Ownership(held, owners, rank, world_size)
+    engine.step_only(ownership.mine())
+    drop_state_outside_share(engine.optimizer, ownership)
+    reduced = {id(p) for p in ddp_params(model)}
+    stepper.attach(ParameterExchange(
+        ownership, {id(p) for p in held if id(p) in reduced},
+        exchange_group(group, world_size), stepper.side_stream,
+        cap_bytes=int(model.bucket_bytes_cap)))
+    # DDP's own forward pre-hook waits (stepper.before_forward); this one covers a call
+    # of the wrapped module itself (ddp_model.module(x))
+    model.module.register_forward_pre_hook(lambda module, inputs: stepper.wait_for_parameters())
+    return ShardedOverlapOptimizer(engine, stepper, model, ownership, policy)

@@ -1,0 +1,141 @@
+"""The state dicts of a sharded optimizer: gathered whole on one rank, or one rank's
+share, and loading either back.
+
+Each rank's real optimizer holds every parameter in its ``param_groups`` and the state of
+the parameters it owns, so its ``state_dict()`` has the plain format with the state of
+one share; the shares' states are disjoint, so the whole one is their union
+(:func:`gather_state_dict`), which loads into a plain optimizer of the same class, into
+``overlap_ddp`` without sharding, or into a sharded one at any world size (each rank
+keeps its share: :func:`share_of`). A single rank's share is saved as a *sharded state
+dict* (:func:`sharded_state_dict`), which records the ownership it belongs to and loads
+only where the ownership is the same: a share loaded elsewhere would leave parameters
+without their state, silently. ``overlapkit.checkpoint`` needs neither: it writes each
+rank's share to one DCP checkpoint and reads it back at any world size.
+
+.. versionadded:: 0.3
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from overlapkit.errors import ConfigurationError
+from overlapkit.overlap.sharded.ownership import Ownership
+
+__all__ = ["SHARDED_STATE_KEY", "SHARDING_KEY", "check_sharded_state_dict",
+           "gather_state_dict", "share_of", "sharded_state_dict"]
+
+#: where a sharded state dict keeps its share of the state (not "state": a plain
+#: optimizer's ``load_state_dict`` then fails at once instead of loading a share silently)
+SHARDED_STATE_KEY = "sharded_state"
+#: where a sharded state dict records its ownership
+SHARDING_KEY = "sharding"
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def gather_state_dict(local: dict[str, Any], ownership: Ownership, group: Any,
+                      to: int) -> dict[str, Any] | None:
+    """The whole state dict, on rank ``to`` of ``group`` (None elsewhere), from each
+    rank's ``local`` one (its real optimizer's ``state_dict()``). A collective: every
+    rank calls it. The state's tensors are copies on the CPU (as
+    ``ZeroRedundancyOptimizer.consolidate_state_dict`` keeps them): the gathering rank
+    holds every rank's state."""
+    mine = _to_cpu({index: value for index, value in local["state"].items()})
+    if ownership.world_size == 1:
+        return {"state": mine, "param_groups": local["param_groups"]}
+    gathered: list[Any] | None = [None] * ownership.world_size \
+        if ownership.rank == to else None
+    dist.gather_object(mine, gathered, dst=dist.get_global_rank(group, to), group=group)
+    if gathered is None:
+        return None
+    state: dict[int, Any] = {}
+    for share in gathered:
+        state.update(share)
+    return {"state": dict(sorted(state.items())),
+            "param_groups": _to_cpu(local["param_groups"])}
+
+
+def sharded_state_dict(local: dict[str, Any], ownership: Ownership) -> dict[str, Any]:
+    """This rank's share as a sharded state dict: the param groups, the share's state,
+    and the ownership it belongs to."""
+    return {SHARDED_STATE_KEY: local["state"], "param_groups": local["param_groups"],
+            SHARDING_KEY: ownership.describe()}
+
+
+def check_sharded_state_dict(state_dict: Mapping[str, Any], ownership: Ownership) -> None:
+    """:raises ConfigurationError: ``state_dict`` is a sharded state dict of another
+    world size, another ownership or another rank."""
+    saved = state_dict.get(SHARDING_KEY)
+    here = ownership.describe()
+    if not isinstance(saved, Mapping) or not {"world_size", "rank", "owners"} <= set(saved):
+        raise ConfigurationError(
+            f"this sharded state dict has no valid {SHARDING_KEY!r} record; load the state "
+            "dict local_state_dict() returned, unchanged."
+        )
+    if saved["world_size"] != here["world_size"]:
+        raise ConfigurationError(
+            f"this sharded state dict was saved by rank {saved['rank']} of "
+            f"{saved['world_size']} ranks and holds the optimizer state of that rank's "
+            f"share only, so it cannot be loaded at {here['world_size']} ranks (other "
+            "parameters would start without state). Nothing was changed. Load it at "
+            f"{saved['world_size']} ranks, or save a whole state dict instead: "
+            "optimizer.consolidate_state_dict(to=0) on every rank, then "
+            "optimizer.state_dict() on rank 0 (it loads at any world size), or "
+            "overlapkit.checkpoint.save/load, which reshard."
+        )
+    if list(saved["owners"]) != here["owners"]:
+        raise ConfigurationError(
+            "this sharded state dict was saved with another assignment of parameters to "
+            "ranks (another sharding policy, or other parameters), so its share is not "
+            "this rank's. Nothing was changed. Save a whole state dict instead "
+            "(consolidate_state_dict, then state_dict()), or use "
+            "overlapkit.checkpoint.save/load."
+        )
+    if saved["rank"] != here["rank"]:
+        raise ConfigurationError(
+            f"this sharded state dict holds rank {saved['rank']}'s share and is being "
+            f"loaded on rank {here['rank']}. Nothing was changed. Each rank loads the "
+            "one it saved (e.g. torch.save(opt.local_state_dict(), f'optim-{rank}.pt'))."
+        )
+
+
+def share_of(state_dict: Mapping[str, Any], ownership: Ownership) -> dict[str, Any]:
+    """The plain-format state dict this rank's real optimizer loads from
+    ``state_dict`` — a whole state dict (any world size) or this rank's sharded one
+    (checked by :func:`check_sharded_state_dict`): the param groups and the state of
+    the parameters this rank owns.
+
+    :raises ConfigurationError: not an optimizer state dict; a sharded one that is not
+        this rank's.
+    """
+    if not isinstance(state_dict, Mapping) or "param_groups" not in state_dict or not (
+            "state" in state_dict or SHARDED_STATE_KEY in state_dict):
+        raise ConfigurationError(
+            "load_state_dict expects an optimizer state dict (with 'state' and "
+            f"'param_groups', or a sharded one from local_state_dict()), got "
+            f"{type(state_dict).__name__}"
+            + (f" with keys {sorted(map(str, state_dict))}"
+               if isinstance(state_dict, Mapping) else "")
+            + "; pass what state_dict() or local_state_dict() returned."
+        )
+    if SHARDED_STATE_KEY in state_dict:
+        check_sharded_state_dict(state_dict, ownership)
+        return {"state": dict(state_dict[SHARDED_STATE_KEY]),
+                "param_groups": state_dict["param_groups"]}
+    mine = ownership.my_indices()
+    return {"state": {index: value for index, value in state_dict["state"].items()
+                      if index in mine},
+            "param_groups": state_dict["param_groups"]}

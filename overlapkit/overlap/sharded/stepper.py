@@ -1,0 +1,119 @@
+"""The comm hook of sharded optimizer state: each bucket's owned parameters stepped as
+its reduction completes, then the bucket's updated parameters exchanged, every update
+landed when ``backward()`` returns.
+
+:class:`ShardedBucketStepper` is :class:`~overlapkit.overlap.bucket_stepper.BucketStepper`
+(the engine steps only this rank's share: ``OverlapEngine.step_only``) plus the
+:class:`~overlapkit.overlap.sharded.exchange.ParameterExchange`: after each bucket's
+step, on every rank, in bucket order, the bucket's parameters are broadcast from their
+owners; when every step waits for the end of backward (global clipping, a GradScaler) or
+parameters are stepped after DDP's finalize (``static_graph``, whose buckets step only
+what this rank used), everything is exchanged once the steps are done.
+
+.. versionadded:: 0.3
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from overlapkit.errors import ConfigurationError, OverlapkitError
+from overlapkit.overlap.backward_scope import OUTSIDE
+from overlapkit.overlap.bucket_stepper import BucketStepper
+from overlapkit.overlap.sharded.exchange import ParameterExchange
+
+__all__ = ["ShardedBucketStepper", "join_refusal"]
+
+
+def join_refusal() -> ConfigurationError:
+    """The error of ``ddp_model.join()`` (uneven inputs) with sharded optimizer state."""
+    return ConfigurationError(
+        "ddp_model.join() (uneven inputs) cannot be used with shard_optimizer_state: a "
+        "rank that has run out of inputs would neither step the parameters it owns nor "
+        "send them, and the other ranks would wait for them. Give every rank the same "
+        "number of batches (drop the last uneven ones, e.g. DistributedSampler("
+        "drop_last=True)), or use overlap_ddp without shard_optimizer_state."
+    )
+
+
+class ShardedBucketStepper(BucketStepper):
+    """A :class:`BucketStepper` whose steps are followed by the parameter exchange.
+
+    ``exchange`` is set by the set-up right after the comm hook is registered (nothing
+    runs in between). Exchanges are launched on the thread running backward only
+    (``step_thread="backward"``), so every rank launches them in the same order.
+    """
+
+    exchange: ParameterExchange
+    #: whether each bucket is exchanged right after its step (else everything is, once
+    #: backward's steps are done): set at set-up from the stepper's mode
+    per_bucket: bool
+    #: counts the steps taken (stepping backwards, full steps, loads): a consolidated
+    #: state dict is of one generation
+    generation: int = 0
+
+    def attach(self, exchange: ParameterExchange) -> None:
+        """Give the stepper its exchange (at set-up)."""
+        self.exchange = exchange
+        self.per_bucket = self.global_step is None and not self.track_usage
+
+    def run(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if torch._C._current_graph_task_id() == -1 and self._scope.enter() == OUTSIDE:
+            raise join_refusal()
+        self.exchange.poll()  # updates that have arrived land between autograd nodes
+        return super().run(bucket)
+
+    def backward_starts(self) -> OverlapkitError | None:
+        refused = super().backward_starts()
+        if refused is None:
+            self.generation += 1
+        return refused
+
+    def _step_bucket(self, bucket: dist.GradBucket,
+                     future: torch.futures.Future[Any]) -> torch.Tensor:
+        buffer = super()._step_bucket(bucket, future)
+        if self.per_bucket:
+            # On every rank, whether or not it owns anything here, and whether or not
+            # the step raised (it is raised at the end of backward): the broadcasts
+            # must match across ranks. On the steps' side stream, right after them.
+            with self._on_side_stream(bucket):
+                self.exchange.launch_bucket(bucket.index(), bucket.parameters())
+        return buffer
+
+    def _after_backward(self) -> None:
+        try:
+            super()._after_backward()
+        finally:
+            if not self.per_bucket:
+                # the steps were taken here (and synchronised): exchange them all
+                self.exchange.launch_all()
+            # When backward() returns every parameter holds its update, as without
+            # sharding: a loop may read them before the next forward (an EMA of the
+            # weights, logging) without calling step(). Only the last buckets' exchange
+            # is left to wait for here; the others landed while backward went on. On
+            # an accelerator this enqueues the waits and copies (no host wait).
+            self.wait_for_parameters()
+
+    def wait_for_parameters(self) -> None:
+        """Every update exchanged so far has landed, and (on an accelerator) the current
+        stream waits for it: call before reading parameters."""
+        self.exchange.wait()
+        self.synchronize()
+
+    def before_forward(self) -> None:
+        """Before each forward of the DDP model: every parameter holds its last update
+        (waiting for the exchange if it has not arrived), then what
+        :meth:`BucketStepper.before_forward` does."""
+        self.exchange.wait()
+        super().before_forward()
+
+    def full_step_taken(self) -> None:
+        """A ``step()`` with no stepping backward before it stepped this rank's share:
+        exchange it, and wait (the plain ``step()`` returns with the parameters
+        updated)."""
+        self.generation += 1
+        self.exchange.launch_all()
+        self.wait_for_parameters()
