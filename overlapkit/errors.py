@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointError",
     "ConfigurationError",
+    "MissingExtraError",
     "OverlapkitError",
     "PluginConflictError",
     "PluginLoadError",
@@ -68,6 +69,14 @@ class PluginLoadError(OverlapkitError, ImportError):
     overlapkit fails fast here instead of skipping the plugin: ranks that end up with
     different plugin sets would pick different comm hooks or averagers and hang in a
     collective.
+    """
+
+
+class MissingExtraError(OverlapkitError, ImportError):
+    """An integration was imported without the framework it integrates with; the
+    message names the extra to install (``pip install 'overlapkit[transformers]'``).
+
+    .. versionadded:: 0.3
     """
 
 
