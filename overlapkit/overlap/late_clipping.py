@@ -114,21 +114,22 @@ def _stepper_of(param: torch.Tensor) -> Any:
 
 def _framework_hint() -> str:
     """What to use instead, for the framework calling the clip (read from the calling
-    frames; only on the error path)."""
+    frames, the outermost framework first: the Trainer clips through Accelerate; only
+    on the error path)."""
+    modules = set()
     frame: types.FrameType | None = sys._getframe(2)
     while frame is not None:
-        module = str(frame.f_globals.get("__name__", ""))
-        if module.startswith("transformers."):
-            return (" Hugging Face's Trainer clips after backward (max_grad_norm, 1.0 by "
-                    "default): train with overlapkit.integrations.transformers."
-                    "OverlapTrainer, which sets the optimizer up with the Trainer's "
-                    "clipping.")
-        if module.startswith("accelerate."):
-            return (" With Accelerate, set the model and optimizer up with "
-                    "overlapkit.integrations.accelerate.prepare(..., clip_grad_norm=...).")
-        if module.startswith(("lightning.", "pytorch_lightning.")):
-            return " With Lightning, use overlapkit's Lightning integration."
+        modules.add(str(frame.f_globals.get("__name__", "")).partition(".")[0])
         frame = frame.f_back
+    if "transformers" in modules:
+        return (" Hugging Face's Trainer clips after backward (max_grad_norm, 1.0 by "
+                "default): train with overlapkit.integrations.transformers.OverlapTrainer, "
+                "which sets the optimizer up with the Trainer's clipping.")
+    if modules & {"lightning", "pytorch_lightning"}:
+        return " With Lightning, use overlapkit's Lightning integration."
+    if "accelerate" in modules:
+        return (" With Accelerate, set the model and optimizer up with "
+                "overlapkit.integrations.accelerate.prepare(..., clip_grad_norm=...).")
     return ""
 
 
