@@ -196,11 +196,12 @@ class OverlapTrainer(Trainer):
             reason = (f"its class {cls.__module__}.{cls.__qualname__} is not one of "
                       "torch's or transformers' optimizers, which overlapkit is tested on")
         if reason is not None:
+            optim = getattr(self.args.optim, "value", self.args.optim)
             raise ConfigurationError(
-                f"OverlapTrainer cannot step the optimizer built for optim="
-                f"{self.args.optim!r} during backward: {reason}. Use a torch optimizer "
-                "(optim='adamw_torch', the default, 'adamw_torch_fused', 'sgd', "
-                "'adafactor', ...), or the plain Trainer."
+                f"OverlapTrainer cannot step the optimizer built for optim={optim!r} "
+                f"during backward: {reason}. Use a torch optimizer (optim="
+                "'adamw_torch_fused', the default, 'adamw_torch', 'sgd', 'adafactor', "
+                "...), or the plain Trainer."
             )
 
     def set_up_overlap(self) -> None:

@@ -104,3 +104,61 @@ def test_with_max_grad_norm_0_no_grad_norm_is_logged_and_training_is_the_plain_o
     assert ours["grad_norms"] == [None] * len(plain["grad_norms"])
     ours["grad_norms"] = plain["grad_norms"]
     assert same_run(plain, ours)
+
+
+def _overlap_trainer(tmp_path: Path, *, optimizers: Any = (None, None), **options: Any) -> Any:
+    from hf_models import Tokens, gpt2, quiet
+
+    from overlapkit.integrations.transformers import OverlapTrainer
+
+    quiet()
+    arguments_overrides = options.pop("arguments", {})
+    model = options.pop("model", None) or gpt2()
+    return OverlapTrainer(model=model, args=arguments(str(tmp_path), **arguments_overrides),
+                          train_dataset=Tokens("gpt2"), optimizers=optimizers, **options)
+
+
+@pytest.mark.parametrize(("options", "named"), [
+    ({"arguments": {"torch_compile": True, "torch_compile_backend": "eager"}},
+     "torch_compile=True"),
+    ({"arguments": {"fp16": True, "bf16": False}}, "fp16=True"),
+    ({"overlap_options": {"clip_grad_norm": 2.0}}, "'clip_grad_norm'.*max_grad_norm"),
+    ({"technique": "zero"}, "technique must be one of"),
+])
+def test_settings_it_cannot_honour_are_refused_when_it_is_built(
+        tmp_path: Path, options: dict[str, Any], named: str) -> None:
+    with pytest.raises(overlapkit.ConfigurationError, match=named):
+        _overlap_trainer(tmp_path, **options)
+
+
+def test_an_optimizer_overlapkit_already_set_up_is_refused(tmp_path: Path) -> None:
+    from hf_models import gpt2
+
+    model = gpt2()
+    optimizer = overlapkit.optimizer_in_backward(model, torch.optim.AdamW, lr=1e-2)
+    with pytest.raises(overlapkit.UnsupportedOptimizerError, match="plain optimizer"):
+        _overlap_trainer(tmp_path, model=model, optimizers=(optimizer, None))
+
+
+class Unknown(torch.optim.SGD):
+    """An optimizer class from outside torch and transformers."""
+
+
+def test_an_optimizer_from_args_optim_outside_torch_and_transformers_is_refused(
+        tmp_path: Path) -> None:
+    trainer = _overlap_trainer(tmp_path)
+    model = trainer.model
+    with pytest.raises(overlapkit.ConfigurationError, match=r"optim='adamw_torch_fused'.*Unknown"):
+        trainer.check_optimizer(Unknown(model.parameters(), lr=0.1))
+    trainer.check_optimizer(torch.optim.AdamW(model.parameters()))  # torch's: accepted
+
+
+def test_a_plain_optimizer_given_to_it_is_the_one_stepped(tmp_path: Path) -> None:
+    from hf_models import gpt2
+
+    model = gpt2()
+    optimizer = Unknown(model.parameters(), lr=1e-2)  # the user's choice: accepted
+    trainer = _overlap_trainer(tmp_path, model=model, optimizers=(optimizer, None),
+                               arguments={"max_steps": 2})
+    trainer.train()
+    assert trainer.optimizer.optimizer.optimizer is optimizer
