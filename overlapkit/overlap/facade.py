@@ -114,7 +114,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
     #: ``torch.amp.GradScaler.step`` hands an optimizer with this flag the scale and
     #: the inf check as attributes (``grad_scale``, ``found_inf``) and calls its
     #: ``step()`` directly, instead of unscaling its gradients itself: so ``step()``
-    #: sees that a GradScaler drives it (see :meth:`_refuse_grad_scaler`).
+    #: sees that a GradScaler drives it (see :meth:`_scaler_driving`).
     _step_supports_amp_scaling = True
 
     def _scaler_driving(self) -> Any | None:
