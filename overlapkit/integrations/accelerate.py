@@ -67,13 +67,21 @@ from overlapkit.integrations.existing_optimizer import (  # noqa: E402
 from overlapkit.overlap.facade import OverlappedOptimizerFacade  # noqa: E402
 from overlapkit.overlap.in_backward import OptimizerInBackward  # noqa: E402
 
-__all__ = ["check_accelerator", "overlap_prepared", "prepare"]
+__all__ = ["check_accelerator", "overlap_prepared", "prepare", "wraps_in_ddp"]
 
 #: the distributed types whose model is a plain module or DDP
 _DDP_TYPES = frozenset(DistributedType) - {
     DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.XLA,
     DistributedType.MEGATRON_LM,
 }
+
+
+def wraps_in_ddp(accelerator: Accelerator) -> bool:
+    """Whether ``accelerator.prepare`` wraps a model in ``DistributedDataParallel``: on
+    several GPUs (or other devices), and on CPU processes launched by ``torchrun`` or
+    ``accelerate launch`` whatever their number (accelerate 1.15's ``prepare_model``)."""
+    return bool(accelerator.multi_device
+                or accelerator.distributed_type == DistributedType.MULTI_CPU)
 
 
 def _refuse(setting: str, why: str, instead: str) -> ConfigurationError:
@@ -162,11 +170,11 @@ def check_accelerator(accelerator: Accelerator, *, where: str = "Accelerator") -
 def _one_process_overlap_ddp() -> ConfigurationError:
     return ConfigurationError(
         "technique='overlap_ddp' steps each DDP gradient bucket as its allreduce "
-        "completes, and this run has one process: Accelerate does not wrap the model in "
-        "DistributedDataParallel, so there is nothing to overlap. Launch with torchrun "
-        "or `accelerate launch` (any number of processes: Accelerate wraps the model "
-        "in DDP then), or use technique='optimizer_in_backward', which steps each "
-        "parameter during backward on one process too."
+        "completes, and Accelerate does not wrap the model in DistributedDataParallel "
+        "in this run (one process), so there is nothing to overlap. Launch 2 or more "
+        "processes with torchrun or `accelerate launch` (on CPU one launched process is "
+        "enough), or use technique='optimizer_in_backward', which steps each parameter "
+        "during backward on one process too."
     )
 
 
@@ -249,7 +257,7 @@ def prepare(accelerator: Accelerator, model: torch.nn.Module,
     """
     technique = check_technique(technique)
     check_accelerator(accelerator)
-    if technique == "overlap_ddp" and accelerator.distributed_type == DistributedType.NO:
+    if technique == "overlap_ddp" and not wraps_in_ddp(accelerator):
         raise _one_process_overlap_ddp()
     if isinstance(optimizer, AcceleratedOptimizer) or getattr(
             optimizer, "_is_accelerate_prepared", False):

@@ -55,13 +55,13 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
-from accelerate.utils import DistributedType  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from overlapkit.errors import ConfigurationError, UnsupportedOptimizerError  # noqa: E402
 from overlapkit.integrations.accelerate import (  # noqa: E402
     check_accelerator,
     overlap_prepared,
+    wraps_in_ddp,
 )
 from overlapkit.integrations.existing_optimizer import check_technique  # noqa: E402
 from overlapkit.optimizer_wrapper import OptimizerWrapper  # noqa: E402
@@ -97,8 +97,9 @@ class OverlapTrainer(Trainer):
     Takes the ``Trainer``'s arguments, and:
 
     :param technique: ``"optimizer_in_backward"`` (default; one or more processes, frees
-        each gradient once stepped) or ``"overlap_ddp"`` (2 or more processes, or one
-        launched with ``torchrun``: each DDP bucket stepped as its allreduce completes).
+        each gradient once stepped) or ``"overlap_ddp"`` (the DDP model Accelerate
+        builds for 2 or more processes, or on CPU for one launched with ``torchrun``:
+        each DDP bucket stepped as its allreduce completes).
     :param overlap_options: other keyword options of the technique (``comm_hook``,
         ``clip_grad_value``, ``step_thread``, ...); clipping by norm comes from
         ``args.max_grad_norm``.
@@ -160,14 +161,13 @@ class OverlapTrainer(Trainer):
                 "module)."
             )
         check_accelerator(self.accelerator, where="TrainingArguments")
-        if (self.overlap_technique == "overlap_ddp"
-                and self.accelerator.distributed_type == DistributedType.NO):
+        if self.overlap_technique == "overlap_ddp" and not wraps_in_ddp(self.accelerator):
             raise ConfigurationError(
                 "technique='overlap_ddp' steps each DDP gradient bucket as its allreduce "
-                "completes, and this Trainer runs one process without torchrun: "
-                "Accelerate does not wrap the model in DistributedDataParallel, so there is "
-                "nothing to overlap. Launch with torchrun (any number of processes), or use "
-                "technique='optimizer_in_backward'."
+                "completes, and this Trainer runs one process, whose model Accelerate "
+                "does not wrap in DistributedDataParallel, so there is nothing to overlap. "
+                "Launch 2 or more processes with torchrun (on CPU one launched process is "
+                "enough), or use technique='optimizer_in_backward'."
             )
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
