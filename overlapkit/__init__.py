@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from overlapkit.errors import (
     CheckpointError,
     ConfigurationError,
+    MissingExtraError,
     OverlapkitError,
     PluginConflictError,
     PluginLoadError,
@@ -109,6 +110,7 @@ __all__ = [
     "ConfigurationError",
     "DDPOverlapOptimizer",
     "LoadPlannerRecord",
+    "MissingExtraError",
     "OptimizerInBackward",
     "OptimizerRecord",
     "OverlapkitError",
