@@ -213,6 +213,7 @@ def _pause_steps_in_no_sync(accelerator: Accelerator, model: torch.nn.Module,
     plain module the steps are paused there with ``facade.no_step()``: this accelerator
     gets its own ``no_sync`` (an attribute of this instance, nothing else changes)."""
     original = accelerator.no_sync
+    stepped = model
 
     @contextmanager
     def no_sync(model: torch.nn.Module) -> Iterator[None]:
@@ -223,7 +224,6 @@ def _pause_steps_in_no_sync(accelerator: Accelerator, model: torch.nn.Module,
             else:
                 yield
 
-    stepped = model
     accelerator.no_sync = no_sync
 
 
