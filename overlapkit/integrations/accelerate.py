@@ -30,9 +30,9 @@ maps onto overlapkit's own rules:
   (:mod:`overlapkit.overlap.late_clipping`). ``clip_grad_norm`` has no default: the
   clip must be known before the first step, which happens inside the first backward;
 - ``with accelerator.accumulate(model):`` runs the backwards that do not end an
-  accumulation window inside ``accelerator.no_sync(model)``: DDP's ``no_sync()``,
-  under which nothing steps; on one process (no DDP) :func:`prepare` makes
-  ``accelerator.no_sync(model)`` enter ``optimizer.no_step()`` as well;
+  accumulation window inside ``accelerator.no_sync(model)``, which :func:`prepare`
+  makes pause the steps: DDP's ``no_sync()`` (Accelerate enters it only with 2 or
+  more processes), or ``optimizer.no_step()`` on a plain module;
 - ``optimizer.step()`` / ``zero_grad()``, the prepared scheduler,
   ``accelerator.save_state()`` / ``load_state()``: the facade's (plain ``state_dict()``
   format).
@@ -49,8 +49,8 @@ from overlapkit.integrations.requirements import require
 
 require("accelerate", "accelerate", "1.15.0")
 
-from collections.abc import Iterator  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+from contextlib import AbstractContextManager, contextmanager  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
@@ -192,7 +192,7 @@ def overlap_prepared(accelerator: Accelerator, prepared_model: torch.nn.Module,
                      **options: Any) -> OverlappedOptimizerFacade:
     """Set ``technique`` up on a model ``accelerator`` has prepared, stepping
     ``optimizer`` (the same instance), and make ``accelerator.no_sync(model)`` pause
-    the steps where DDP's ``no_sync()`` does not apply (one process).
+    the steps (:func:`_pause_steps_in_no_sync`).
 
     :raises ConfigurationError: ``overlap_ddp`` on a model Accelerate did not wrap in
         DDP (one process launched without ``torchrun``), and what the technique refuses.
@@ -201,17 +201,22 @@ def overlap_prepared(accelerator: Accelerator, prepared_model: torch.nn.Module,
     if technique == "overlap_ddp" and not isinstance(model, DistributedDataParallel):
         raise _one_process_overlap_ddp()
     facade = overlap_existing(model, optimizer, technique, **options)
-    if isinstance(facade, OptimizerInBackward) and facade.kind == "module":
-        _pause_steps_in_no_sync(accelerator, model, facade)
+    if isinstance(model, DistributedDataParallel):
+        _pause_steps_in_no_sync(accelerator, model, model.no_sync)
+    elif isinstance(facade, OptimizerInBackward):
+        _pause_steps_in_no_sync(accelerator, model, facade.no_step)
     return facade
 
 
 def _pause_steps_in_no_sync(accelerator: Accelerator, model: torch.nn.Module,
-                            facade: OptimizerInBackward) -> None:
-    """``accelerator.no_sync(model)`` (what ``accumulate()`` and the Trainer enter for
-    all but the last micro-batch) is DDP's ``no_sync()``, and nothing without DDP. On a
-    plain module the steps are paused there with ``facade.no_step()``: this accelerator
-    gets its own ``no_sync`` (an attribute of this instance, nothing else changes)."""
+                            pause: Callable[[], AbstractContextManager[Any]]) -> None:
+    """Make ``accelerator.no_sync(model)`` — what ``accumulate()`` and the Trainer enter
+    for all but the last micro-batch — pause the steps: DDP's ``no_sync()`` on a DDP
+    model, ``optimizer.no_step()`` on a plain one. Accelerate enters DDP's ``no_sync()``
+    only with 2 or more processes, and nothing on a plain module; with one process
+    its DDP model (on CPU) would reduce, and so step, every micro-batch (measured:
+    refused at the first step() as accumulation without no_sync). This accelerator
+    gets its own ``no_sync`` (an attribute of this instance; nothing else changes)."""
     original = accelerator.no_sync
     stepped = model
 
@@ -219,7 +224,7 @@ def _pause_steps_in_no_sync(accelerator: Accelerator, model: torch.nn.Module,
     def no_sync(model: torch.nn.Module) -> Iterator[None]:
         with original(model):
             if model is stepped:
-                with facade.no_step():
+                with pause():
                     yield
             else:
                 yield

@@ -28,8 +28,9 @@ settings before the Trainer prepares them. The subclass changes no step of the l
   clipping before the step, and the Trainer's own ``clip_grad_norm_`` call then returns
   the norm overlapkit clipped with (:mod:`overlapkit.overlap.late_clipping`);
 - gradient accumulation: the Trainer runs all but the last micro-batch inside
-  ``accelerator.no_sync(model)``: DDP's ``no_sync()`` on several processes, and
-  ``optimizer.no_step()`` on one (set up by the integration).
+  ``accelerator.no_sync(model)``, which the integration makes pause the steps: DDP's
+  ``no_sync()`` (also with one process, where Accelerate would not enter it), or
+  ``optimizer.no_step()`` on a plain module.
 
 Settings it cannot honour raise :class:`~overlapkit.errors.ConfigurationError` when the
 ``OverlapTrainer`` is built, or at the latest at ``on_train_begin``, before the first

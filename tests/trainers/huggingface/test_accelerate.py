@@ -34,6 +34,23 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_distributed(run, 2, args=(str(tmp_path_factory.mktemp("two")),), timeout=420)
 
 
+@pytest.fixture(scope="module")
+def one_launched_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One process launched as torchrun launches it: Accelerate wraps the model in DDP
+    (on CPU) but does not enter its no_sync() with one process; prepare() does."""
+    (result,) = run_distributed(run, 1, args=(str(tmp_path_factory.mktemp("launched")),
+                                              ("overlap_ddp",)), timeout=300)
+    return result
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_one_launched_process_overlap_ddp_is_bitwise_the_plain_loop(
+        one_launched_process: dict[str, Any], case: str) -> None:
+    assert one_launched_process["clipping active"]
+    assert one_launched_process["overlap_ddp stepped in backward"]
+    assert one_launched_process[f"overlap_ddp {case}"]
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_one_process_optimizer_in_backward_is_bitwise_the_plain_loop(
         one_process: dict[str, Any], case: str) -> None:

@@ -34,6 +34,24 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_distributed(run, 2, args=(str(tmp_path_factory.mktemp("two")),), timeout=420)
 
 
+@pytest.fixture(scope="module")
+def one_launched_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One process launched as torchrun launches it: on CPU Accelerate wraps the model
+    in DDP (of one rank) then, so overlap_ddp runs too."""
+    (result,) = run_distributed(run, 1, args=(str(tmp_path_factory.mktemp("launched")),
+                                              ("overlap_ddp",)), timeout=300)
+    return result
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_one_launched_process_overlap_ddp_is_bitwise_the_plain_trainer(
+        one_launched_process: dict[str, Any], case: str) -> None:
+    assert one_launched_process["clipping active"]
+    assert one_launched_process["overlap_ddp stepped with the facade"] == "DDPOverlapOptimizer"
+    assert one_launched_process["overlap_ddp stepped in backward"]
+    assert one_launched_process[f"overlap_ddp {case}"]
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_one_process_optimizer_in_backward_is_bitwise_the_plain_trainer(
         one_process: dict[str, Any], case: str) -> None:
@@ -93,7 +111,7 @@ def test_a_plain_optimizer_in_backward_in_the_trainer_raises_at_the_first_clip(
 
 
 def test_overlap_ddp_on_one_process_without_torchrun_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(overlapkit.ConfigurationError, match="torchrun"):
+    with pytest.raises(overlapkit.ConfigurationError, match=r"nothing to overlap.*torchrun"):
         train("overlap_ddp", "gpt2", str(tmp_path))
 
 

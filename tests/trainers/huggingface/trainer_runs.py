@@ -119,5 +119,7 @@ def cases(out_dir: str, techniques: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
-def run(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
-    return cases(out_dir, ("overlap_ddp", "optimizer_in_backward"))
+def run(rank: int, world_size: int, out_dir: str,
+        techniques: tuple[str, ...] = ("overlap_ddp", "optimizer_in_backward")
+        ) -> dict[str, Any]:
+    return cases(out_dir, techniques)
