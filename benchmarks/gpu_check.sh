@@ -16,7 +16,7 @@ print("torch", torch.__version__, "cuda", torch.version.cuda,
 PY
 status=0
 timeout 300 python3 -m pytest -q -p no:cacheprovider -m cuda -rA --timeout 240 \
-    ${GPU_TESTS:-tests/test_optimizer_in_backward.py tests/test_cuda_*.py} 2>&1 | tee "$out/gpu-tests.txt" | tail -40
+    ${GPU_TESTS:-tests/test_optimizer_in_backward.py tests/test_cuda_*.py tests/trainers/test_lightning_gpu.py} 2>&1 | tee "$out/gpu-tests.txt" | tail -40
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 if [ -z "${SKIP_BENCH:-}" ]; then
   timeout 240 python3 -m overlapkit bench --device cuda --only overlap_ddp --world-size 1 \

@@ -1,5 +1,5 @@
 """``overlapkit.integrations`` imports no framework until one of its modules is imported,
-and an integration whose framework is missing raises ``MissingExtraError`` naming the
+and an integration whose framework is missing raises ``MissingDependencyError`` naming the
 extra to install (the frameworks themselves are tested in the ``trainers`` tox
 environment, ``tests/trainers``)."""
 
@@ -22,7 +22,7 @@ def test_importing_overlapkit_and_its_integrations_imports_no_framework() -> Non
 
 
 def test_a_missing_framework_names_the_extra_to_install() -> None:
-    with pytest.raises(overlapkit.MissingExtraError,
+    with pytest.raises(overlapkit.MissingDependencyError,
                        match=r"pip install 'overlapkit\[transformers\]'") as info:
         require("no_such_framework_installed", "transformers", "5.24.0")
     assert isinstance(info.value, ImportError)

@@ -6,7 +6,7 @@ import importlib.util
 import warnings
 from importlib.metadata import PackageNotFoundError, version
 
-from overlapkit.errors import MissingExtraError
+from overlapkit.errors import MissingDependencyError
 
 __all__ = ["UntestedVersionWarning", "require"]
 
@@ -21,10 +21,10 @@ def require(package: str, extra: str, tested: str) -> None:
     :param tested: the version the extra pins: another one gets an
         :class:`UntestedVersionWarning` (the integration follows what that version's
         trainer loop does; parity with the plain run is tested on it only).
-    :raises MissingExtraError: ``package`` is not installed.
+    :raises MissingDependencyError: ``package`` is not installed.
     """
     if importlib.util.find_spec(package) is None:
-        raise MissingExtraError(
+        raise MissingDependencyError(
             f"overlapkit.integrations.{extra} needs {package}, which is not installed; "
             f"install it with overlapkit's extra: pip install 'overlapkit[{extra}]' "
             f"({package}=={tested}, the version it is tested with)."
