@@ -14,6 +14,8 @@
   the generic engine's cheaper calls of ``step()`` where they are the same computation;
 - :mod:`~overlapkit.overlap.setup`, :mod:`~overlapkit.overlap.ddp_setup`,
   :mod:`~overlapkit.overlap.clipping`: the checks and options at set-up;
+- :mod:`~overlapkit.overlap.late_clipping`: torch's ``clip_grad_norm_`` after a
+  backward that already stepped, answered or refused;
 - :mod:`~overlapkit.overlap.plugin`: the built-in plugin ``overlapkit.overlap``.
 """
 

@@ -17,6 +17,10 @@ import attrs
 import torch
 
 from overlapkit.errors import ConfigurationError
+from overlapkit.overlap.late_clipping import (
+    unguarded_clip_grad_norm_,
+    unguarded_clip_grad_value_,
+)
 
 __all__ = ["SCOPES", "GradClipping"]
 
@@ -77,6 +81,6 @@ class GradClipping:
         """Clip the ``.grad`` of one part's ``params`` in place: by value, then by norm
         (the part's own norm; used when the steps do not wait for a global decision)."""
         if self.value is not None:
-            torch.nn.utils.clip_grad_value_(params, self.value)
+            unguarded_clip_grad_value_(params, self.value)
         if self.norm is not None:
-            torch.nn.utils.clip_grad_norm_(params, self.norm, norm_type=self.norm_type)
+            unguarded_clip_grad_norm_(params, self.norm, norm_type=self.norm_type)

@@ -26,6 +26,7 @@ from overlapkit.overlap.amp_scaler import (
 )
 from overlapkit.overlap.engine import OverlapEngine
 from overlapkit.overlap.global_step import GlobalStep, model_order
+from overlapkit.overlap.late_clipping import watch
 from overlapkit.overlap.setup import (
     check_unclaimed,
     claim_params,
@@ -90,6 +91,9 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         self._steps = steps
         self._technique = technique
         self._check_params = check_params
+        # a torch clip_grad_norm_ after a backward that stepped is refused, or
+        # answered when it is the clip this optimizer applied (late_clipping)
+        watch(engine.parameters(), steps)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -269,6 +273,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         engine.add_param_group(group)
         self._steps.register(params)
         claim_params(params, self._technique)
+        watch(params, self._steps)
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(

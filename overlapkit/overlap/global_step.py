@@ -38,6 +38,10 @@ import torch.distributed as dist
 from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.clipping import GradClipping
 from overlapkit.overlap.engine import OverlapEngine
+from overlapkit.overlap.late_clipping import (
+    unguarded_clip_grad_norm_,
+    unguarded_clip_grad_value_,
+)
 
 __all__ = ["GlobalStep", "check_grad_scaler", "model_order", "step_rules"]
 
@@ -102,6 +106,12 @@ class GlobalStep:
         #: per device, whether the last backward's gradients held an inf or a nan
         #: (what ``GradScaler.update()`` reads); empty without a scaler
         self.found_inf_per_device: dict[torch.device, torch.Tensor] = {}
+        #: the total norm the last :meth:`step` clipped with (what torch's
+        #: ``clip_grad_norm_`` returned), and the parameters it clipped; read by
+        #: :mod:`~overlapkit.overlap.late_clipping` to answer the same clip asked after
+        #: backward. None / empty when it clipped nothing by norm.
+        self.last_norm: torch.Tensor | None = None
+        self.last_clipped: list[torch.Tensor] = []
 
     @staticmethod
     def needed(clipping: GradClipping, grad_scaler: Any | None) -> bool:
@@ -118,6 +128,7 @@ class GlobalStep:
         with_grad = sorted((p for p in params if p.grad is not None),
                            key=lambda p: order.get(id(p), len(order)))
         self.found_inf_per_device = {}  # no gradient: no inf check, as GradScaler
+        self.last_norm, self.last_clipped = None, []
         if not with_grad and not self.sharded:
             return False
         found_inf = self._unscale(engine.optimizer)
@@ -125,10 +136,11 @@ class GlobalStep:
             return False
         with torch.no_grad():
             if self.clipping.value is not None:
-                torch.nn.utils.clip_grad_value_(with_grad, self.clipping.value)
+                unguarded_clip_grad_value_(with_grad, self.clipping.value)
             if self.clipping.norm is not None:
-                torch.nn.utils.clip_grad_norm_(with_grad, self.clipping.norm,
-                                               norm_type=self.clipping.norm_type)
+                self.last_norm = unguarded_clip_grad_norm_(
+                    with_grad, self.clipping.norm, norm_type=self.clipping.norm_type)
+                self.last_clipped = with_grad
         if found_inf:
             return False  # GradScaler.step skips the whole step
         engine.step_params(with_grad)

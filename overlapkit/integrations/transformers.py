@@ -1,0 +1,236 @@
+"""overlapkit with Hugging Face's ``Trainer``: :class:`OverlapTrainer`.
+
+::
+
+    from overlapkit.integrations.transformers import OverlapTrainer
+
+    trainer = OverlapTrainer(model=model, args=args, train_dataset=dataset,
+                             technique="optimizer_in_backward")    # or "overlap_ddp"
+    trainer.train()                                                # the Trainer's loop
+
+Why a ``Trainer`` subclass, and not a callback or ``optimizer_cls_and_kwargs``: the
+optimizer has to be set up on the model the Trainer trains — the
+``DistributedDataParallel`` model Accelerate builds in ``accelerator.prepare``, *after*
+the Trainer has built the optimizer — with the Trainer's clipping (``max_grad_norm``),
+and gradient accumulation on one process needs ``accelerator.no_sync`` to pause the
+steps; an optimizer class given through ``optimizer_cls_and_kwargs`` is built before
+the model is wrapped and never sees the arguments, and a callback alone cannot refuse
+settings before the Trainer prepares them. The subclass changes no step of the loop:
+
+- the Trainer builds its optimizer as always (``args.optim``, its decay and no-decay
+  groups; or ``optimizer_cls_and_kwargs``, or ``optimizers=``), builds the LR scheduler
+  from ``lr_scheduler_type``, prepares both and loads ``optimizer.pt`` when resuming;
+- at ``on_train_begin`` (after all of that, before the first forward) the technique is
+  set up on ``trainer.model_wrapped`` around that very optimizer instance
+  (:func:`~overlapkit.integrations.accelerate.overlap_prepared`): the scheduler, the
+  loaded state and ``optimizer.pt``'s format stay the Trainer's. With
+  ``max_grad_norm > 0`` it clips with ``clip_grad_norm=max_grad_norm``, torch's global
+  clipping before the step, and the Trainer's own ``clip_grad_norm_`` call then returns
+  the norm overlapkit clipped with (:mod:`overlapkit.overlap.late_clipping`);
+- gradient accumulation: the Trainer runs all but the last micro-batch inside
+  ``accelerator.no_sync(model)``, which the integration makes pause the steps: DDP's
+  ``no_sync()`` (also with one process, where Accelerate would not enter it), or
+  ``optimizer.no_step()`` on a plain module.
+
+Settings it cannot honour raise :class:`~overlapkit.errors.ConfigurationError` when the
+``OverlapTrainer`` is built, or at the latest at ``on_train_begin``, before the first
+step (:func:`~overlapkit.integrations.accelerate.check_accelerator`, and
+:meth:`OverlapTrainer.check_optimizer` for the optimizer the Trainer built).
+
+To combine it with another ``Trainer`` subclass, list it first:
+``class MyTrainer(OverlapTrainer, SFTTrainer): ...``.
+
+.. versionadded:: 0.3
+"""
+
+from __future__ import annotations
+
+from overlapkit.integrations.requirements import require
+
+require("transformers", "transformers", "5.24.0")
+require("accelerate", "transformers", "1.15.0")
+
+import weakref  # noqa: E402
+from collections.abc import Mapping  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
+from transformers import Trainer, TrainerCallback  # noqa: E402
+
+from overlapkit.errors import ConfigurationError, UnsupportedOptimizerError  # noqa: E402
+from overlapkit.integrations.accelerate import (  # noqa: E402
+    check_accelerator,
+    overlap_prepared,
+    wraps_in_ddp,
+)
+from overlapkit.integrations.existing_optimizer import check_technique  # noqa: E402
+from overlapkit.optimizer_wrapper import OptimizerWrapper  # noqa: E402
+from overlapkit.overlap.facade import OverlappedOptimizerFacade  # noqa: E402
+
+__all__ = ["OverlapTrainer"]
+
+#: options the Trainer's arguments decide, which ``overlap_options`` may not set
+_FROM_ARGUMENTS = {"clip_grad_norm": "max_grad_norm", "clip_norm_type": "max_grad_norm",
+                   "params": "the Trainer's param groups", "grad_scaler": "fp16"}
+
+#: where the classes of optimizers the Trainer builds from ``args.optim`` may come from
+#: (torch's own and transformers' Adafactor): stepping them part by part is what
+#: overlapkit's generic engine is tested on
+_KNOWN_OPTIMIZER_MODULES = ("torch.optim", "transformers.optimization")
+
+
+class _SetUpOverlap(TrainerCallback):
+    """Sets the technique up when training begins (see the module docstring)."""
+
+    def __init__(self, trainer: OverlapTrainer) -> None:
+        self._trainer = weakref.ref(trainer)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self._trainer()
+        if trainer is not None:
+            trainer.set_up_overlap()
+
+
+class OverlapTrainer(Trainer):
+    """Hugging Face's ``Trainer``, with its optimizer stepped during backward.
+
+    Takes the ``Trainer``'s arguments, and:
+
+    :param technique: ``"optimizer_in_backward"`` (default; one or more processes, frees
+        each gradient once stepped) or ``"overlap_ddp"`` (the DDP model Accelerate
+        builds for 2 or more processes, or on CPU for one launched with ``torchrun``:
+        each DDP bucket stepped as its allreduce completes).
+    :param overlap_options: other keyword options of the technique (``comm_hook``,
+        ``clip_grad_value``, ``step_thread``, ...); clipping by norm comes from
+        ``args.max_grad_norm``.
+    :raises ConfigurationError: a setting it cannot honour (DeepSpeed, FSDP,
+        ``torch_compile``, ``fp16``, ...), ``overlap_ddp`` on one process without
+        ``torchrun``, an optimizer given through ``optimizers=`` that overlapkit already
+        set up, ``overlap_options`` the arguments decide.
+    """
+
+    def __init__(self, *args: Any, technique: str = "optimizer_in_backward",
+                 overlap_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        self.overlap_technique = check_technique(technique)
+        options = dict(overlap_options or {})
+        for name, source in _FROM_ARGUMENTS.items():
+            if name in options:
+                raise ConfigurationError(
+                    f"overlap_options may not set {name!r}: OverlapTrainer takes it from "
+                    f"{source} (TrainingArguments), so that the run is the plain "
+                    "Trainer's; set it there."
+                )
+        self.overlap_options = options
+        #: whether the norm of the gradients is unknown after a step (logged as none)
+        self._overlap_frees_unclipped_grads = False
+        super().__init__(*args, **kwargs)
+        self._overlap_optimizer_given = self.optimizer is not None
+        if isinstance(self.optimizer, OptimizerWrapper):
+            raise UnsupportedOptimizerError(
+                f"the optimizer given through optimizers= is already an overlapkit "
+                f"{type(self.optimizer).__name__}, set up before Accelerate wraps the "
+                "model; give OverlapTrainer the plain optimizer (or none: it builds "
+                "args.optim), and it sets the technique up on the wrapped model."
+            )
+        self._check_arguments()
+        self.add_callback(_SetUpOverlap(self))
+
+    def _check_arguments(self) -> None:
+        """Refuse, before anything is prepared, what the run cannot honour."""
+        args = self.args
+        if getattr(args, "n_gpu", 0) > 1:
+            raise ConfigurationError(
+                "overlapkit cannot step the optimizer during backward with "
+                "torch.nn.DataParallel (n_gpu > 1 in one process): launch one process per "
+                "GPU with torchrun (DDP) instead."
+            )
+        if args.fp16:
+            raise ConfigurationError(
+                "overlapkit cannot step the optimizer during backward with fp16=True "
+                "through the Trainer: Accelerate drives the GradScaler around a step() it "
+                "patches, which this integration does not take over yet. Use bf16=True, "
+                "which needs no loss scaling."
+            )
+        if args.torch_compile:
+            raise ConfigurationError(
+                "overlapkit cannot step the optimizer during backward with "
+                "torch_compile=True: Accelerate compiles the prepared DDP model, which is "
+                "not tested with overlapkit's comm hook and autograd hooks. Leave "
+                "torch_compile off, or compile the model's modules yourself before "
+                "handing it to the Trainer (overlapkit is tested on DDP of a compiled "
+                "module)."
+            )
+        check_accelerator(self.accelerator, where="TrainingArguments")
+        if self.overlap_technique == "overlap_ddp" and not wraps_in_ddp(self.accelerator):
+            raise ConfigurationError(
+                "technique='overlap_ddp' steps each DDP gradient bucket as its allreduce "
+                "completes, and this Trainer runs one process, whose model Accelerate "
+                "does not wrap in DistributedDataParallel, so there is nothing to overlap. "
+                "Launch 2 or more processes with torchrun (on CPU one launched process is "
+                "enough), or use technique='optimizer_in_backward'."
+            )
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse an optimizer the Trainer built from ``args.optim`` that overlapkit
+        cannot take over: one that steps in backward itself (LOMO), a layer-wise or
+        GaLore optimizer (per-parameter optimizers behind a stand-in), a schedule-free
+        optimizer (its train/eval modes move the parameters), or any class outside
+        torch's and transformers' own. An optimizer given through ``optimizers=`` or
+        ``optimizer_cls_and_kwargs`` is the user's choice, checked by the technique as
+        any other.
+
+        :raises ConfigurationError: naming ``args.optim``.
+        """
+        cls = type(optimizer)
+        chosen_by_user = (self.optimizer_cls_and_kwargs is not None
+                          or self._overlap_optimizer_given)
+        reason = None
+        if callable(getattr(optimizer, "train", None)):
+            reason = ("it has train()/eval() modes (schedule-free), which move the "
+                      "parameters between steps")
+        elif cls.__module__.startswith("lomo_optim"):
+            reason = "it steps the parameters during backward itself"
+        elif cls.__name__ == "LayerWiseDummyOptimizer":
+            reason = "per-parameter optimizers stepped from hooks stand behind it"
+        elif not chosen_by_user and not cls.__module__.startswith(_KNOWN_OPTIMIZER_MODULES):
+            reason = (f"its class {cls.__module__}.{cls.__qualname__} is not one of "
+                      "torch's or transformers' optimizers, which overlapkit is tested on")
+        if reason is not None:
+            optim = getattr(self.args.optim, "value", self.args.optim)
+            raise ConfigurationError(
+                f"OverlapTrainer cannot step the optimizer built for optim={optim!r} "
+                f"during backward: {reason}. Use a torch optimizer (optim="
+                "'adamw_torch_fused', the default, 'adamw_torch', 'sgd', 'adafactor', "
+                "...), or the plain Trainer."
+            )
+
+    def set_up_overlap(self) -> None:
+        """Set the technique up on ``self.model_wrapped`` around the optimizer the Trainer
+        prepared (called at ``on_train_begin``; a second ``train()`` keeps it)."""
+        prepared = self.optimizer
+        if not isinstance(prepared, AcceleratedOptimizer):
+            raise ConfigurationError(
+                "OverlapTrainer expected the optimizer prepared by Accelerate "
+                f"(AcceleratedOptimizer), found {type(prepared).__name__}; was "
+                "trainer.optimizer replaced after the Trainer was built?"
+            )
+        inner = prepared.optimizer
+        if isinstance(inner, OverlappedOptimizerFacade):
+            return  # set up by an earlier train() of this Trainer
+        self.check_optimizer(inner)
+        max_norm = self.args.max_grad_norm
+        clip = float(max_norm) if max_norm is not None and max_norm > 0 else None
+        prepared.optimizer = overlap_prepared(
+            self.accelerator, self.model_wrapped, inner, self.overlap_technique,
+            clip_grad_norm=clip, **self.overlap_options)
+        self._overlap_frees_unclipped_grads = (
+            clip is None and self.overlap_technique == "optimizer_in_backward")
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        """The Trainer's logged ``grad_norm``. With ``max_grad_norm=0`` it asks torch for
+        the gradients' norm after the step, and ``optimizer_in_backward`` has freed them:
+        no ``grad_norm`` is logged then, rather than a NaN."""
+        if grad_norm is None and self._overlap_frees_unclipped_grads:
+            return None
+        return super()._get_grad_norm(model, grad_norm=grad_norm)

@@ -1,0 +1,106 @@
+"""The ordinary Accelerate loop — ``accelerator.accumulate``, ``accelerator.backward``,
+``accelerator.clip_grad_norm_``, ``optimizer.step()``, the prepared scheduler,
+``optimizer.zero_grad()``, ``save_state`` / ``load_state`` — with the model and
+optimizer from ``accelerator.prepare`` (plain) or from
+``overlapkit.integrations.accelerate.prepare``; in the test process (one process) or on
+gloo ranks (``run``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from helpers import compare
+from hf_models import MODELS, Tokens, parameters, quiet
+
+STEPS, SAVE_AT, ACCUMULATE, MAX_NORM, LR = 6, 3, 2, 1.0, 1e-2
+#: Accelerator(cpu=...): the CUDA test sets it to False
+CPU = True
+
+
+def loop(technique: str | None, kind: str, *, save: str | None = None,
+         resume: str | None = None, stop_at: int = STEPS) -> dict[str, Any]:
+    """Train ``kind`` for STEPS optimizer steps of ACCUMULATE micro-batches (or until
+    ``stop_at``), saving the state after SAVE_AT steps to ``save``, or resuming from
+    ``resume``. Returns the parameters and the norms the clip returned."""
+    import torch
+    from accelerate import Accelerator
+    from transformers import get_scheduler
+
+    from overlapkit.integrations.accelerate import prepare
+
+    quiet()
+    accelerator = Accelerator(cpu=CPU, mixed_precision="bf16",
+                              gradient_accumulation_steps=ACCUMULATE)
+    model = MODELS[kind]()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    if technique is None:
+        model, optimizer = accelerator.prepare(model, optimizer)
+    else:
+        model, optimizer = prepare(accelerator, model, optimizer, technique=technique,
+                                   clip_grad_norm=MAX_NORM)
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=2,
+                              num_training_steps=STEPS)
+    data = torch.utils.data.DataLoader(Tokens(kind), batch_size=4)
+    data, scheduler = accelerator.prepare(data, scheduler)
+    start = 0
+    if resume is not None:
+        accelerator.load_state(resume)
+        start = SAVE_AT
+        data = accelerator.skip_first_batches(data, SAVE_AT * ACCUMULATE)
+    norms: list[Any] = []
+    #: per optimizer step after the first (LR 0 in warm-up): whether the parameters
+    #: had changed before optimizer.step(), as they do when backward steps them
+    changed: list[bool] = []
+    steps = start
+    for batch in data:
+        with accelerator.accumulate(model):
+            before = [p.detach().clone() for p in model.parameters()]
+            accelerator.backward(model(**batch).loss)
+            if accelerator.sync_gradients:
+                if steps > 0:
+                    changed.append(any(not p.detach().equal(b) for p, b in
+                                       zip(model.parameters(), before, strict=True)))
+                norms.append(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        if accelerator.sync_gradients:
+            steps += 1
+            if save is not None and steps == SAVE_AT:
+                accelerator.save_state(save)
+            if steps == stop_at:
+                break
+    accelerator.wait_for_everyone()
+    return {"params": parameters(accelerator.unwrap_model(model)), "norms": norms,
+            "optimizer": type(optimizer.optimizer).__name__, "stepped in backward": changed}
+
+
+def same_run(plain: dict[str, Any], ours: dict[str, Any]) -> Any:
+    """Bitwise the same parameters and clip norms."""
+    return compare(plain["params"], ours["params"]) and compare(plain["norms"], ours["norms"])
+
+
+def cases(out_dir: str, techniques: tuple[str, ...]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    plain = loop(None, "gpt2")
+    out["clipping active"] = any(float(n) > MAX_NORM for n in plain["norms"])
+    plain_bert = loop(None, "bert")
+    for technique in techniques:
+        saved = f"{out_dir}/{technique}-state"
+        ours = loop(technique, "gpt2", save=saved)
+        out[f"{technique} stepped with the facade"] = ours["optimizer"]
+        out[f"{technique} stepped in backward"] = (
+            ours["stepped in backward"] and all(ours["stepped in backward"])
+            and not any(plain["stepped in backward"]))
+        out[f"{technique} gpt2"] = same_run(plain, ours)
+        resumed = loop(technique, "gpt2", resume=saved)
+        resumed["norms"] = plain["norms"][:SAVE_AT] + resumed["norms"]
+        out[f"{technique} gpt2 resumed"] = same_run(plain, resumed)
+        out[f"{technique} bert"] = same_run(plain_bert, loop(technique, "bert"))
+    return out
+
+
+def run(rank: int, world_size: int, out_dir: str,
+        techniques: tuple[str, ...] = ("overlap_ddp", "optimizer_in_backward")
+        ) -> dict[str, Any]:
+    return cases(out_dir, techniques)
