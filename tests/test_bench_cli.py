@@ -122,7 +122,7 @@ def test_bench_compares_each_installed_peer_and_names_the_others(
         state = result["peers"][peer]
         if state == spec.version:  # installed here and imports: compared
             assert f"peers/400_small/{peer}" in result["variants"]
-            assert any(f"/ {peer} step time" in g["goal"] for g in result["goals"])
+            assert any(f"/ {peer} step CPU time" in g["goal"] for g in result["goals"])
         else:  # CI: not installed
             assert f"peers/400_small/{peer}" not in result["variants"]
             assert f"{peer} {state}" in text

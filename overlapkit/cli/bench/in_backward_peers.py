@@ -19,7 +19,11 @@ the same model (same initial weights, same batch), warmed up (the first step cre
 the optimizer state), then interleaved rounds in a rotating order; each round's figure
 is a variant's median step, and a ratio is the median over rounds of the per-round
 ratio (the two variants of a round ran seconds apart, so load from other processes
-cancels better than in a ratio of medians).
+cancels better than in a ratio of medians). Both wall time (``step_ms``) and the
+thread's CPU time (``cpu_ms``) are reported; the goals read the CPU time: one thread
+with no I/O and no waiting spends its wall time on the CPU when the machine is quiet,
+and on a shared machine the CPU time is what other processes change least (measured
+under a load of 10 on 2 cores: 192 ms of wall time for 73 ms of CPU time).
 
 **Memory**: a fresh process per variant, model and round (the optimizer state must be
 created for the measurement), with glibc's mmap threshold pinned as in the rest of this
@@ -109,9 +113,11 @@ FIGURES_0_2: dict[tuple[str, str], float] = {
     ("400_small", "torchtune"): 0.64, ("400_small", "torchtitan"): 0.66,
     ("8_large", "torchtune"): 0.98, ("8_large", "torchtitan"): 0.92,
 }
-#: added to a 0.2 figure to make its goal: the spread of the per-round ratio medians
-#: between runs of the same code on the 2-core machine (docs/benchmarks.md)
-STEP_MARGIN = 0.05
+#: per model, added to a 0.2 figure to make its goal: the spread of the CPU-time ratio
+#: between runs of the same code on the shared 2-core machine (docs/benchmarks.md):
+#: 0.60-0.67 on 400 small parameters; 0.80-1.03 on 8 large ones, where every variant
+#: runs the same AdamW arithmetic on 4 MiB tensors and the per-parameter work is noise
+STEP_MARGIN: dict[str, float] = {"400_small": 0.05, "8_large": 0.10}
 #: ours' training peak above set-up may exceed the peer's by this much (MiB): the
 #: spread between rounds of the same variant
 PEAK_MARGIN_MIB = 1.0
@@ -300,12 +306,12 @@ def _compare(model_name: str, peer: str, timing: dict[str, Any],
     for ours in ("overlapkit_step_zero_grad", "overlapkit_backward_only"):
         label = f"peers {model_name}: {ours} / {peer}"
         ours_name = f"{model_name}/{ours}"
-        step_ratio = _median_ratio(timing["wall"][ours_name], timing["wall"][peer_name])
-        ratios[f"{label} step time"] = step_ratio
-        ratios[f"{label} step CPU time"] = _median_ratio(timing["cpu"][ours_name],
-                                                         timing["cpu"][peer_name])
-        goals.append(goal(f"{label} step time (0.2: {figure_0_2:g})", step_ratio,
-                          at_most=round(figure_0_2 + STEP_MARGIN, 4)))
+        ratios[f"{label} step time"] = _median_ratio(timing["wall"][ours_name],
+                                                     timing["wall"][peer_name])
+        cpu_ratio = _median_ratio(timing["cpu"][ours_name], timing["cpu"][peer_name])
+        ratios[f"{label} step CPU time"] = cpu_ratio
+        goals.append(goal(f"{label} step CPU time (0.2: {figure_0_2:g})", cpu_ratio,
+                          at_most=round(figure_0_2 + STEP_MARGIN[model_name], 4)))
     ours = PEERS[peer].ours
     label = f"peers {model_name}: {ours} / {peer}"
     ours_fig, peer_fig = figures[f"peers/{model_name}/{ours}"], figures[f"peers/{peer_name}"]
@@ -388,8 +394,9 @@ def run_peers(*, rounds: int, quick: bool, **options: Any) -> dict[str, Any]:
         f"Peers part: one process, 1 thread, AdamW lr={LR}, batch {BATCH}; {described}"
         f"{' (quick: shallower)' if quick else ''}; step time: median of {rounds} "
         f"interleaved round(s) of {steps} steps after {warmup} warm-up steps, ratios: "
-        f"median of per-round ratios; {memory_text}. Goals: ours / peer step time <= the "
-        f"0.2 figure + {STEP_MARGIN}; training peak <= the peer's + {PEAK_MARGIN_MIB:g} "
+        f"median of per-round ratios; {memory_text}. Goals: ours / peer step CPU time <= "
+        f"the 0.2 figure + {', '.join(f'{v:g} ({m})' for m, v in STEP_MARGIN.items())}; "
+        f"training peak <= the peer's + {PEAK_MARGIN_MIB:g} "
         f"MiB; set-up with overlapkit's imports <= the peer's set-up + "
         f"{SETUP_MORE_MIB:g} MiB. Peers: {_peers_text(status)}."
     )
