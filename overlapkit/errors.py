@@ -11,10 +11,12 @@ from __future__ import annotations
 __all__ = [
     "CheckpointError",
     "ConfigurationError",
+    "MissingDependencyError",
     "OverlapkitError",
     "PluginConflictError",
     "PluginLoadError",
     "PluginValidationError",
+    "RanksLostError",
     "UnknownNameError",
     "UnsupportedOptimizerError",
     "UnsupportedModelError",
@@ -62,6 +64,14 @@ class CheckpointError(OverlapkitError, ValueError):
     """A checkpoint is missing, corrupt, or does not fit the model it is loaded into."""
 
 
+class MissingDependencyError(OverlapkitError, ImportError):
+    """An optional dependency is not installed (a trainer framework an integration needs);
+    the message names the extra that installs it.
+
+    .. versionadded:: 0.3
+    """
+
+
 class PluginLoadError(OverlapkitError, ImportError):
     """A plugin's entry point failed to import; the original error is chained.
 
@@ -81,3 +91,29 @@ class PluginValidationError(OverlapkitError, TypeError):
     def __init__(self, plugin: str, message: str) -> None:
         self.plugin = plugin
         super().__init__(f"plugin {plugin!r}: {message}")
+
+
+class RanksLostError(OverlapkitError, RuntimeError):
+    """Ranks of the job were lost (a node killed, powered off or cut off) while
+    overlapkit ran a collective; the message names them and their node.
+
+    Raised on the surviving ranks instead of the transport's own error (gloo:
+    "Connection reset by peer", or a timeout for a node that hangs), which names no
+    rank; the original error is its ``__cause__``. Inside ``loss.backward()`` autograd
+    re-raises it as a ``RuntimeError`` carrying this message.
+
+    :ivar lost: the lost ranks (of the default process group).
+    :ivar what: what overlapkit was doing, e.g. ``"saving the checkpoint to ckpt"``.
+    """
+
+    def __init__(self, message: str, *, lost: list[int], what: str) -> None:
+        super().__init__(message)
+        self.lost = lost
+        self.what = what
+
+    def __reduce__(self) -> tuple[object, ...]:  # picklable with its keyword arguments
+        return (_ranks_lost, (str(self), self.lost, self.what))
+
+
+def _ranks_lost(message: str, lost: list[int], what: str) -> RanksLostError:
+    return RanksLostError(message, lost=lost, what=what)

@@ -113,10 +113,13 @@ def _launch_here(fn: Callable[..., Any], args: Sequence[Any], timeout: float) ->
         _JOINED.append(True)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(
             os.environ.get("LOCAL_WORLD_SIZE", world_size))))
-    result = fn(rank, world_size, *args)
-    gathered: list[Any] | None = [None] * world_size if rank == 0 else None
-    dist.gather_object(result, gathered, dst=0)
-    dist.barrier()
+    from overlapkit.nodes.lost_ranks import lost_ranks_named
+
+    with lost_ranks_named("running a command's work on torchrun's ranks"):
+        result = fn(rank, world_size, *args)
+        gathered: list[Any] | None = [None] * world_size if rank == 0 else None
+        dist.gather_object(result, gathered, dst=0)
+        dist.barrier()
     return gathered
 
 

@@ -109,7 +109,7 @@ def test_state_dict_keeps_the_optimizer_format_and_adds_entries(
     results: list[dict[str, Any]],
 ) -> None:
     keys = results[0]["resume"]["saved_optim_keys"]
-    assert keys == ["averager", "comm_hook", "param_groups", "state", "step"]
+    assert keys == ["averager", "comm_hook", "param_groups", "state", "step", "world_size"]
 
 
 def test_averaging_after_zero_grad_set_to_none(results: list[dict[str, Any]]) -> None:

@@ -22,6 +22,7 @@ from overlapkit.checkpoint.arguments import (
     check_model_and_optimizer,
     check_path,
 )
+from overlapkit.checkpoint.extra import read_extra
 from overlapkit.checkpoint.integrity import MANIFEST_FILE, verify_files
 from overlapkit.checkpoint.metadata import SafeFileSystemReader, read_metadata
 from overlapkit.checkpoint.optimizer_state import allocate_optimizer_state
@@ -34,6 +35,7 @@ from overlapkit.checkpoint.state_dicts import (
     state_dicts,
 )
 from overlapkit.checkpoint.validation import check_against_metadata, check_param_groups
+from overlapkit.nodes.lost_ranks import lost_ranks_named
 from overlapkit.optimizer_wrapper import unwrapped
 
 __all__ = ["load"]
@@ -45,7 +47,7 @@ def load(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     planner: LoadPlanner | str | None = None,
-) -> None:
+) -> dict[str, Any]:
     """Load a checkpoint written by :func:`~overlapkit.checkpoint.save` into ``model``
     and ``optimizer``, in place, resharded to the current world size and mesh.
 
@@ -70,12 +72,22 @@ def load(
 
     :param planner: a DCP ``LoadPlanner``, the name of a registered load planner, or
         ``None`` to choose one from the model state dict's layout.
+    :return: the ``extra`` saved with the checkpoint (``{}`` when none was): the
+        caller's own progress, e.g. ``{"step": ..., "scheduler": ...}``.
     :raises CheckpointError: an argument of the wrong type (naming it); no checkpoint at
         ``path``; a damaged file (nothing is changed); truncated or corrupt metadata;
         a checkpoint of a different model or optimizer (class, settings or parameter
         groups); a tensor whose shape differs; any of these on another rank.
     :raises UnknownNameError: ``planner`` names no registered load planner.
+    :raises RanksLostError: ranks were lost while loading; the message names them.
     """
+    with lost_ranks_named(f"loading the checkpoint at {path}"):
+        return _load(path, model, optimizer, planner)
+
+
+def _load(path: str | os.PathLike[str], model: torch.nn.Module,
+          optimizer: torch.optim.Optimizer | None, planner: LoadPlanner | str | None
+          ) -> dict[str, Any]:
     with checks_on_every_rank("load"):
         directory = check_path(path, "load")
         check_model_and_optimizer(model, optimizer, "load")
@@ -88,6 +100,7 @@ def load(
     verified = (directory / MANIFEST_FILE).is_file()
     with unwrapped(optimizer) if optimizer is not None else nullcontext() as real:
         _load_into_real(directory, metadata, model, real, planner, verified=verified)
+    return read_extra(directory)
 
 
 def _read_values_first(path: Path, metadata: Metadata, flat: dict[str, Any]

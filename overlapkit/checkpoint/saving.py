@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.checkpoint.agreement import checks_on_every_rank
 from overlapkit.checkpoint.arguments import check_model_and_optimizer, check_path
+from overlapkit.checkpoint.extra import check_extra, write_extra
 from overlapkit.checkpoint.integrity import write_manifest
 from overlapkit.checkpoint.metadata import METADATA_FILE
 from overlapkit.checkpoint.optimizer_state import remove_state_except
@@ -40,6 +41,7 @@ from overlapkit.checkpoint.state_dicts import (
     state_dicts,
 )
 from overlapkit.errors import CheckpointError
+from overlapkit.nodes.lost_ranks import lost_ranks_named
 from overlapkit.optimizer_wrapper import unwrapped
 
 __all__ = ["save"]
@@ -169,6 +171,8 @@ def save(
     path: str | os.PathLike[str],
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra: Mapping[str, Any] | None = None,
 ) -> Path:
     """Save the model's and the optimizer's state as a DCP checkpoint directory.
 
@@ -181,7 +185,14 @@ def save(
     torch's DCP can read it too.
 
     The save is atomic: it is written aside and moved into place, so an interrupted
-    save leaves the previous checkpoint at ``path`` intact.
+    save — a rank or a whole node lost half-way included — leaves the previous
+    checkpoint at ``path`` intact, and the half-written one is never at ``path``.
+
+    ``extra`` is the caller's own progress — the step, an LR scheduler's
+    ``state_dict()`` — saved inside the checkpoint (as JSON, plain data only) and
+    returned by :func:`~overlapkit.checkpoint.load`: the two are complete together or
+    not at all, where a file of its own written after the checkpoint could be left
+    from another step by a run killed in between (:mod:`overlapkit.checkpoint.extra`).
 
     The optimizer is left exactly as it was, and the checkpoint holds the state it has:
     none for a parameter that never got a gradient, and none at all for a fresh
@@ -189,12 +200,22 @@ def save(
     step, as the uninterrupted run does.
 
     :return: ``path`` as a ``Path``.
-    :raises CheckpointError: ``path`` exists and is not a checkpoint, or writing or
-        moving it into place failed (on every rank alike).
+    :raises CheckpointError: ``path`` exists and is not a checkpoint, ``extra`` is not
+        plain JSON data, or writing or moving it into place failed (on every rank
+        alike).
+    :raises RanksLostError: ranks were lost while saving (the previous checkpoint is
+        intact); the message names them.
     """
+    with lost_ranks_named(f"saving the checkpoint to {path}"):
+        return _save(path, model, optimizer, extra)
+
+
+def _save(path: str | os.PathLike[str], model: torch.nn.Module,
+          optimizer: torch.optim.Optimizer | None, extra: Mapping[str, Any] | None) -> Path:
     with checks_on_every_rank("save"):
         path = check_path(path, "save")
         check_model_and_optimizer(model, optimizer, "save")
+        checked_extra = None if extra is None else check_extra(extra)
         saving, old = _siblings(path)
         _check_destination(path)
 
@@ -217,7 +238,11 @@ def save(
             if real is not None:
                 remove_state_except(real, had_state)
     # dcp.save returns on every rank only after rank 0 wrote the metadata.
-    _on_rank_zero("recording the files' sizes and checksums", path,
-                  lambda: write_manifest(saving))
+    def record() -> None:
+        if checked_extra is not None:
+            write_extra(saving, checked_extra)  # before the manifest, which lists it
+        write_manifest(saving)
+
+    _on_rank_zero("recording the files' sizes and checksums", path, record)
     _on_rank_zero("moving it into place", path, lambda: _swap_into_place(path, saving, old))
     return path

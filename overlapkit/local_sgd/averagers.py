@@ -38,6 +38,8 @@ import torch.distributed as dist
 
 from overlapkit.errors import CheckpointError, ConfigurationError
 from overlapkit.local_sgd.averaging import average_in_place, parameters_to_average
+from overlapkit.local_sgd.hierarchy import check_plan_follows_nodes
+from overlapkit.nodes import node_layout
 
 __all__ = [
     "HierarchicalAverager",
@@ -283,6 +285,12 @@ class HierarchicalAverager(ModelAverager):
     ``HierarchicalModelAverager``: the period test is ``step % period``, not counted
     from the end of warm-up. Groups of one rank never communicate.
 
+    Every level's groups must lie within one node or be made of whole nodes
+    (:mod:`overlapkit.nodes`: torchrun's agents, else host names): a plan written for
+    one shape of job is refused at a launch it does not fit, before training.
+    :func:`overlapkit.create_averager` ``("hierarchical", period=N)`` without a plan
+    takes the levels from the launch (:mod:`overlapkit.local_sgd.hierarchy`).
+
     Creating it creates the subgroups, a collective: every rank of the process group
     must create it, with the same arguments.
 
@@ -305,6 +313,9 @@ class HierarchicalAverager(ModelAverager):
         top = self.process_group
         overall = dist.get_world_size(top)
         self.period_group_size_dict = validate_period_group_sizes(period_group_size_dict, overall)
+        # every level's groups within a node or of whole nodes (a collective, as the
+        # subgroups below are: every rank raises alike)
+        check_plan_follows_nodes(self.period_group_size_dict, node_layout(top))
         self._periods_largest_first = sorted(self.period_group_size_dict, reverse=True)
         #: period -> the group averaging at that period (``None``: one-rank groups)
         self.period_process_group_dict: dict[int, dist.ProcessGroup | None] = {}

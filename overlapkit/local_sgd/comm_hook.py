@@ -32,9 +32,11 @@ import torch.distributed as dist
 
 from overlapkit.errors import CheckpointError, ConfigurationError
 from overlapkit.local_sgd.averagers import check_warmup_steps
+from overlapkit.nodes.lost_ranks import reduced_tensor, watch
 
 __all__ = [
     "PostLocalSGDHookState",
+    "agreed_default_subgroup_size",
     "build_post_local_sgd_hook",
     "default_subgroup_size",
     "new_subgroup",
@@ -128,7 +130,7 @@ def _allreduce_mean(group: dist.ProcessGroup, tensor: torch.Tensor) -> torch.fut
     tensor.div_(group.size())
     work = dist.all_reduce(tensor, group=group, async_op=True)
     assert work is not None
-    return work.get_future().then(lambda fut: fut.value()[0])
+    return work.get_future().then(reduced_tensor)
 
 
 @resolved_annotations
@@ -181,6 +183,49 @@ def default_subgroup_size(group_size: int) -> int:
             "ranks, so it cannot give one subgroup per node; pass subgroup_size=N with N "
             f"dividing {group_size}."
         )
+    return size
+
+
+def agreed_default_subgroup_size(group: dist.ProcessGroup) -> int:
+    """:func:`default_subgroup_size` on every rank of ``group``, checked to be the same
+    everywhere (one small ``all_gather_object``; a collective).
+
+    Nodes that run different numbers of ranks (``torchrun --nproc-per-node`` differing
+    between nodes) give their ranks different ``LOCAL_WORLD_SIZE`` values: creating
+    subgroups of different sizes on different ranks would hang, or fail on some ranks
+    only.
+
+    :raises ConfigurationError: on every rank alike, where the ranks' ``LOCAL_WORLD_SIZE``
+        differ, or any rank's is not a divisor of the group's size.
+    """
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    size: int | None = None
+    error: str | None = None
+    try:
+        size = default_subgroup_size(group.size())
+    except ConfigurationError as exc:
+        error = str(exc)
+    answers: list[tuple[str, int | None, str | None] | None] = [None] * group.size()
+    dist.all_gather_object(answers, (raw, size, error), group=group)
+    by_value: dict[str, list[int]] = {}
+    for rank, answer in enumerate(answers):
+        assert answer is not None
+        by_value.setdefault(answer[0] or "unset", []).append(rank)
+    if len(by_value) > 1:
+        seen = "; ".join(f"{value} on ranks {ranks}" for value, ranks in by_value.items())
+        raise ConfigurationError(
+            f"the nodes run different numbers of ranks (LOCAL_WORLD_SIZE {seen}), so one "
+            "subgroup per node cannot be made of equal groups of consecutive ranks; "
+            "launch the same number of ranks on every node (torchrun --nproc-per-node N "
+            "on each), or pass subgroup_size=N."
+        )
+    if error is not None:
+        raise ConfigurationError(error)
+    refused = [(rank, answer[2]) for rank, answer in enumerate(answers)
+               if answer is not None and answer[2] is not None]
+    if refused:
+        raise ConfigurationError(f"rank {refused[0][0]} refused: {refused[0][1]}")
+    assert size is not None
     return size
 
 
@@ -261,9 +306,10 @@ def build_post_local_sgd_hook(
             "pass subgroup_size=N to let overlapkit create the subgroups."
         )
     if subgroup is None:
-        size = (default_subgroup_size(group.size()) if subgroup_size is None
+        size = (agreed_default_subgroup_size(group) if subgroup_size is None
                 else check_subgroup_size(subgroup_size, group.size()))
         subgroup = new_subgroup(size, group)
+    watch()  # a lost node is then named by the survivors (overlapkit.nodes.lost_ranks)
     state = PostLocalSGDHookState(
         process_group=group,
         subgroup=subgroup,

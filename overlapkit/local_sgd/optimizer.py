@@ -27,10 +27,11 @@ from overlapkit.errors import (
 from overlapkit.local_sgd.averagers import ModelAverager, check_period, check_warmup_steps
 from overlapkit.local_sgd.comm_hook import (
     PostLocalSGDHookState,
+    agreed_default_subgroup_size,
     build_post_local_sgd_hook,
     check_subgroup_size,
-    default_subgroup_size,
 )
+from overlapkit.nodes.lost_ranks import lost_ranks_named
 from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.plugin.manager import get_plugin_manager
 
@@ -120,7 +121,8 @@ class PostLocalSGDOptimizer(OptimizerWrapper):
         """Step the local optimizer, then count a step on the averager (which averages
         all parameters on its averaging steps). Returns the closure's loss, if any."""
         loss = self.optim.step(closure) if closure is not None else self.optim.step()
-        self.averager.average_parameters(self.param_groups)
+        with lost_ranks_named("averaging parameters (post-local SGD)"):
+            self.averager.average_parameters(self.param_groups)
         return loss
 
     def state_dict(self) -> dict[str, Any]:
@@ -129,14 +131,47 @@ class PostLocalSGDOptimizer(OptimizerWrapper):
         - ``"averager"``: the averager's whole ``state_dict()``;
         - ``"step"``: the averager's step, the key torch's ``PostLocalSGDOptimizer``
           reads, so checkpoints load into either;
-        - ``"comm_hook"``: the comm hook state's ``state_dict()``, when known.
+        - ``"comm_hook"``: the comm hook state's ``state_dict()``, when known;
+        - ``"world_size"``: the size of the averager's process group, so that state
+          saved after local steps began (each rank's own) is not loaded at another
+          world size (see :meth:`load_state_dict`).
         """
         state_dict = self.optim.state_dict()
         state_dict["averager"] = self.averager.state_dict()
         state_dict["step"] = self.averager.step
         if self.comm_hook_state is not None:
             state_dict["comm_hook"] = self.comm_hook_state.state_dict()
+        world_size = self._world_size()
+        if world_size is not None:
+            state_dict["world_size"] = world_size
         return state_dict
+
+    def _world_size(self) -> int | None:
+        if not dist.is_available() or not dist.is_initialized():
+            return None
+        group = getattr(self.averager, "process_group", None)
+        return int(dist.get_world_size(group))
+
+    def _check_world_size(self, state_dict: Mapping[str, Any]) -> None:
+        """Refuse state saved after local steps began at another world size: from then
+        on each rank's parameters and optimizer state are its own, and no rank of the
+        new world has a state of its own to load (during warm-up every rank's state is
+        the same, and loads anywhere)."""
+        saved, here = state_dict.get("world_size"), self._world_size()
+        if not isinstance(saved, int) or here is None or saved == here:
+            return
+        averager = state_dict.get("averager")
+        step = averager.get("step") if isinstance(averager, Mapping) else state_dict.get("step")
+        warmup = getattr(self.averager, "warmup_steps", None)
+        if isinstance(step, int) and isinstance(warmup, int) and step <= warmup:
+            return
+        raise CheckpointError(
+            f"this state was saved by one of {saved} ranks after local SGD began (step "
+            f"{step}, warm-up {warmup}), where each rank's parameters and optimizer state "
+            f"are its own: it cannot be resharded to {here} ranks. Resume at {saved} ranks "
+            f"(torchrun with {saved} ranks in all), or start the new shape from a "
+            "checkpoint saved during warm-up. Nothing was loaded."
+        )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the local optimizer, the averager and the comm hook counter.
@@ -150,7 +185,9 @@ class PostLocalSGDOptimizer(OptimizerWrapper):
         comm hook are left exactly as they were.
 
         :raises CheckpointError: ``state_dict`` is not a dict, lacks ``state`` or
-            ``param_groups``, or its averager or comm hook entry is not valid.
+            ``param_groups``, or its averager or comm hook entry is not valid; or it
+            was saved after local SGD began by a process group of another size (each
+            rank's state is its own then: it cannot be resharded).
         """
         if not isinstance(state_dict, Mapping):
             raise CheckpointError(
@@ -169,6 +206,7 @@ class PostLocalSGDOptimizer(OptimizerWrapper):
         # groups before it changes anything, so the averager and the comm hook (a
         # counter each) load first, and are put back if a later part refuses its
         # entry; the optimizer's state is only replaced once everything else loaded.
+        self._check_world_size(state_dict)
         before = (self.averager.state_dict(),
                   None if self.comm_hook_state is None else self.comm_hook_state.state_dict())
         try:
@@ -243,11 +281,16 @@ def post_local_sgd(
     :param period: steps between two global averagings (for ``hierarchical``, the
         largest period of ``period_group_size_dict``).
     :param warmup_steps: steps of plain DDP before local SGD starts.
-    :param averager: a registered averager name.
+    :param averager: a registered averager name. ``"hierarchical"`` without
+        ``period_group_size_dict`` takes its levels from the launch: each node averages
+        every ``node_period`` steps (an averager option, default ``period // 4``), all
+        ranks every ``period`` steps (see ``docs/nodes.rst``).
     :param subgroup_size: ranks per subgroup; default: the launcher's
-        ``LOCAL_WORLD_SIZE`` (one subgroup per node), else 1 with a warning.
+        ``LOCAL_WORLD_SIZE`` (one subgroup per node; the same on every rank), else 1
+        with a warning; 1 for ``hierarchical`` with levels from the launch (each rank
+        steps alone between averagings).
     :param averager_options: passed on to the averager, e.g.
-        ``period_group_size_dict`` for ``hierarchical``.
+        ``period_group_size_dict`` or ``node_period`` for ``hierarchical``.
     :raises UnsupportedModelError: ``ddp_model`` is not a DDP model.
     :raises ConfigurationError: a bad period, warm-up, subgroup size or averager
         option, or a comm hook already registered on the model.
@@ -274,8 +317,15 @@ def post_local_sgd(
     registry = get_plugin_manager().registry
     averager_spec = registry.averager(averager)
     group: dist.ProcessGroup = ddp_model.process_group
-    size = (default_subgroup_size(group.size()) if subgroup_size is None
-            else check_subgroup_size(subgroup_size, group.size()))
+    if subgroup_size is not None:
+        size = check_subgroup_size(subgroup_size, group.size())
+    elif averager == "hierarchical" and averager_options.get("period_group_size_dict") is None:
+        # Levels from the launch: the averager's node level replaces a per-step gradient
+        # allreduce within the node (with it, a node's ranks would hold the same
+        # parameters and the node level would average nothing).
+        size = 1
+    else:
+        size = agreed_default_subgroup_size(group)
     options = {"period": period, "warmup_steps": warmup_steps, "process_group": group,
                **averager_options}
     model_averager = averager_spec.create(**options)

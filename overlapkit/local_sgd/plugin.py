@@ -21,6 +21,7 @@ from overlapkit.local_sgd.averagers import (
     validate_period_group_sizes,
 )
 from overlapkit.local_sgd.comm_hook import build_post_local_sgd_hook
+from overlapkit.local_sgd.hierarchy import plan_from_launch
 from overlapkit.plugin.hookspecs import hookimpl
 from overlapkit.plugin.records import AveragerRecord, CommHookRecord
 
@@ -36,13 +37,35 @@ def build_periodic(
 
 def build_hierarchical(
     *,
-    period_group_size_dict: Mapping[int, int],
+    period_group_size_dict: Mapping[int, int] | None = None,
     warmup_steps: int = 0,
     process_group: dist.ProcessGroup | None = None,
     period: int | None = None,
+    node_period: int | None = None,
 ) -> HierarchicalAverager:
-    """A :class:`~overlapkit.local_sgd.averagers.HierarchicalAverager`; ``period``, when given,
-    must be the largest period of the plan (how often all ranks average)."""
+    """A :class:`~overlapkit.local_sgd.averagers.HierarchicalAverager`.
+
+    With ``period_group_size_dict``, that plan; ``period``, when given, must be its
+    largest period (how often all ranks average). Without it, the levels come from the
+    launch (:func:`~overlapkit.local_sgd.hierarchy.plan_from_launch`): each node every
+    ``node_period`` steps (default ``period // 4``), all ranks every ``period`` steps.
+    """
+    if period_group_size_dict is None:
+        if period is None:
+            raise ConfigurationError(
+                "the hierarchical averager needs period_group_size_dict, or period (how "
+                "often all ranks average) to take the levels from the launch: each node "
+                "averages every node_period steps (default period // 4), all ranks every "
+                "period steps."
+            )
+        plan = plan_from_launch(period, node_period, process_group)
+        return HierarchicalAverager(plan, warmup_steps, process_group)
+    if node_period is not None:
+        raise ConfigurationError(
+            "node_period sets the node level of the plan taken from the launch, but "
+            "period_group_size_dict was given too; pass one of them (the plan's own "
+            "periods are its levels)."
+        )
     largest = max(validate_period_group_sizes(period_group_size_dict, None))
     if period is not None and period != largest:
         raise ConfigurationError(

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from overlapkit.errors import ConfigurationError
+from overlapkit.errors import ConfigurationError, OverlapkitError
 from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.overlap.amp_scaler import (
     guard_param_groups,
@@ -25,7 +25,7 @@ from overlapkit.overlap.amp_scaler import (
     refuse_scaler_step,
 )
 from overlapkit.overlap.engine import OverlapEngine
-from overlapkit.overlap.global_step import GlobalStep
+from overlapkit.overlap.global_step import GlobalStep, model_order
 from overlapkit.overlap.setup import (
     check_unclaimed,
     claim_params,
@@ -58,6 +58,9 @@ class BackwardSteps(Protocol):
     #: what a step() with no stepping backward since the last applies (clipping, a
     #: GradScaler's unscale and inf check), or None for the optimizer's plain step()
     full_step: GlobalStep | None
+
+    #: asked when a stepping backward starts: the error to refuse it with, or None
+    backward_gate: Callable[[], OverlapkitError | None] | None
 
 
 class OverlappedOptimizerFacade(OptimizerWrapper):
@@ -110,7 +113,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
     #: ``torch.amp.GradScaler.step`` hands an optimizer with this flag the scale and
     #: the inf check as attributes (``grad_scale``, ``found_inf``) and calls its
     #: ``step()`` directly, instead of unscaling its gradients itself: so ``step()``
-    #: sees that a GradScaler drives it (see :meth:`_refuse_grad_scaler`).
+    #: sees that a GradScaler drives it (see :meth:`_scaler_driving`).
     _step_supports_amp_scaling = True
 
     def _scaler_driving(self) -> Any | None:
@@ -152,6 +155,33 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
     def param_groups(self, groups: list[dict[str, Any]]) -> None:
         self.replace_param_groups(groups)
 
+    def gate_backwards(self, gate: Callable[[], OverlapkitError | None] | None) -> None:
+        """Have ``gate`` asked each time a backward that would step starts (None: stop).
+
+        For a training framework that runs the backward itself and knows where (Lightning's
+        strategy, :mod:`overlapkit.integrations.lightning`): an error the gate returns
+        refuses that backward as the loop-shape checks refuse one
+        (:mod:`~overlapkit.overlap.step_accounting`) — nothing is stepped in it, every DDP
+        bucket is still reduced, and the error is raised when it ends, on every rank.
+        Backwards that step nothing (``no_sync()`` / ``no_step()``) do not ask it.
+        """
+        self._steps.backward_gate = gate
+
+    def clip_in_order(self, params: Iterable[torch.Tensor]) -> None:
+        """Compute the total norm of ``clip_grad_norm=`` over the gradients in the order of
+        ``params`` instead of ``model.parameters()``'s.
+
+        For a framework whose plain loop clips in another order: Lightning's precision
+        plugins clip the optimizer's parameters group by group, and torch's total norm
+        rounds differently in another order (last-bit differences, see
+        :mod:`~overlapkit.overlap.global_step`). Parameters not in ``params`` come after
+        them, in the optimizer's order. No effect without norm clipping.
+        """
+        order = model_order(params)
+        for rule in (self._steps.global_step, self._steps.full_step):
+            if rule is not None:
+                rule.order = order
+
     def synchronize(self) -> None:
         """Wait (on the current stream) for every step enqueued on a side stream.
 
@@ -180,7 +210,11 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         if closure is not None:
             raise ConfigurationError(
                 f"{self._technique} steps during backward, so step() takes no closure; "
-                "call loss.backward() yourself and then step() (or nothing)."
+                "call loss.backward() yourself and then step() (or nothing). With PyTorch "
+                "Lightning (whose automatic optimization calls step(closure)), return the "
+                "plain optimizer from configure_optimizers and pass strategy="
+                "OverlapDDPStrategy() or OverlapSingleDeviceStrategy() from "
+                "overlapkit.integrations.lightning (FSDPStrategy, FSDP1, is not supported)."
             )
         scaler = self._scaler_driving()
         self.synchronize()

@@ -36,7 +36,9 @@ backward-only loop clearing gradients now and then, and is accepted.
 
 from __future__ import annotations
 
-from overlapkit.errors import ConfigurationError
+from collections.abc import Callable
+
+from overlapkit.errors import ConfigurationError, OverlapkitError
 
 __all__ = ["StepAccount", "accumulation_error", "backward_without_step_error"]
 
@@ -97,11 +99,20 @@ class StepAccount:
         #: any backward has stepped (read by LR schedulers through the facade, whose
         #: first ``scheduler.step()`` would warn that ``optimizer.step()`` never ran)
         self.has_stepped = False
+        #: asked first when a stepping backward starts: the error to refuse it with, or
+        #: None; set by a framework that knows where its loop's backward runs
+        #: (``OverlappedOptimizerFacade.gate_backwards``)
+        self.backward_gate: Callable[[], OverlapkitError | None] | None = None
 
-    def backward_starts(self) -> ConfigurationError | None:
+    def backward_starts(self) -> OverlapkitError | None:
         """Count a stepping backward that starts now: the error to hold until it ends
         (nothing steps in it) when the loop calls ``step()`` and has not since the
-        previous stepping backward, else None."""
+        previous stepping backward, or when the :attr:`backward_gate` refuses it, else
+        None."""
+        if self.backward_gate is not None:
+            refusal = self.backward_gate()
+            if refusal is not None:
+                return refusal
         if self.window and self.calls_step:
             return backward_without_step_error(self.technique, self.accumulate)
         self.window += 1

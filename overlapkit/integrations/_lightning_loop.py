@@ -1,0 +1,282 @@
+"""Lightning's automatic optimization with an optimizer that steps during backward: what
+overlapkit's Lightning strategies run in place of ``Strategy.backward`` and
+``Strategy.optimizer_step`` (:class:`AutomaticOptimization`).
+
+Lightning's plain loop, per optimizer step: ``optimizer.step(closure)``, whose closure
+runs ``training_step``, ``zero_grad`` (first micro-batch of a window) and backward; then
+``on_before_optimizer_step``, clipping (``gradient_clip_val``) and the step. Micro-batches
+that accumulate run the closure directly, under ``no_sync()`` on DDP. Here the closure
+runs once, its backward steps (clipping included, configured at set-up), the hooks are
+called as Lightning calls them, and ``step()`` is the overlapped optimizer's (a no-op
+after a stepping backward). On one device the accumulating backwards run under
+``no_step()``, as DDP's under Lightning's ``no_sync()``.
+
+Private to :mod:`overlapkit.integrations.lightning`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.trainer import call
+from torch.nn.parallel import DistributedDataParallel
+
+from overlapkit.errors import ConfigurationError, OverlapkitError
+from overlapkit.integrations._lightning_setup import clipping_of
+from overlapkit.overlap.facade import OverlappedOptimizerFacade
+
+__all__ = ["AutomaticOptimization", "GradientWrites"]
+
+
+class GradientWrites:
+    """Catches a hook that changes ``.grad`` after the backward that already stepped on
+    it (``overlap_ddp`` keeps the gradients, so reading them is exact; a change would be
+    used by the plain run's step and by nothing here).
+
+    A change is seen by the gradient's version counter (bumped by every in-place write)
+    or a new ``.grad`` object: a few attribute reads per parameter, only around the hooks
+    of :data:`~overlapkit.integrations._lightning_setup.WRITING_HOOKS` that the module or
+    a callback overrides.
+    """
+
+    def __init__(self, named_params: list[tuple[str, torch.Tensor]], technique: str,
+                 hooks: list[tuple[str, str]]) -> None:
+        self.named_params = named_params
+        self.technique = technique
+        self.hooks = {hook: [f"{owner}.{hook}" for owner, h in hooks if h == hook]
+                      for _, hook in hooks}
+
+    @contextmanager
+    def watching(self, hook: str, stepped: bool) -> Iterator[None]:
+        """Around Lightning's call of ``hook`` (callbacks and module); checks when a
+        backward stepped since the last step."""
+        owners = self.hooks.get(hook)
+        if not stepped or not owners:
+            yield
+            return
+        before = [(name, p, p.grad, None if p.grad is None else p.grad._version)
+                  for name, p in self.named_params]
+        yield
+        changed = [name for name, p, grad, version in before
+                   if p.grad is not grad or (grad is not None and grad._version != version)]
+        if changed:
+            raise ConfigurationError(
+                f"{' or '.join(owners)} changed the gradient of {changed[0]!r}"
+                f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''} after "
+                f"{self.technique} had stepped on it during backward, so the change was "
+                "not used (the plain run's step would use it). Change gradients before "
+                "they are reduced and stepped (a hook on the parameter, or the loss), or "
+                "train with strategy='ddp'."
+            )
+
+
+class AutomaticOptimization:
+    """What one of overlapkit's Lightning strategies runs for backward and the optimizer
+    step, once :meth:`attach` has given it the overlapped optimizer.
+
+    :param technique: ``"overlap_ddp"`` or ``"optimizer_in_backward"``, for messages.
+    :param strategy_name: the strategy's class name, for messages.
+    :param accumulate_with_no_step: run the backwards of accumulating micro-batches
+        under the optimizer's ``no_step()`` (one device, where Lightning has no
+        ``no_sync()`` to enter).
+    """
+
+    def __init__(self, technique: str, strategy_name: str,
+                 accumulate_with_no_step: bool) -> None:
+        self.technique = technique
+        self.strategy_name = strategy_name
+        self.accumulate_with_no_step = accumulate_with_no_step
+        self.optimizer: OverlappedOptimizerFacade | None = None
+        self.writes: GradientWrites | None = None
+        #: the clipping the optimizer was built with (:func:`clipping_of` the Trainer)
+        self.clipping: dict[str, float] = {}
+        #: inside optimizer_step's call of Lightning's closure
+        self._in_optimizer_step = False
+        #: inside Lightning's backward (the precision plugin's call of loss.backward)
+        self._in_backward = False
+        #: stepping backwards since the last optimizer step
+        self._stepped = 0
+        #: tensor hooks on the parameters noting backwards inside training_step
+        #: (:meth:`watch_training_step`), and whether one was seen
+        self._grad_hooks: list[Any] = []
+        self._backward_in_training_step = False
+        self._in_training_step = False
+        #: the DDP model whose parameters optimizer_in_backward frees early, until detach
+        self._freeing_ddp_model: DistributedDataParallel | None = None
+
+    def attach(self, optimizer: OverlappedOptimizerFacade, writes: GradientWrites | None,
+               clipping: dict[str, float]) -> None:
+        """Drive ``optimizer``, built with ``clipping``: from now on, a stepping backward
+        anywhere but in Lightning's backward, or a second one before the optimizer step,
+        is refused before anything steps in it."""
+        self.optimizer = optimizer
+        self.writes = writes
+        self.clipping = clipping
+        self._stepped = 0
+        optimizer.gate_backwards(self._gate)
+
+    def watch_training_step(self, ddp_model: DistributedDataParallel,
+                            params: list[torch.Tensor]) -> None:
+        """Refuse a backward run inside ``training_step`` (optimizer_in_backward on DDP),
+        and make the early freeing of gradients end with the fit (:meth:`detach`).
+
+        Lightning runs ``training_step`` inside DDP's forward, where DDP reduces nothing
+        and the overlapped optimizer steps nothing; but ``optimizer_in_backward`` frees
+        each local gradient once DDP has copied it, and so drops what such a backward
+        accumulated, which the plain run adds to the next micro-batch's gradients. A tensor
+        hook per parameter notes it (one Python call per parameter and backward)."""
+        def note(grad: torch.Tensor) -> None:
+            if self._in_training_step:
+                self._backward_in_training_step = True
+
+        self._grad_hooks = [p.register_hook(note) for p in params if p.requires_grad]
+        self._freeing_ddp_model = ddp_model
+
+    def training_step(self, step: Callable[[], Any]) -> Any:
+        """``Strategy.training_step``, refused after it ran a backward that
+        :meth:`watch_training_step` saw (before Lightning's backward: nothing stepped)."""
+        self._in_training_step = True
+        try:
+            output = step()
+        finally:
+            self._in_training_step = False
+        if self._backward_in_training_step:
+            self._backward_in_training_step = False
+            raise ConfigurationError(
+                "training_step ran a backward (loss.backward() by hand): under "
+                f"{self.technique} on DDP each gradient is freed once DDP has taken it, so "
+                "what that backward accumulated would be lost where the plain run keeps it. "
+                "Nothing was stepped. Return the loss from training_step (the sum of "
+                "several) and let Lightning run the backward, or use technique='overlap_ddp'."
+            )
+        return output
+
+    def detach(self) -> None:
+        """The fit is over: the parameters keep the optimizer's step hooks (a plain
+        module's; a DDP model is dropped by Lightning), so any later backward through
+        them is refused, never stepped by this fit's optimizer."""
+        if self.optimizer is not None:
+            self.optimizer.gate_backwards(self._after_fit)
+            self.optimizer = None
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._grad_hooks = []
+        if self._freeing_ddp_model is not None:
+            # optimizer_in_backward frees each local gradient once this DDP model has
+            # taken it: a hook on the parameter's AccumulateGrad node, which stays (it
+            # has no handle) and frees while the model's require_forward_param_sync is
+            # true (overlap/ddp_param_hooks.py). Lightning drops this model now; a later
+            # fit of the same module with another strategy would lose its gradients
+            # (measured: 0.013 off plain DDP), so the flag of the dropped model is
+            # cleared. tests/trainers: "optimizer_in_backward, then strategy='ddp'".
+            self._freeing_ddp_model.require_forward_param_sync = False
+            self._freeing_ddp_model = None
+
+    # -- what the strategy calls ----------------------------------------------------
+
+    def backward(self, strategy: pl.strategies.Strategy, closure_loss: torch.Tensor,
+                 optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """``Strategy.backward`` (the same calls, in the same order), with the backward
+        itself marked as Lightning's and, on one device, accumulating micro-batches run
+        under ``no_step()``."""
+        module = strategy.lightning_module
+        assert module is not None
+        precision = strategy.precision_plugin
+        strategy.pre_backward(closure_loss)
+        closure_loss = precision.pre_backward(closure_loss, module)
+        accumulating = (self.optimizer is not None and self.accumulate_with_no_step
+                        and not self._in_optimizer_step)
+        stepped_before = self._stepped
+        with self.optimizer.no_step() if accumulating else nullcontext():  # type: ignore[union-attr]
+            self._in_backward = True
+            try:
+                precision.backward(closure_loss, module, optimizer, *args, **kwargs)
+            except RuntimeError as error:
+                if self._stepped > stepped_before and "modified by an inplace" in str(error):
+                    raise self._second_backward_error() from error
+                raise
+            finally:
+                self._in_backward = False
+        with self._watch("on_after_backward", self._stepped > stepped_before):
+            closure_loss = precision.post_backward(closure_loss, module)
+        strategy.post_backward(closure_loss)
+        return closure_loss
+
+    def optimizer_step(self, strategy: pl.strategies.Strategy, optimizer: Any,
+                       closure: Callable[[], Any], model: Any = None,
+                       **kwargs: Any) -> Any:
+        """Lightning's ``optimizer.step(closure)``: the closure once (its backward
+        steps), ``on_before_optimizer_step`` of the callbacks and the module, then the
+        overlapped ``step()``. Lightning's clipping is not called: the backward clipped
+        (``gradient_clip_val``, read at set-up)."""
+        model = model or strategy.lightning_module
+        trainer = model.trainer
+        if clipping_of(trainer) != self.clipping:
+            raise ConfigurationError(
+                f"the Trainer's gradient_clip_val or gradient_clip_algorithm changed during "
+                f"the fit, and {self.technique} clips during backward as it was set up "
+                f"({self.clipping or 'no clipping'}, now {clipping_of(trainer) or 'none'}). "
+                "Nothing was stepped in this step. Set the clipping before trainer.fit() "
+                "and leave it; to change it, resume a new fit from a checkpoint."
+            )
+        self._in_optimizer_step = True
+        try:
+            closure_result = closure()
+        finally:
+            self._in_optimizer_step = False
+        with self._watch("on_before_optimizer_step", self._stepped > 0):
+            call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
+            call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+        optimizer.step(**kwargs)
+        self._stepped = 0
+        return closure_result  # what a torch optimizer's step(closure) returns
+
+    # -- the gate ---------------------------------------------------------------------
+
+    def _watch(self, hook: str, stepped: bool) -> Any:
+        if self.writes is None:
+            return nullcontext()
+        return self.writes.watching(hook, stepped)
+
+    def _gate(self) -> OverlapkitError | None:
+        """Asked by the overlapped optimizer when a backward that would step starts."""
+        if not self._in_backward:
+            return ConfigurationError(
+                "a backward ran outside Lightning's backward (loss.backward() in "
+                f"training_step or in a hook): {self.technique} steps the optimizer during "
+                "backward, so it would be an optimizer step that the plain run never "
+                "takes. Nothing was stepped in it. Return the loss from training_step and "
+                "let Lightning run the backward (sum several losses into one), or train "
+                "with strategy='ddp'."
+            )
+        if self._stepped:
+            return self._second_backward_error()
+        self._stepped += 1
+        return None
+
+    def _second_backward_error(self) -> ConfigurationError:
+        """A second backward before the optimizer step: refused by the gate, or failed in
+        autograd (through a graph kept with ``retain_graph=True``, whose saved parameters
+        the first backward's step changed in place)."""
+        return ConfigurationError(
+            "a second backward ran before the optimizer step (Lightning's closure "
+            "called twice, or LightningModule.backward running more than one "
+            f"backward): {self.technique} steps the optimizer during backward, so each "
+            "backward is one optimizer step, and the closure of one step may run one. "
+            "Nothing was stepped in this backward. Return one loss from training_step "
+            "(the sum of several: its backward is one step, as Lightning's plain step "
+            "of the accumulated gradients), or train with strategy='ddp'."
+        )
+
+    def _after_fit(self) -> OverlapkitError | None:
+        return ConfigurationError(
+            f"this model was trained with {self.strategy_name} in a fit that has ended, and "
+            "its parameters still carry that fit's step hooks: this backward would step the "
+            "ended fit's optimizer. Nothing was stepped. Build a new LightningModule for "
+            "each fit (load the weights: new.load_state_dict(old.state_dict()), or resume "
+            "with ckpt_path=)."
+        )

@@ -1,0 +1,239 @@
+"""The set-up of overlapkit's Lightning strategies, once per fit, before the first step:
+what cannot be honoured is refused here, and the optimizer that ``configure_optimizers``
+returned is rebuilt as an overlapped one on the model Lightning has just wrapped.
+
+Private to :mod:`overlapkit.integrations.lightning`, which checks that Lightning is
+installed before importing this module.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from overlapkit.errors import ConfigurationError
+from overlapkit.optimizer_wrapper import OptimizerWrapper
+from overlapkit.overlap.facade import OverlappedOptimizerFacade
+
+__all__ = ["GRADIENT_HOOKS", "TECHNIQUES", "WRITING_HOOKS", "check_fit", "clipping_of",
+           "gradient_readers", "overlapped_like", "plain_optimizer", "rebind_schedulers"]
+
+#: what the strategies step with
+TECHNIQUES = ("overlap_ddp", "optimizer_in_backward")
+#: the hooks of a LightningModule or a Callback that run after backward and may read
+#: ``.grad``: Lightning's plain loop calls them before the optimizer step (and before
+#: clipping), where overlapkit has already stepped during backward
+GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
+#: those whose changes to ``.grad`` the plain loop's step would use (zero_grad follows
+#: the third)
+WRITING_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+#: the precisions whose optimizer step is the plain ``optimizer.step(closure)``, tested
+SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed")
+
+
+def check_fit(module: pl.LightningModule, precision: Precision, strategy: str,
+              technique: str) -> None:
+    """Refuse what Lightning would do after backward, where the overlapped optimizer has
+    already stepped.
+
+    :raises ConfigurationError: manual optimization, an overridden
+        ``configure_gradient_clipping``, a precision other than ``SUPPORTED_PRECISIONS``.
+    """
+    name = type(module).__name__
+    if not module.automatic_optimization:
+        raise ConfigurationError(
+            f"{strategy} drives Lightning's automatic optimization, and {name} sets "
+            "automatic_optimization = False. With manual optimization training_step steps "
+            f"the optimizers itself, while {technique} steps an optimizer during the "
+            "backward that produces its gradients (with several optimizers, one backward "
+            "would step all of them at once). Return the loss from training_step and let "
+            "Lightning optimize, or train this module with strategy='ddp' (or the default "
+            "single-device strategy)."
+        )
+    if is_overridden("configure_gradient_clipping", module):
+        raise ConfigurationError(
+            f"{name} overrides configure_gradient_clipping, which Lightning calls after "
+            f"backward, where {technique} has already stepped: its clipping would come too "
+            "late and change nothing. Remove the override and set Trainer(gradient_clip_val="
+            f"..., gradient_clip_algorithm='norm' or 'value'): {strategy} clips exactly as "
+            "Lightning does, during backward, before the step."
+        )
+    kind = getattr(precision, "precision", type(precision).__name__)
+    if type(precision) is Precision or (
+            type(precision) is MixedPrecision and precision.scaler is None):
+        return
+    reason = ("uses a GradScaler, whose unscale and inf check Lightning runs after backward"
+              if isinstance(precision, MixedPrecision) and precision.scaler is not None
+              else f"steps through {type(precision).__name__}, whose optimizer step "
+              f"{strategy} does not replace")
+    raise ConfigurationError(
+        f"precision={kind!r} {reason}, where {technique} has already stepped. {strategy} "
+        f"supports precision={' and '.join(map(repr, SUPPORTED_PRECISIONS))}; use one of "
+        "them, or strategy='ddp' for this precision."
+    )
+
+
+def plain_optimizer(optimizers: Sequence[Any], strategy: str) -> torch.optim.Optimizer:
+    """The one plain ``torch.optim.Optimizer`` that ``configure_optimizers`` returned.
+
+    :raises ConfigurationError: none, an overlapkit optimizer, something that is not a
+        torch optimizer, or an optimizer with step hooks (they would run once per
+        bucket or parameter).
+    """
+    if len(optimizers) != 1:  # Lightning refuses several under automatic optimization
+        raise ConfigurationError(
+            f"configure_optimizers returned {len(optimizers)} optimizers; {strategy} steps "
+            "one during backward (a DDP model takes one comm hook): return one."
+        )
+    (optimizer,) = optimizers
+    if isinstance(optimizer, LightningOptimizer):
+        optimizer = optimizer.optimizer
+    if isinstance(optimizer, OptimizerWrapper):
+        raise ConfigurationError(
+            f"configure_optimizers returned an overlapkit optimizer "
+            f"({type(optimizer).__name__}); return the plain one, e.g. "
+            f"torch.optim.AdamW(self.parameters(), lr=...): {strategy} builds the "
+            "overlapped optimizer from it, on the model Lightning wraps after "
+            "configure_optimizers."
+        )
+    if type(optimizer).__name__ == "_MockOptimizer" or not isinstance(
+            optimizer, torch.optim.Optimizer):
+        raise ConfigurationError(
+            f"configure_optimizers returned {type(optimizer).__name__}, not a "
+            f"torch.optim.Optimizer, so {strategy} has nothing to step during backward; "
+            "return the optimizer (and its LR scheduler) as for the plain Trainer."
+        )
+    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+        raise ConfigurationError(
+            f"the {type(optimizer).__name__} from configure_optimizers has step hooks, "
+            "which would run once per bucket or parameter stepped during backward; "
+            "remove them (log or adjust in on_train_batch_end instead)."
+        )
+    return optimizer
+
+
+def clipping_of(trainer: pl.Trainer) -> dict[str, float]:
+    """Lightning's ``gradient_clip_val`` / ``gradient_clip_algorithm`` as the clipping
+    arguments of ``overlap_ddp`` / ``optimizer_in_backward``: what Lightning's precision
+    plugin clips after backward (``clip_grad_norm_`` with the 2-norm, or
+    ``clip_grad_value_``; nothing for None or a value <= 0)."""
+    value = trainer.gradient_clip_val
+    if value is None or value <= 0:
+        return {}
+    if trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+        return {"clip_grad_value": float(value)}
+    return {"clip_grad_norm": float(value)}
+
+
+def gradient_readers(trainer: pl.Trainer, module: pl.LightningModule
+                     ) -> list[tuple[str, str]]:
+    """``(owner, hook)`` of each of :data:`GRADIENT_HOOKS` the module or a callback
+    overrides."""
+    found = [(type(module).__name__, hook) for hook in GRADIENT_HOOKS
+             if is_overridden(hook, module)]
+    callbacks: list[Callback] = getattr(trainer, "callbacks", [])  # a property, untyped
+    for callback in callbacks:
+        found += [(type(callback).__name__, hook) for hook in GRADIENT_HOOKS
+                  if is_overridden(hook, callback, Callback)]
+    return found
+
+
+def check_gradient_readers(readers: list[tuple[str, str]], technique: str,
+                           clipping: Mapping[str, float], strategy: str
+                           ) -> list[tuple[str, str]]:
+    """Refuse the hooks that would see other gradients than the plain run's; the ones
+    left to watch for writes (:class:`~overlapkit.integrations._lightning_loop.
+    GradientWrites`).
+
+    :raises ConfigurationError: any gradient hook under ``optimizer_in_backward`` (the
+        gradients are freed during backward); ``on_after_backward`` or
+        ``on_before_optimizer_step`` under ``overlap_ddp`` with clipping (Lightning
+        calls them before clipping; overlapkit clipped during backward).
+    """
+    if technique == "optimizer_in_backward":
+        refused = readers
+        why = (f"{technique} steps each gradient during backward and frees it, so they "
+               "would read None where the plain run reads the gradients")
+        what = (f"use {strategy}(technique='overlap_ddp') (it keeps the gradients), "
+                "strategy='ddp', or remove the hook")
+    elif clipping:
+        refused = [r for r in readers if r[1] in WRITING_HOOKS]
+        why = (f"{technique} clips during backward, so they would read the clipped "
+               "gradients where the plain run (which clips after them) reads the "
+               "unclipped ones")
+        what = "clip no gradients (gradient_clip_val=None), use strategy='ddp', or remove the hook"
+    else:
+        return [r for r in readers if r[1] in WRITING_HOOKS]
+    if refused:
+        hooks = ", ".join(f"{owner}.{hook}" for owner, hook in refused)
+        raise ConfigurationError(
+            f"{hooks} run{'s' if len(refused) == 1 else ''} after backward and may read "
+            f".grad: {why}. Nothing was changed; {what}."
+        )
+    return []
+
+
+def overlapped_like(plain: torch.optim.Optimizer, technique: str, model: torch.nn.Module,
+                    clipping: Mapping[str, float], options: Mapping[str, Any]
+                    ) -> OverlappedOptimizerFacade:
+    """``overlap_ddp`` / ``optimizer_in_backward`` of ``model`` with the class, param
+    groups (every hyperparameter, ``initial_lr`` of a scheduler), defaults and state of
+    ``plain``; clipping by global norm in ``plain``'s parameter order, as Lightning's
+    precision plugin clips (``main_params``: group by group)."""
+    from overlapkit.overlap.ddp import overlap_ddp
+    from overlapkit.overlap.in_backward import optimizer_in_backward
+
+    optim_cls = type(plain)
+    groups = [{**group, "params": list(group["params"])} for group in plain.param_groups]
+    # every hyperparameter is in every group; the defaults matter for add_param_group
+    accepted = inspect.signature(optim_cls.__init__).parameters
+    optim_kwargs = {k: v for k, v in plain.defaults.items()
+                    if k in accepted and k not in ("self", "params")}
+    build: Callable[..., OverlappedOptimizerFacade] = (
+        overlap_ddp if technique == "overlap_ddp" else optimizer_in_backward)
+    arguments: dict[str, Any] = {**optim_kwargs, **options, **clipping}
+    overlapped = build(model, optim_cls, params=groups, **arguments)
+    overlapped.defaults = dict(plain.defaults)
+    if plain.state:
+        overlapped.load_state_dict(plain.state_dict())
+    overlapped.clip_in_order(p for group in plain.param_groups for p in group["params"])
+    return overlapped
+
+
+def _schedulers(scheduler: Any) -> Iterator[Any]:
+    """A scheduler and the ones it chains (``SequentialLR``, ``ChainedScheduler``)."""
+    yield scheduler
+    for inner in getattr(scheduler, "_schedulers", None) or ():
+        yield from _schedulers(inner)
+
+
+def rebind_schedulers(configs: Sequence[Any], plain: torch.optim.Optimizer,
+                      overlapped: torch.optim.Optimizer) -> None:
+    """Point the LR schedulers of ``configure_optimizers`` at the overlapped optimizer.
+
+    They were built on ``plain``: their base LRs and ``initial_lr`` are in its groups,
+    which the overlapped optimizer copied, so from now on they drive its live groups.
+    torch's schedulers mark the optimizer's ``step`` to warn when it is replaced after
+    them; the overlapped optimizer's gets the same mark.
+    """
+    for config in configs:
+        for scheduler in _schedulers(config.scheduler):
+            if getattr(scheduler, "optimizer", None) is plain:
+                scheduler.optimizer = overlapped
+    step = overlapped.step
+    if configs and not hasattr(step, "_wrapped_by_lr_sched"):
+        def tracked_step(*args: Any, **kwargs: Any) -> Any:
+            overlapped._opt_called = True  # type: ignore[attr-defined]
+            return step(*args, **kwargs)
+
+        tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        overlapped.step = tracked_step  # type: ignore[method-assign]

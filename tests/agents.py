@@ -1,0 +1,183 @@
+"""torchrun agents on loopback, each its own "node", as users start them on machines.
+
+Each agent is ``python -m torch.distributed.run --nnodes N --nproc-per-node P
+--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT ...`` in a process of its own, as
+each machine of a job runs its own. The first agent starts alone and the others once
+it listens on the rendezvous port, so it keeps the rendezvous store and has the lowest
+pid: c10d gives it node 0 (GROUP_RANK 0, ranks 0..P-1), where torchrun's own store for
+the workers lives too. A lost node in these tests is therefore never node 0: c10d's
+rendezvous does not survive the loss of the node keeping its store (docs/nodes.rst).
+
+Every wait has a deadline, and :meth:`Job.stop` kills every agent and its workers, so
+a broken agent fails a test instead of hanging it. Runs are judged by their output, as
+``tests/test_readme.py`` judges its own: gloo may abort a rank at interpreter exit after
+all its work is done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from overlapkit.distributed import free_port
+
+#: rendezvous settings that end a failing rendezvous in well under a minute (the
+#: defaults wait 10 minutes for missing nodes)
+RDZV_CONF = "join_timeout=60,close_timeout=10,read_timeout=20"
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (read from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == pid:
+            found.append(int(entry))
+    return found
+
+
+def kill_node(pid: int) -> None:
+    """SIGKILL an agent and every worker it started (torchrun starts each worker in a
+    session of its own, so killing the agent alone would leave them running)."""
+    for worker in children(pid):
+        _kill(worker)
+    _kill(pid)
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+class Agent:
+    """One torchrun agent: its process, where its output goes, when it ended."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], out: Path, err: Path) -> None:
+        self.proc = proc
+        self.out = out
+        self.err = err
+        self.started = time.time()
+        #: when the process ended (``time.time()``), seen by a thread waiting on it
+        self.ended: float | None = None
+        self._watcher = threading.Thread(target=self._watch, daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        self.proc.wait()
+        self.ended = time.time()
+
+    @property
+    def stdout(self) -> str:
+        return self.out.read_text(errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.err.read_text(errors="replace")
+
+    def wait(self, deadline: float) -> int | None:
+        """The exit code, or ``None`` if it has not ended by ``deadline`` (monotonic)."""
+        self._watcher.join(max(0.0, deadline - time.monotonic()))
+        return None if self._watcher.is_alive() else self.proc.returncode
+
+
+class Job:
+    """A job of torchrun agents on 127.0.0.1: ``--nnodes len(nodes)``, one agent per
+    entry of ``nodes`` with that many ranks."""
+
+    def __init__(self, entrypoint: Sequence[str], nodes: Sequence[int], directory: Path, *,
+                 env: Mapping[str, str] | None = None, max_restarts: int = 0,
+                 name: str = "job") -> None:
+        self.entrypoint = list(entrypoint)
+        self.nodes = list(nodes)
+        self.directory = directory
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                    **(env or {})}
+        self.max_restarts = max_restarts
+        self.name = name
+        self.port = free_port()
+        self.agents: list[Agent] = []
+
+    def start_agent(self, nproc: int) -> Agent:
+        """Start one agent (a node) of the job."""
+        index = len(self.agents)
+        out = self.directory / f"{self.name}-agent{index}.out"
+        err = self.directory / f"{self.name}-agent{index}.err"
+        argv = [sys.executable, "-m", "torch.distributed.run",
+                "--nnodes", str(len(self.nodes)), "--nproc-per-node", str(nproc),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
+                "--rdzv-id", self.name, "--rdzv-conf", RDZV_CONF,
+                "--max-restarts", str(self.max_restarts), *self.entrypoint]
+        with out.open("wb") as stdout, err.open("wb") as stderr:
+            proc = subprocess.Popen(argv, stdout=stdout, stderr=stderr, env=self.env,
+                                    cwd=self.directory, start_new_session=True)
+        agent = Agent(proc, out, err)
+        self.agents.append(agent)
+        return agent
+
+    def start(self) -> Job:
+        """Start every agent: the first alone, the others once it keeps the store."""
+        first = self.start_agent(self.nodes[0])
+        deadline = time.monotonic() + 60
+        while not _listening(self.port):
+            if first.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"the first agent did not open the rendezvous:\n"
+                                     f"{first.stderr[-3000:]}")
+            time.sleep(0.05)
+        for nproc in self.nodes[1:]:
+            self.start_agent(nproc)
+        return self
+
+    def wait(self, timeout: float = 240) -> list[int]:
+        """Every agent's exit code; kills the job and fails if one has not ended within
+        ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        codes = [agent.wait(deadline) for agent in self.agents]
+        if any(code is None for code in codes):
+            self.stop()
+            raise AssertionError(
+                f"{self.name}: agents still running after {timeout:.0f} s (killed):\n"
+                + "\n".join(agent.stderr[-2000:] for agent in self.agents))
+        return [code for code in codes if code is not None]
+
+    def stop(self) -> None:
+        """Kill every agent of the job and its workers."""
+        for agent in self.agents:
+            kill_node(agent.proc.pid)
+            agent.proc.wait()
+
+    def output(self) -> str:
+        return "".join(agent.stdout for agent in self.agents)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def finished(job: Job, last_line: str, *, lost: Sequence[Agent] = ()) -> None:
+    """Fail unless the job printed ``last_line`` and every agent but the ``lost`` ones
+    succeeded, or failed only by gloo's abort at interpreter exit after the work was
+    done."""
+    codes = [code for agent, code in zip(job.agents, job.wait(), strict=True)
+             if agent not in lost]
+    text = job.output()
+    errors = "".join(agent.stderr for agent in job.agents)
+    exit_abort = "terminate called without an active exception" in errors
+    assert last_line in text, f"{job.name}: {last_line!r} not printed:\n{errors[-4000:]}"
+    assert all(code == 0 for code in codes) or exit_abort, f"{job.name}: {codes}\n" + errors[-4000:]

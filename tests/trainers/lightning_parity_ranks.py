@@ -1,0 +1,288 @@
+"""Rank code of tests/trainers/test_lightning_parity.py and test_lightning_refusals.py:
+the same Lightning fits with the plain strategy and with overlapkit's, on gloo ranks that
+overlapkit.distributed.run_distributed started (Lightning finds their process group and
+``LOCAL_RANK``, so it launches nothing itself)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from helpers import Comparison, compare, error_of
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning_models import LogsGradNorms, Regression, data, quiet, trainer, values
+
+from overlapkit.integrations.lightning import OverlapDDPStrategy, OverlapSingleDeviceStrategy
+
+#: what each parity case sets on the Trainer (callbacks built per fit: they keep state)
+CASES: dict[str, dict[str, Any]] = {
+    "LR scheduler": {},
+    "clip norm, accumulate 2": {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2},
+    "clip value, bf16-mixed": {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value",
+                               "precision": "bf16-mixed"},
+    "GradientAccumulationScheduler": {"gradient_clip_val": 0.05},
+    "checkpoint, ckpt_path= resume": {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2},
+}
+#: overlapkit's strategy -> the plain one it is compared with, by world size
+PAIRS = {
+    2: {"overlap_ddp": "ddp", "optimizer_in_backward": "ddp"},
+    1: {"overlap_ddp": "ddp", "optimizer_in_backward": "ddp",
+        "one device": "single device"},
+}
+
+
+def strategy(label: str, accelerator: str = "cpu") -> Any:
+    device = "cuda:0" if accelerator == "gpu" else "cpu"
+    return {
+        "ddp": lambda: DDPStrategy(),
+        "single device": lambda: SingleDeviceStrategy(device),
+        "overlap_ddp": lambda: OverlapDDPStrategy("overlap_ddp"),
+        "optimizer_in_backward": lambda: OverlapDDPStrategy("optimizer_in_backward"),
+        "one device": lambda: OverlapSingleDeviceStrategy(device),
+    }[label]()
+
+
+def _options(case: str) -> dict[str, Any]:
+    options = dict(CASES[case])
+    if case == "GradientAccumulationScheduler":
+        options["callbacks"] = [GradientAccumulationScheduler({0: 1, 1: 2})]
+    return options
+
+
+def fit(label: str, case: str, world_size: int, root: Path,
+        accelerator: str = "cpu") -> dict[str, Any]:
+    """One case with one strategy: the parameters after it (and, for the resume case,
+    the optimizer state saved halfway)."""
+    root.mkdir(parents=True, exist_ok=True)
+    options = {**_options(case), "accelerator": accelerator}
+    if case != "checkpoint, ckpt_path= resume":
+        module = Regression()
+        trainer(strategy(label, accelerator), world_size, root, **options).fit(module, data())
+        return {"values": values(module)}
+    first = trainer(strategy(label, accelerator), world_size, root, max_epochs=1, **options)
+    first.fit(Regression(), data())
+    path = root / "halfway.ckpt"
+    first.save_checkpoint(path)
+    module = Regression()  # a new process would build a new module too
+    trainer(strategy(label, accelerator), world_size, root, **options).fit(
+        module, data(), ckpt_path=path)
+    saved = torch.load(path, weights_only=False, map_location="cpu")
+    state = saved["optimizer_states"][0]["state"]
+    return {"values": values(module),
+            "state": [t for i in sorted(state) for t in state[i].values()]}
+
+
+def parity(rank: int, world_size: int, root: str,
+           accelerator: str = "cpu") -> dict[str, Comparison]:
+    quiet()
+    base = Path(root)
+    plain: dict[tuple[str, str], dict[str, Any]] = {}
+    out: dict[str, Comparison] = {}
+    for label, plain_label in PAIRS[world_size].items():
+        for case in CASES:
+            if (plain_label, case) not in plain:
+                plain[plain_label, case] = fit(plain_label, case, world_size,
+                                               base / plain_label / case, accelerator)
+            expected = plain[plain_label, case]
+            got = fit(label, case, world_size, base / label / case, accelerator)
+            result = compare(expected["values"], got["values"])
+            if "state" in expected:
+                result = Comparison(result.differences + compare(
+                    expected["state"], got["state"]).differences)
+            out[f"{label} | {case}"] = result
+    if world_size > 1 and accelerator == "cpu":
+        out["overlap_ddp | gradient norms logged"] = _grad_norms(world_size, base)
+        out["optimizer_in_backward | then strategy='ddp' on the same module"] = (
+            _plain_fit_after(world_size, base / "after"))
+    return out
+
+
+def _plain_fit_after(world_size: int, root: Path) -> Comparison:
+    """A plain fit of a module an OverlapDDPStrategy("optimizer_in_backward") fit has
+    trained, against the same plain fit of a new module with its weights: the early
+    freeing of gradients ends with the overlapkit fit (0.013 off before it did)."""
+    trained = Regression()
+    trainer(strategy("optimizer_in_backward"), world_size, root, max_steps=2).fit(
+        trained, data())
+    fresh = Regression()
+    fresh.load_state_dict(trained.state_dict())
+    for module in (trained, fresh):
+        trainer(strategy("ddp"), world_size, root, max_steps=3).fit(module, data())
+    return compare(values(fresh), values(trained))
+
+
+def _grad_norms(world_size: int, root: Path) -> Comparison:
+    runs = []
+    for label in ("ddp", "overlap_ddp"):
+        module = LogsGradNorms()
+        trainer(strategy(label), world_size, root / "norms" / label).fit(module, data())
+        runs.append((module.norms, values(module)))
+    (plain_norms, plain_values), (norms, got_values) = runs
+    logged = [v for step in plain_norms for v in step.values()]
+    assert logged and [list(s) for s in plain_norms] == [list(s) for s in norms]
+    return Comparison(compare(plain_values, got_values).differences
+                      + compare(logged, [v for step in norms for v in step.values()])
+                      .differences)
+
+
+# -- what is refused ---------------------------------------------------------------
+
+
+class BackwardInTrainingStep(Regression):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        (0.5 * loss).backward(retain_graph=True)  # an auxiliary loss, done by hand
+        return loss
+
+
+class ClosureTwice(Regression):
+    """Calls the closure itself, then steps with it (a SAM-like optimizer_step)."""
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any,
+                       optimizer_closure: Any = None) -> None:
+        optimizer_closure()
+        optimizer.step(closure=optimizer_closure)
+
+
+class TwoBackwards(Regression):
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+
+class Manual(Regression):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        optimizer.zero_grad()  # type: ignore[union-attr]
+        self.manual_backward(loss)
+        optimizer.step()  # type: ignore[union-attr]
+        return loss
+
+
+class OwnClipping(Regression):
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
+                                    gradient_clip_algorithm: Any = None) -> None:
+        self.clip_gradients(optimizer, 0.1, "norm")
+
+
+class ReturnsOverlapkitOptimizer(Regression):
+    def configure_optimizers(self) -> Any:
+        import overlapkit
+
+        return overlapkit.optimizer_in_backward(self, torch.optim.AdamW, lr=1e-2)
+
+
+class ScalesGradients(Callback):
+    def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+        for p in module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(0.5)
+
+
+class ChangesClipping(Callback):
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any,
+                             batch_idx: int) -> None:
+        if batch_idx == 1:
+            trainer.gradient_clip_val = 0.5
+
+
+#: case -> (module class, strategy label, Trainer options)
+REFUSALS: dict[str, tuple[type[Regression], str, dict[str, Any]]] = {
+    "optimizer_in_backward, a gradient hook": (LogsGradNorms, "optimizer_in_backward", {}),
+    "overlap_ddp, clipping, a gradient hook": (LogsGradNorms, "overlap_ddp",
+                                                {"gradient_clip_val": 0.05}),
+    "overlap_ddp, a callback changing gradients": (Regression, "overlap_ddp", {}),
+    "optimizer_in_backward, gradient_clip_val changed during the fit": (
+        Regression, "optimizer_in_backward", {"gradient_clip_val": 0.05}),
+    "optimizer_in_backward, backward in training_step": (BackwardInTrainingStep,
+                                                          "optimizer_in_backward", {}),
+    "overlap_ddp, the closure called twice": (ClosureTwice, "overlap_ddp", {}),
+    "optimizer_in_backward, two backwards in LightningModule.backward": (
+        TwoBackwards, "optimizer_in_backward", {}),
+    "optimizer_in_backward, manual optimization": (Manual, "optimizer_in_backward", {}),
+    "overlap_ddp, configure_gradient_clipping": (OwnClipping, "overlap_ddp",
+                                                 {"gradient_clip_val": 0.05}),
+    "overlap_ddp, an overlapkit optimizer returned": (ReturnsOverlapkitOptimizer,
+                                                      "overlap_ddp", {}),
+    "overlap_ddp, precision 64-true": (Regression, "overlap_ddp", {"precision": "64-true"}),
+}
+
+
+#: the same, on one process
+ONE_PROCESS_REFUSALS: dict[str, tuple[type[Regression], str, dict[str, Any]]] = {
+    "one device, backward in training_step": (BackwardInTrainingStep, "one device", {}),
+    "one device, manual optimization": (Manual, "one device", {}),
+    "the default strategy, an overlapkit optimizer returned": (
+        ReturnsOverlapkitOptimizer, "single device", {}),
+}
+
+
+def refusals(rank: int, world_size: int, root: str) -> dict[str, dict[str, Any]]:
+    """Each case's error, and whether the parameters are still the initial ones."""
+    quiet()
+    initial = values(Regression())
+    out = {}
+    cases = REFUSALS if world_size > 1 else ONE_PROCESS_REFUSALS
+    for case, (module_cls, label, options) in cases.items():
+        module = module_cls()
+        if case.endswith("a callback changing gradients"):
+            options = {**options, "callbacks": [ScalesGradients()]}
+        if case.endswith("changed during the fit"):
+            options = {**options, "callbacks": [ChangesClipping()]}
+        run = trainer(strategy(label), world_size, Path(root) / "refusals", max_steps=4,
+                      **options)
+        error = error_of(lambda: run.fit(module, data()))  # noqa: B023
+        out[case] = {"error": error, "unchanged": compare(initial, values(module))}
+    if world_size == 1:
+        out.update(_after_the_fit(Path(root) / "after"))
+    return out
+
+
+def _after_the_fit(root: Path) -> dict[str, dict[str, Any]]:
+    """A module trained by OverlapSingleDeviceStrategy keeps its parameters' step hooks:
+    a second fit, and a backward by hand afterwards, are refused, stepping nothing."""
+    module = Regression()
+    trainer(OverlapSingleDeviceStrategy(), 1, root, max_steps=2).fit(module, data())
+    trained = values(module)
+    again = trainer(OverlapSingleDeviceStrategy(), 1, root, max_steps=2)
+    second_fit = error_of(lambda: again.fit(module, data()))
+    unchanged_by_fit = compare(trained, values(module))
+    x, y = next(iter(data()))
+    by_hand = error_of(lambda: torch.nn.functional.mse_loss(module.net(x), y).backward())
+    return {
+        "one device, a second fit of the same module": {
+            "error": second_fit, "unchanged": unchanged_by_fit},
+        "one device, a backward after the fit": {
+            "error": by_hand, "unchanged": compare(trained, values(module))},
+    }
+
+
+def run(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Everything the 2-rank tests read, in one start of the ranks (Lightning's import
+    is the slow part)."""
+    return {"parity": parity(rank, world_size, root),
+            "refusals": refusals(rank, world_size, root)}
+
+
+def gpu_run(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """On one CUDA GPU (NCCL): the one-process parity cases, and Lightning's
+    FSDPStrategy (FSDP1, GPU only) with an overlapkit optimizer returned from
+    configure_optimizers, which must be refused before anything changes."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    out: dict[str, Any] = {"parity": parity(rank, world_size, root, accelerator="gpu")}
+    quiet()
+    initial = values(Regression())
+    module = ReturnsOverlapkitOptimizer()
+    run = trainer(FSDPStrategy(), 1, Path(root) / "fsdp", accelerator="gpu", max_steps=2)
+    out["FSDPStrategy, an overlapkit optimizer returned"] = {
+        "error": error_of(lambda: run.fit(module, data())),
+        "unchanged": compare(initial, values(module))}
+    return out

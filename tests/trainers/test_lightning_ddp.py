@@ -1,0 +1,113 @@
+"""PyTorch Lightning with overlapkit's OverlapDDPStrategy on 2 gloo ranks (devices=2,
+accelerator="cpu"): the same Trainer and LightningModule as with ``strategy="ddp"`` and
+plain AdamW — automatic optimization, an LR schedule from configure_optimizers,
+gradient_clip_val by norm and by value, accumulate_grad_batches,
+GradientAccumulationScheduler, precision="bf16-mixed", a checkpoint and a ckpt_path=
+resume — train bitwise the same, with ``overlap_ddp`` and with
+``optimizer_in_backward``. What cannot be honoured raises an OverlapkitError, on every
+rank.
+
+The ranks are started by overlapkit.distributed.run_distributed (forkserver, free port,
+timeout), with the environment Lightning reads (``LOCAL_RANK``, ``WORLD_SIZE``, the
+process group already up), so Lightning launches no process itself under pytest;
+docs/lightning.rst's script (tests/trainers/test_lightning_docs.py) runs Lightning's own
+launcher.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("lightning", reason="the `trainers` tox environment installs lightning")
+
+from lightning_parity_ranks import CASES, REFUSALS, run
+
+from overlapkit.distributed import run_distributed
+
+TECHNIQUES = ["overlap_ddp", "optimizer_in_backward"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    root: Path = tmp_path_factory.mktemp("lightning_ddp")
+    return run_distributed(run, 2, args=(str(root),), timeout=400)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("technique", TECHNIQUES)
+def test_the_trainer_trains_bitwise_as_with_strategy_ddp_and_plain_adamw(
+        results: list[dict[str, Any]], technique: str, case: str) -> None:
+    for rank, rank_results in enumerate(results):
+        assert rank_results["parity"][f"{technique} | {case}"], rank
+
+
+def test_gradient_norms_logged_in_on_before_optimizer_step_are_the_plain_runs(
+        results: list[dict[str, Any]]) -> None:
+    """overlap_ddp keeps the reduced gradients: the norms Lightning's docs log there are
+    the plain run's, bitwise, and so is the training."""
+    for rank, rank_results in enumerate(results):
+        assert rank_results["parity"]["overlap_ddp | gradient norms logged"], rank
+
+
+def test_a_plain_fit_of_the_same_module_afterwards_trains_as_a_new_modules(
+        results: list[dict[str, Any]]) -> None:
+    """optimizer_in_backward frees gradients early through hooks left on the parameters;
+    they stop with the overlapkit fit, so a later plain fit is not silently changed."""
+    for rank, rank_results in enumerate(results):
+        assert rank_results["parity"][
+            "optimizer_in_backward | then strategy='ddp' on the same module"], rank
+
+
+#: refused once a step has been taken: a second backward (the first, Lightning's, has
+#: stepped), a hook changing gradients the step used, clipping changed after set-up
+AFTER_A_STEP = [case for case in REFUSALS if "callback changing" in case or "twice" in case
+                or "two backwards" in case or "changed during" in case]
+#: refused at set-up, or at the first backward that is not Lightning's: nothing stepped
+BEFORE_ANY_STEP = [case for case in REFUSALS if case not in AFTER_A_STEP]
+MESSAGES = {
+    "optimizer_in_backward, a gradient hook": "LogsGradNorms.on_before_optimizer_step",
+    "overlap_ddp, clipping, a gradient hook": "read the clipped gradients",
+    "overlap_ddp, a callback changing gradients": "ScalesGradients.on_before_optimizer_step "
+                                                  "changed the gradient of 'net.0.weight'",
+    "optimizer_in_backward, backward in training_step": "training_step ran a backward",
+    "optimizer_in_backward, gradient_clip_val changed during the fit":
+        "gradient_clip_val or gradient_clip_algorithm changed during the fit",
+    "overlap_ddp, the closure called twice": "a second backward ran before the optimizer step",
+    "optimizer_in_backward, two backwards in LightningModule.backward":
+        "a second backward ran before the optimizer step",
+    "optimizer_in_backward, manual optimization": "automatic_optimization = False",
+    "overlap_ddp, configure_gradient_clipping": "overrides configure_gradient_clipping",
+    "overlap_ddp, an overlapkit optimizer returned": "return the plain one",
+    "overlap_ddp, precision 64-true": "precision='64-true'",
+}
+
+
+def _refused(results: list[dict[str, Any]], case: str) -> list[dict[str, Any]]:
+    found = []
+    for rank_results in results:
+        result = rank_results["refusals"][case]
+        error = result["error"]
+        assert error is not None and error["overlapkit"], error
+        assert MESSAGES[case] in error["message"], error["message"]
+        found.append(result)
+    return found
+
+
+@pytest.mark.parametrize("case", BEFORE_ANY_STEP)
+def test_what_cannot_be_honoured_is_refused_on_every_rank_before_any_step(
+        results: list[dict[str, Any]], case: str) -> None:
+    for result in _refused(results, case):
+        assert result["unchanged"], result["unchanged"]
+
+
+@pytest.mark.parametrize("case", AFTER_A_STEP)
+def test_what_only_shows_during_training_is_refused_when_it_shows(
+        results: list[dict[str, Any]], case: str) -> None:
+    """A second backward in one closure is refused before anything steps in it (the
+    first, Lightning's own, has stepped); a hook changing gradients the step has used is
+    refused once that step is done; clipping changed after set-up is refused before the
+    step that would use it."""
+    _refused(results, case)
