@@ -115,7 +115,7 @@ FIGURES_0_2: dict[tuple[str, str], float] = {
 }
 #: per model, added to a 0.2 figure to make its goal: the spread of the CPU-time ratio
 #: between runs of the same code on the shared 2-core machine (docs/benchmarks.md):
-#: 0.60-0.67 on 400 small parameters; 0.80-1.03 on 8 large ones, where every variant
+#: 0.61-0.70 on 400 small parameters; 0.80-1.03 on 8 large ones, where every variant
 #: runs the same AdamW arithmetic on 4 MiB tensors and the per-parameter work is noise
 STEP_MARGIN: dict[str, float] = {"400_small": 0.05, "8_large": 0.10}
 #: ours' training peak above set-up may exceed the peer's by this much (MiB): the
