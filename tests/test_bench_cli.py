@@ -23,7 +23,11 @@ EXPECTED_VARIANTS = {
     | {"1r/1_bucket/module_plain", "1r/1_bucket/optimizer_in_backward"},
     "optimizer_in_backward": {"ddp/optimizer_in_backward", "ddp/plain",
                               "module/optimizer_in_backward", "module/plain",
-                              "module/torch_apply_optimizer_in_backward"},
+                              "module/torch_apply_optimizer_in_backward",
+                              # the peers part; the peers' own where installed
+                              "peers/400_small/plain",
+                              "peers/400_small/overlapkit_backward_only",
+                              "peers/400_small/overlapkit_step_zero_grad"},
     "mixed_precision": {"plain_amp", "overlap_ddp_amp", "optimizer_in_backward_amp",
                         "plain_clip", "overlap_ddp_clip", "overlap_ddp_clip_bucket"},
     "post_local_sgd": {"overlapkit_post_local_sgd", "torch_post_local_sgd", "ddp"},
@@ -105,6 +109,46 @@ def test_bench_says_whether_each_goal_was_met(
         table = format_result(next(r for r in bench[0] if r["benchmark"] == name))
         header = next(line for line in table.splitlines() if line.startswith("goal "))
         assert header.split() == ["goal", "value", "target", "met"]
+
+
+def test_bench_compares_each_installed_peer_and_names_the_others(
+    bench: tuple[list[dict[str, Any]], Path, str],
+) -> None:
+    from overlapkit.cli.bench.in_backward_peers import PEERS
+    from overlapkit.cli.bench.runner import format_result
+
+    result = {r["benchmark"]: r for r in bench[0]}["optimizer_in_backward"]
+    text = format_result(result)
+    for peer, spec in PEERS.items():
+        state = result["peers"][peer]
+        if state == spec.version:  # installed here and imports: compared
+            assert f"peers/400_small/{peer}" in result["variants"]
+            assert any(f"/ {peer} step CPU time" in g["goal"] for g in result["goals"])
+        else:  # CI: not installed
+            assert f"peers/400_small/{peer}" not in result["variants"]
+            assert f"{peer} {state}" in text
+
+
+def test_the_peers_part_says_not_installed_when_the_peers_are_absent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from overlapkit.cli.bench.in_backward_peers import PEERS, run_peers
+    from overlapkit.cli.bench.runner import format_result
+
+    for name in PEERS:  # what an environment without them finds (CI's)
+        monkeypatch.setitem(sys.modules, name, None)
+    part = run_peers(rounds=1, quick=True, steps=1, warmup=1, memory_rounds=1,
+                     memory_steps=1)
+    assert part["peers"] == {"torchtune": "not installed", "torchtitan": "not installed"}
+    assert set(part["variants"]) == {"peers/400_small/plain",
+                                     "peers/400_small/overlapkit_backward_only",
+                                     "peers/400_small/overlapkit_step_zero_grad"}
+    for figures in part["variants"].values():
+        assert figures["step_ms"] > 0 and figures["peak_above_setup_mib"] >= 0
+    assert part["goals"] == []  # nothing to compare with: no goal, no "not measured"
+    text = format_result({"benchmark": "optimizer_in_backward", **part})
+    assert "torchtune not installed (pip install torch==2.13.0 torchtune==0.6.1)" in text
+    assert "torchtitan not installed (pip install --no-deps torchtitan==0.2.2" in text
 
 
 def test_old_benchmark_names_still_work() -> None:

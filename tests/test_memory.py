@@ -6,7 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from overlapkit.cli.memory import peak_rss_mib
+import pytest
+
+from overlapkit.cli.memory import peak_rss_mib, reset_peak_rss, rss_mib
 
 GROW_THEN_SPAWN = """
 import multiprocessing as mp
@@ -47,3 +49,17 @@ def test_a_spawned_rank_is_not_credited_with_its_parents_memory(tmp_path: Path) 
     ours, rusage = map(float, proc.stdout.split())
     assert ours < 500  # an interpreter with torch imported, not the parent's 1 GiB
     assert rusage > 1024  # what ru_maxrss reports in the same child: the parent's peak
+
+
+def test_the_peak_restarts_from_the_rss_of_now() -> None:
+    ballast = bytearray(64 * 2**20)  # mapped on its own: freed back to the OS by del
+    for i in range(0, len(ballast), 4096):
+        ballast[i] = 1
+    del ballast
+    now = rss_mib()
+    if now is None:
+        pytest.skip("no /proc here")
+    assert peak_rss_mib() >= now + 60
+    if not reset_peak_rss():
+        pytest.skip("this kernel has no /proc/self/clear_refs")
+    assert peak_rss_mib() < now + 16

@@ -14,17 +14,41 @@ from __future__ import annotations
 
 import resource
 
-__all__ = ["peak_rss_mib"]
+__all__ = ["peak_rss_mib", "reset_peak_rss", "rss_mib"]
+
+
+def _status_mib(field: str) -> float | None:
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith(field):
+                    return int(line.split()[1]) / 1024.0  # kB
+    except OSError:
+        pass
+    return None
+
+
+def rss_mib() -> float | None:
+    """This process's resident set size now, in MiB (``VmRSS``; None without ``/proc``)."""
+    return _status_mib("VmRSS:")
+
+
+def reset_peak_rss() -> bool:
+    """Restart the peak (``VmHWM``) from the current RSS, so that a later
+    :func:`peak_rss_mib` is the peak of what ran in between; returns whether it could
+    (Linux >= 4.0: writing ``5`` to ``/proc/self/clear_refs``)."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        return False
+    return True
 
 
 def peak_rss_mib() -> float:
     """This process's peak resident set size, in MiB (``VmHWM``; ``ru_maxrss`` where
     ``/proc`` is missing)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0  # kB
-    except OSError:
-        pass
+    peak = _status_mib("VmHWM:")
+    if peak is not None:
+        return peak
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

@@ -13,6 +13,9 @@ Variants: DDP (``gradient_as_bucket_view`` False, the default, and True), plain 
 vs optimizer_in_backward; a plain module on each rank (no communication): plain loop,
 optimizer_in_backward, torch's ``_apply_optimizer_in_backward``. torch's DDP path
 (``_apply_optim_in_backward_hook``) is tried once on a small model and its error noted.
+
+Part "peers" (:mod:`overlapkit.cli.bench.in_backward_peers`): step time and memory
+beside torchtune's and torchtitan's optimizer in backward, each where it is installed.
 """
 
 from __future__ import annotations
@@ -148,7 +151,9 @@ def run_benchmark(*, rounds: int = 5, world_size: int = 2, quick: bool = False,
     :param quick: a small model and few steps, to check that it runs.
     :param options: ``steps`` (per run, the first untimed), ``variants`` (names from
         :data:`VARIANTS`), ``pin_mmap_threshold`` (default True, see
-        :func:`fix_mmap_threshold`).
+        :func:`fix_mmap_threshold`), ``peers`` (default True: run the peers part;
+        ``peer_options``: its options, see
+        :func:`~overlapkit.cli.bench.in_backward_peers.run_peers`).
     """
     pin_threshold = bool(options.get("pin_mmap_threshold", True))
     width, depth = QUICK if quick else FULL
@@ -200,6 +205,15 @@ def run_benchmark(*, rounds: int = 5, world_size: int = 2, quick: bool = False,
     except RankFailedError as exc:  # pragma: no cover - depends on torch
         torch_ddp = str(exc).splitlines()[-1]
     n_params = sum(p.numel() for p in _build(width, depth).parameters())
+    peers: dict[str, Any] = {"variants": {}, "ratios": {}, "goals": [], "peers": {},
+                             "notes": ""}
+    if options.get("peers", True):
+        from overlapkit.cli.bench.in_backward_peers import run_peers
+
+        peers = run_peers(rounds=rounds, quick=quick, **options.get("peer_options", {}))
+    variants.update(peers["variants"])
+    ratios.update(peers["ratios"])
+    goals += peers["goals"]
     return {
         "benchmark": "optimizer_in_backward",
         "command": COMMAND + (" --quick" if quick else ""),
@@ -214,6 +228,7 @@ def run_benchmark(*, rounds: int = 5, world_size: int = 2, quick: bool = False,
             "variant per round; peak RSS = VmHWM, largest rank; glibc mmap "
             f"threshold {'pinned at 128 KiB' if pinned else 'dynamic (glibc default)'}. "
             "torch's DDP optimizer in backward on CPU: "
-            f"{torch_ddp}"
+            f"{torch_ddp.rstrip('.')}. {peers['notes']}"
         ),
+        "peers": peers["peers"],
     }
