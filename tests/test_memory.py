@@ -52,14 +52,18 @@ def test_a_spawned_rank_is_not_credited_with_its_parents_memory(tmp_path: Path) 
 
 
 def test_the_peak_restarts_from_the_rss_of_now() -> None:
+    """After :func:`reset_peak_rss` the peak forgets what was freed before. (Whether the
+    peak read *before* the reset still shows freed memory depends on the kernel's RSS
+    accounting in a many-threaded process — its per-CPU counters are summed
+    approximately — so only what the reset promises is checked: it failed once in a
+    full test run on the ``before`` side while passing alone.)"""
     ballast = bytearray(64 * 2**20)  # mapped on its own: freed back to the OS by del
     for i in range(0, len(ballast), 4096):
         ballast[i] = 1
-    del ballast
-    now = rss_mib()
-    if now is None:
+    with_ballast = rss_mib()
+    if with_ballast is None:
         pytest.skip("no /proc here")
-    assert peak_rss_mib() >= now + 60
+    del ballast
     if not reset_peak_rss():
         pytest.skip("this kernel has no /proc/self/clear_refs")
-    assert peak_rss_mib() < now + 16
+    assert peak_rss_mib() < with_ballast - 32

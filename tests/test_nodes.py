@@ -136,13 +136,14 @@ def _demo(workdir: Path, name: str, nodes: list[int]) -> dict[str, dict[str, Any
 
 def test_the_demo_on_two_nodes_is_bitwise_one_node_of_four(workdir: Path) -> None:
     one, two = _demo(workdir, "demo-1x4", [4]), _demo(workdir, "demo-2x2", [2, 2])
-    assert list(one) == list(two) == ["plain", "overlap_ddp", "optimizer_in_backward",
-                                      "post_local_sgd", "checkpoint"]
+    assert list(one) == list(two) == ["plain", "overlap_ddp", "sharded",
+                                      "optimizer_in_backward", "post_local_sgd", "checkpoint"]
     for technique, row in two.items():
         for figure in ("losses", "final_loss", "max_param_diff"):
             assert row[figure] == one[technique][figure], (technique, figure)
         assert len(row["peak_rss_mib"]) == 4
     assert two["overlap_ddp"]["max_param_diff"] == 0.0
+    assert two["sharded"]["max_param_diff"] == 0.0
     assert two["checkpoint"]["max_param_diff"] == 0.0
     assert "saved at world size 4, reloaded at 4" in two["checkpoint"]["note"]
 
