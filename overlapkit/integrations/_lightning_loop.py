@@ -17,7 +17,7 @@ Private to :mod:`overlapkit.integrations.lightning`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
@@ -51,11 +51,13 @@ class GradientWrites:
                       for _, hook in hooks}
 
     @contextmanager
-    def watching(self, hook: str, stepped: bool) -> Iterator[None]:
+    def watching(self, hook: str, stepped: bool, probing: bool = False) -> Iterator[None]:
         """Around Lightning's call of ``hook`` (callbacks and module); checks when a
-        backward stepped since the last step."""
+        backward stepped since the last step, or in the first optimizer step, whose
+        backwards are deferred (``probing``: nothing has stepped yet, and the change is
+        refused before anything does)."""
         owners = self.hooks.get(hook)
-        if not stepped or not owners:
+        if not (stepped or probing) or not owners:
             yield
             return
         before = [(name, p, p.grad, None if p.grad is None else p.grad._version)
@@ -64,14 +66,25 @@ class GradientWrites:
         changed = [name for name, p, grad, version in before
                    if p.grad is not grad or (grad is not None and grad._version != version)]
         if changed:
+            when = ("Nothing was stepped (the first optimizer step checks for this before "
+                    "it steps)" if probing else
+                    f"{self.technique} had already stepped on it during backward, so the "
+                    "change was not used")
             raise ConfigurationError(
                 f"{' or '.join(owners)} changed the gradient of {changed[0]!r}"
                 f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''} after "
-                f"{self.technique} had stepped on it during backward, so the change was "
-                "not used (the plain run's step would use it). Change gradients before "
-                "they are reduced and stepped (a hook on the parameter, or the loss), or "
-                "train with strategy='ddp'."
+                f"backward: {self.technique} steps during backward, before this hook runs, "
+                f"so such a change cannot be used, where the plain run's step would use "
+                f"it. {when}. Change gradients before they are reduced and stepped (a "
+                "hook on the parameter, or the loss), or train with strategy='ddp'."
             )
+
+
+def _reduces(strategy: pl.strategies.Strategy) -> bool:
+    """Whether a backward now is a synchronised one (not inside DDP's ``no_sync()``,
+    which Lightning enters for accumulating micro-batches)."""
+    model = getattr(strategy, "model", None)
+    return not isinstance(model, DistributedDataParallel) or model.require_backward_grad_sync
 
 
 class AutomaticOptimization:
@@ -100,6 +113,19 @@ class AutomaticOptimization:
         self._in_backward = False
         #: stepping backwards since the last optimizer step
         self._stepped = 0
+        #: until the first optimizer step of the fit, the backwards are deferred (they
+        #: reduce and step nothing: the facade's defer_steps(), held open here; the gate
+        #: is still asked at each), so that what cannot be honoured — a second backward
+        #: before the step, a hook changing gradients — is refused before anything
+        #: steps; that first step() is then a full step of the kept gradients, bitwise
+        #: the plain step
+        self._probed = True
+        self._deferred = ExitStack()
+        #: backwards through the losses of the probe's synchronised micro-batches: a
+        #: second one is refused from a hook on the loss, before it reaches a parameter
+        #: (a backward through a kept graph, ``retain_graph=True``, runs no DDP comm
+        #: hook, so the optimizer's gate never sees it)
+        self._probe_backwards = 0
         #: tensor hooks on the parameters noting backwards inside training_step
         #: (:meth:`watch_training_step`), and whether one was seen
         self._grad_hooks: list[Any] = []
@@ -117,6 +143,9 @@ class AutomaticOptimization:
         self.writes = writes
         self.clipping = clipping
         self._stepped = 0
+        self._probed = False
+        self._probe_backwards = 0
+        self._deferred.enter_context(optimizer.defer_steps())
         optimizer.gate_backwards(self._gate)
 
     def watch_training_step(self, ddp_model: DistributedDataParallel,
@@ -159,6 +188,7 @@ class AutomaticOptimization:
         """The fit is over: the parameters keep the optimizer's step hooks (a plain
         module's; a DDP model is dropped by Lightning), so any later backward through
         them is refused, never stepped by this fit's optimizer."""
+        self._deferred.close()  # a fit that ended before its first step
         if self.optimizer is not None:
             self.optimizer.gate_backwards(self._after_fit)
             self.optimizer = None
@@ -190,7 +220,11 @@ class AutomaticOptimization:
         closure_loss = precision.pre_backward(closure_loss, module)
         accumulating = (self.optimizer is not None and self.accumulate_with_no_step
                         and not self._in_optimizer_step)
+        probing = not self._probed
         stepped_before = self._stepped
+        counted = (probing and not accumulating and _reduces(strategy)
+                   and closure_loss.requires_grad)
+        handle = closure_loss.register_hook(self._count_probe_backward) if counted else None
         with self.optimizer.no_step() if accumulating else nullcontext():  # type: ignore[union-attr]
             self._in_backward = True
             try:
@@ -201,7 +235,9 @@ class AutomaticOptimization:
                 raise
             finally:
                 self._in_backward = False
-        with self._watch("on_after_backward", self._stepped > stepped_before):
+                if handle is not None:
+                    handle.remove()
+        with self._watch("on_after_backward", self._stepped > stepped_before, probing):
             closure_loss = precision.post_backward(closure_loss, module)
         strategy.post_backward(closure_loss)
         return closure_loss
@@ -223,24 +259,36 @@ class AutomaticOptimization:
                 "Nothing was stepped in this step. Set the clipping before trainer.fit() "
                 "and leave it; to change it, resume a new fit from a checkpoint."
             )
+        probing = not self._probed
         self._in_optimizer_step = True
         try:
             closure_result = closure()
         finally:
             self._in_optimizer_step = False
-        with self._watch("on_before_optimizer_step", self._stepped > 0):
+        with self._watch("on_before_optimizer_step", self._stepped > 0, probing):
             call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
             call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
-        optimizer.step(**kwargs)
+        if probing:
+            self._deferred.close()  # from now on the backwards step
+            self._probed = True
+        optimizer.step(**kwargs)  # a no-op after a stepping backward; the probe's full step
         self._stepped = 0
         return closure_result  # what a torch optimizer's step(closure) returns
 
     # -- the gate ---------------------------------------------------------------------
 
-    def _watch(self, hook: str, stepped: bool) -> Any:
+    def _count_probe_backward(self, grad: torch.Tensor) -> None:
+        """Hook on the loss of a synchronised micro-batch of the probe (the first
+        optimizer step): a second backward through it is refused before it reaches a
+        parameter, while nothing has stepped."""
+        self._probe_backwards += 1
+        if self._probe_backwards > 1:
+            raise self._second_backward_error()
+
+    def _watch(self, hook: str, stepped: bool, probing: bool = False) -> Any:
         if self.writes is None:
             return nullcontext()
-        return self.writes.watching(hook, stepped)
+        return self.writes.watching(hook, stepped, probing)
 
     def _gate(self) -> OverlapkitError | None:
         """Asked by the overlapped optimizer when a backward that would step starts."""

@@ -130,10 +130,12 @@ class BucketStepper(StepAccount):
             # reduced (step_accounting). The scope queued _before_finalize for its end:
             # DDP queues its own finalize after the last bucket's hook, so ours (queued
             # now) runs first.
-            self._step_error = self.backward_starts()
+            self._step_error = self.starting_backward()
         future = self.inner_hook(self.inner_state, bucket)
-        if self.global_step is not None:
-            return future  # reduced now, stepped with every other after finalize
+        if self.global_step is not None or self.deferring:
+            # reduced now; stepped with every other after finalize, or (defer_steps())
+            # left in .grad by DDP's finalize for step()'s full step
+            return future
         if self.step_thread == "comm":
             return future.then(lambda fut: self._step_bucket(bucket, fut))
         self._pending.append((bucket, future))
@@ -184,6 +186,8 @@ class BucketStepper(StepAccount):
             self.used.clear()
             self.backward_refused()  # the loop learns of it here, not at step()
             raise error
+        if self.deferring:
+            return  # nothing stepped, nothing freed: step() takes the full step
         self._stepped_grads_kept = not self.free_grads
         if self.global_step is not None:
             self._step_globally()
@@ -252,6 +256,11 @@ class BucketStepper(StepAccount):
             self._stepped_grads_kept = False
             if self.window and not self.calls_step:
                 self.engine.zero_grad(set_to_none=True)
+
+    def deferred(self) -> None:
+        """Forget the usage the deferred backwards noted: their gradients are stepped by
+        a full step, and the next stepping backward notes its own."""
+        self.used.clear()
 
     def note_used(self, param: torch.Tensor) -> None:
         # Autograd calls post-accumulate-grad hooks with .grad None for a parameter

@@ -11,8 +11,8 @@ backward that already stepped, so existing training loops keep working.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
 import torch
@@ -59,6 +59,11 @@ class BackwardSteps(Protocol):
     #: what a step() with no stepping backward since the last applies (clipping, a
     #: GradScaler's unscale and inf check), or None for the optimizer's plain step()
     full_step: GlobalStep | None
+
+    #: while true, backwards step nothing (:meth:`OverlappedOptimizerFacade.defer_steps`)
+    deferring: bool
+
+    def deferred(self) -> None: ...
 
     #: asked when a stepping backward starts: the error to refuse it with, or None
     backward_gate: Callable[[], OverlapkitError | None] | None
@@ -158,6 +163,28 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
     @param_groups.setter
     def param_groups(self, groups: list[dict[str, Any]]) -> None:
         self.replace_param_groups(groups)
+
+    @contextmanager
+    def defer_steps(self) -> Iterator[None]:
+        """Backwards inside step nothing: their gradients are reduced as usual (DDP's
+        buckets, FSDP2's reduce-scatters) and kept in ``.grad``, and the next ``step()``
+        is an ordinary full step of them, with the same clipping and loss-scaler rules
+        as a step in backward (:mod:`~overlapkit.overlap.global_step`) — the plain
+        loop's step, bitwise.
+
+        For a framework that must see a whole optimizer step's backwards before anything
+        steps: Lightning's first closure (:mod:`overlapkit.integrations.lightning`) runs
+        inside, so that a closure running two backwards, or a hook changing gradients,
+        is refused before the first step. Unlike ``no_step()`` / ``no_sync()`` (gradient
+        accumulation), a DDP model still reduces every bucket.
+        """
+        steps = self._steps
+        steps.deferring = True
+        try:
+            yield
+        finally:
+            steps.deferring = False
+            steps.deferred()
 
     def gate_backwards(self, gate: Callable[[], OverlapkitError | None] | None) -> None:
         """Have ``gate`` asked each time a backward that would step starts (None: stop).

@@ -104,7 +104,9 @@ class ParamStepper(StepAccount):
             # a second stepping backward with no step() in between, in a loop that
             # calls step(), is refused: nothing is stepped in it (step_accounting); on
             # FSDP2 every reduce-scatter still runs
-            self._step_error = self.backward_starts()
+            self._step_error = self.starting_backward()
+        if self.deferring:
+            return  # defer_steps(): the gradient is kept for step()'s full step
         in_backward = entered != OUTSIDE
         if in_backward and self._step_error is not None:
             return  # a step of this backward raised: the rest keep their gradients
@@ -151,7 +153,7 @@ class ParamStepper(StepAccount):
 
     def _after_backward(self) -> None:
         error, self._step_error = self._step_error, None
-        if error is None and self.global_step is not None:
+        if error is None and self.global_step is not None and not self.deferring:
             owned = self.engine.parameters()
             with self.side_stream.running(owned):
                 self.global_step.step(self.engine, owned)

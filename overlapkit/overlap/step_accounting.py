@@ -99,6 +99,9 @@ class StepAccount:
         #: any backward has stepped (read by LR schedulers through the facade, whose
         #: first ``scheduler.step()`` would warn that ``optimizer.step()`` never ran)
         self.has_stepped = False
+        #: while true (the facade's ``defer_steps()``), backwards step nothing: their
+        #: gradients are reduced as usual and kept, for a full step at ``step()``
+        self.deferring = False
         #: asked first when a stepping backward starts: the error to refuse it with, or
         #: None; set by a framework that knows where its loop's backward runs
         #: (``OverlappedOptimizerFacade.gate_backwards``)
@@ -118,6 +121,21 @@ class StepAccount:
         self.window += 1
         self.stepped_since_step = self.has_stepped = True
         return None
+
+    def deferred_backward_starts(self) -> OverlapkitError | None:
+        """A backward starts while steps are deferred: it steps nothing and is not
+        counted, but the :attr:`backward_gate` is asked, so that a framework sees every
+        backward of the deferred window (and refuses one before anything steps)."""
+        return self.backward_gate() if self.backward_gate is not None else None
+
+    def starting_backward(self) -> OverlapkitError | None:
+        """What a stepper calls when a backward starts: :meth:`backward_starts`, or
+        :meth:`deferred_backward_starts` while steps are deferred."""
+        return self.deferred_backward_starts() if self.deferring else self.backward_starts()
+
+    def deferred(self) -> None:
+        """The deferred backwards are over (``defer_steps()`` left): forget what they
+        noted on the way (a stepper that tracks parameter usage overrides this)."""
 
     def backward_refused(self) -> None:
         """A backward raised (a refused one, or a step that failed): the loop learns of
