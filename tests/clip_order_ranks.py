@@ -8,8 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from helpers import compare, rank_batches, values
+from helpers import compare, rank_batches, shard_linears, values
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -36,16 +35,7 @@ def _groups(model: nn.Module) -> list[dict[str, Any]]:
 
 
 def _fsdp2() -> nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    model = _net()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    return shard_linears(_net())
 
 
 #: name -> (build the model, make the overlapped optimizer, DDP comm hook of the plain run)

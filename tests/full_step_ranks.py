@@ -10,8 +10,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from helpers import compare, rank_batches, values
+from helpers import compare, rank_batches, shard_linears, values
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -30,16 +29,7 @@ def _net() -> nn.Module:
 
 
 def _fsdp2() -> nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    model = _net()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    return shard_linears(_net())
 
 
 #: name -> (model, technique, options)

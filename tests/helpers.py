@@ -93,6 +93,21 @@ def max_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
     return max((_max_abs_diff(x, y) for x, y in zip(a, b, strict=True)), default=0.0)
 
 
+def shard_linears(model: nn.Module) -> nn.Module:
+    """FSDP2 over every rank (a CPU mesh): each ``nn.Linear`` of ``model`` its own group,
+    then the root; returns ``model``. In a rank of an initialised process group."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.modules():
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def rank_batches(rank: int, count: int, shape: tuple[int, ...] = (8, 16),
                  seed: int = 100) -> list[torch.Tensor]:
     """``count`` random inputs, different on each rank and the same on every run."""
