@@ -21,7 +21,6 @@ between ``torch.cuda.synchronize()`` calls: the figures that tell whether overla
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 import torch
@@ -30,6 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from overlapkit.cli.bench import goal, torchscript_warnings_silenced
+from overlapkit.cli.bench.timing import mlp, timed_rounds
 from overlapkit.cli.memory import peak_rss_mib
 from overlapkit.distributed import run_distributed
 
@@ -53,11 +53,7 @@ def _build(model_name: str, quick: bool) -> tuple[nn.Module, int, float]:
     width, depth, quick_depth, cap = MODELS[model_name]
     if quick:
         width, depth = min(width, 256), quick_depth
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.Tanh()]
-    return nn.Sequential(*layers), width, cap
+    return mlp(width, depth), width, cap
 
 
 class _Variant:
@@ -110,18 +106,7 @@ def _timing_rank(rank: int, world_size: int, model_name: str, rounds: int, steps
     for variant in variants.values():
         for _ in range(warmup):
             variant.train_step(batch)
-    per_round: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    for round_index in range(rounds):
-        shift = round_index % len(VARIANTS)
-        order = VARIANTS[shift:] + VARIANTS[:shift]
-        for name in order:
-            times = []
-            for _ in range(steps):
-                dist.barrier()
-                started = time.perf_counter()
-                variants[name].train_step(batch)
-                times.append(time.perf_counter() - started)
-            per_round[name].append(statistics.median(times))
+    per_round = timed_rounds(variants, VARIANTS, rounds, steps, batch)
     return per_round
 
 

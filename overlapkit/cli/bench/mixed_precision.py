@@ -16,15 +16,14 @@ variants clip to a norm the gradients exceed, so the clipping is active.
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from overlapkit.cli.bench import goal
 from overlapkit.cli.bench.ddp_overlap import _build
+from overlapkit.cli.bench.timing import timed_rounds
 from overlapkit.distributed import run_distributed
 
 __all__ = ["VARIANTS", "run_benchmark"]
@@ -90,17 +89,7 @@ def _timing_rank(rank: int, world_size: int, rounds: int, steps: int, warmup: in
     for variant in variants.values():
         for _ in range(warmup):
             variant.train_step(batch)
-    per_round: dict[str, list[float]] = {name: [] for name in names}
-    for round_index in range(rounds):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            times = []
-            for _ in range(steps):
-                dist.barrier()
-                started = time.perf_counter()
-                variants[name].train_step(batch)
-                times.append(time.perf_counter() - started)
-            per_round[name].append(statistics.median(times))
+    per_round = timed_rounds(variants, names, rounds, steps, batch)
     return per_round
 
 

@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from overlapkit.cli.bench import goal, torchscript_warnings_silenced
+from overlapkit.cli.bench.timing import mlp
 from overlapkit.cli.memory import peak_rss_mib
 from overlapkit.distributed import RankFailedError, run_distributed
 
@@ -81,19 +82,11 @@ def _peak_rss_mib() -> float:
     return peak_rss_mib()
 
 
-def _build(width: int, depth: int) -> nn.Module:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.Tanh()]
-    return nn.Sequential(*layers)
-
-
 def _set_up(variant: str, width: int, depth: int) -> tuple[nn.Module, Any]:
     import overlapkit
 
     wrapping, optimizer = VARIANTS[variant]
-    model = _build(width, depth)
+    model = mlp(width, depth)
     if optimizer == "torch":
         from torch.distributed.optim import _apply_optimizer_in_backward
 
@@ -132,7 +125,7 @@ def _variant_rank(rank: int, world_size: int, variant: str, width: int, depth: i
 def _torch_ddp_rank(rank: int, world_size: int) -> str:
     from torch.distributed.optim import _apply_optimizer_in_backward
 
-    model = _build(*QUICK)
+    model = mlp(*QUICK)
     with torchscript_warnings_silenced():
         _apply_optimizer_in_backward(torch.optim.AdamW, model.parameters(), {"lr": LR})
     ddp = DDP(model)
@@ -204,7 +197,7 @@ def run_benchmark(*, rounds: int = 5, world_size: int = 2, quick: bool = False,
         torch_ddp = run_distributed(_torch_ddp_rank, world_size)[0]
     except RankFailedError as exc:  # pragma: no cover - depends on torch
         torch_ddp = str(exc).splitlines()[-1]
-    n_params = sum(p.numel() for p in _build(width, depth).parameters())
+    n_params = sum(p.numel() for p in mlp(width, depth).parameters())
     peers: dict[str, Any] = {"variants": {}, "ratios": {}, "goals": [], "peers": {},
                              "notes": ""}
     if options.get("peers", True):

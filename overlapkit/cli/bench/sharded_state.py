@@ -29,16 +29,15 @@ it runs (its first iterations do not update: the warm-up steps cover them).
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from overlapkit.cli.bench import goal, torchscript_warnings_silenced
 from overlapkit.cli.bench.optimizer_in_backward import fix_mmap_threshold
+from overlapkit.cli.bench.timing import mlp, timed_rounds
 from overlapkit.cli.memory import peak_rss_mib
 from overlapkit.distributed import RankFailedError, run_distributed
 
@@ -56,14 +55,6 @@ MEMORY = (2048, 12, 25.0)
 QUICK = (256, 3, 0.25)
 
 
-def _build(width: int, depth: int) -> nn.Module:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.Tanh()]
-    return nn.Sequential(*layers)
-
-
 def zero_overlap_refusal() -> str | None:
     """Why ``hook_with_zero_step`` cannot run on this process group (None: it can)."""
     if dist.get_backend() == "gloo":
@@ -79,7 +70,7 @@ class _Variant:
                  device: torch.device | None) -> None:
         import overlapkit
 
-        model = _build(width, depth)
+        model = mlp(width, depth)
         if device is not None:
             model = model.to(device)
         self.name = name
@@ -181,17 +172,7 @@ def _timing_rank(rank: int, world_size: int, shape: tuple[int, int, float], roun
         variant.exchanged_bytes()  # reset the count
         variant.train_step(batch)
         traffic[name] = variant.exchanged_bytes()
-    per_round: dict[str, list[float]] = {name: [] for name in names}
-    for round_index in range(rounds):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            times = []
-            for _ in range(steps):
-                dist.barrier()
-                started = time.perf_counter()
-                variants[name].train_step(batch)
-                times.append(time.perf_counter() - started)
-            per_round[name].append(statistics.median(times))
+    per_round = timed_rounds(variants, names, rounds, steps, batch)
     grad_bytes = sum(p.numel() * p.element_size() for p in variants[names[0]].ddp.parameters())
     return {"per_round": per_round, "traffic": traffic, "grad_bytes": grad_bytes,
             "state_bytes": {n: v.state_bytes() for n, v in variants.items()}}
@@ -326,8 +307,8 @@ def run_benchmark(*, rounds: int = 5, world_size: int = 2, quick: bool = False,
                           at_least=0.9))
     t_width, t_depth, t_cap = timing
     m_width, m_depth, m_cap = memory_shape
-    n_timing = sum(p.numel() for p in _build(t_width, t_depth).parameters())
-    n_memory = sum(p.numel() for p in _build(m_width, m_depth).parameters())
+    n_timing = sum(p.numel() for p in mlp(t_width, t_depth).parameters())
+    n_memory = sum(p.numel() for p in mlp(m_width, m_depth).parameters())
     return {
         "benchmark": "sharded_state",
         "command": COMMAND + (" --quick" if quick else ""),
