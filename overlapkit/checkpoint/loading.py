@@ -22,6 +22,7 @@ from overlapkit.checkpoint.arguments import (
     check_model_and_optimizer,
     check_path,
 )
+from overlapkit.checkpoint.ddp_buckets import replay_layout
 from overlapkit.checkpoint.extra import read_extra
 from overlapkit.checkpoint.integrity import MANIFEST_FILE, verify_files
 from overlapkit.checkpoint.metadata import SafeFileSystemReader, read_metadata
@@ -105,6 +106,8 @@ def _load(path: str | os.PathLike[str], model: torch.nn.Module,
     with unwrapped(optimizer) if optimizer is not None else nullcontext() as real:
         _load_into_real(directory, metadata, model, real, planner, verified=verified,
                         share=share)
+    # the first step after the resume sums the gradients as the uninterrupted run would
+    replay_layout(directory, model)
     return read_extra(directory)
 
 

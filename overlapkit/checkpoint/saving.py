@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.checkpoint.agreement import checks_on_every_rank
 from overlapkit.checkpoint.arguments import check_model_and_optimizer, check_path
+from overlapkit.checkpoint.ddp_buckets import write_layout
 from overlapkit.checkpoint.extra import check_extra, write_extra
 from overlapkit.checkpoint.integrity import write_manifest
 from overlapkit.checkpoint.metadata import METADATA_FILE
@@ -243,6 +244,7 @@ def _save(path: str | os.PathLike[str], model: torch.nn.Module,
     def record() -> None:
         if checked_extra is not None:
             write_extra(saving, checked_extra)  # before the manifest, which lists it
+        write_layout(saving, model)  # DDP's bucket layout, for a bitwise resume
         write_manifest(saving)
 
     _on_rank_zero("recording the files' sizes and checksums", path, record)

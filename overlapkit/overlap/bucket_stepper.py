@@ -111,10 +111,25 @@ class BucketStepper(StepAccount):
         self._pending: deque[tuple[dist.GradBucket, torch.futures.Future[Any]]] = deque()
         #: the first error a step raised during this backward; raised when it ends
         self._step_error: BaseException | None = None
+        #: note each bucket's parameters until DDP has rebuilt its buckets (set at
+        #: set-up where DDP will rebuild them), for checkpoints: see rebuilt_layout
+        self.recording_layout = False
+        self._seen_buckets: dict[int, list[torch.Tensor]] = {}
+        #: DDP's parameters bucket by bucket since it rebuilt its buckets, saved with
+        #: checkpoints so that a resumed run lays them out the same
+        #: (overlapkit.checkpoint.ddp_buckets); None until known
+        self.rebuilt_layout: list[list[torch.Tensor]] | None = None
+        #: set while a checkpoint load replays that layout: buckets are neither
+        #: reduced nor stepped
+        self.replaying = False
 
     # -- on the autograd thread -------------------------------------------------
 
     def run(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if self.replaying:  # a backward of zeros that only lays the buckets out
+            done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            done.set_result(bucket.buffer())
+            return done
         entered = self._scope.enter()
         if entered == OUTSIDE:
             # No backward: a rank joined under DDP.join() shadows each bucket's
@@ -131,6 +146,8 @@ class BucketStepper(StepAccount):
             # DDP queues its own finalize after the last bucket's hook, so ours (queued
             # now) runs first.
             self._step_error = self.starting_backward()
+        if self.recording_layout:
+            self._seen_buckets[bucket.index()] = bucket.parameters()
         future = self.inner_hook(self.inner_state, bucket)
         if self.global_step is not None or self.deferring:
             # reduced now; stepped with every other after finalize, or (defer_steps())
@@ -175,6 +192,11 @@ class BucketStepper(StepAccount):
             self.layouts.clear()
             if getattr(model, "_has_rebuilt_buckets", True):
                 self.model_before_rebuild = None
+                if self.recording_layout:  # this backward ran in the rebuilt buckets
+                    self.rebuilt_layout = [self._seen_buckets[index]
+                                           for index in sorted(self._seen_buckets)]
+                    self.recording_layout = False
+            self._seen_buckets = {}
         error, self._step_error = self._step_error, None
         if error is not None:
             # A step raised during this backward. It was held back until now, after

@@ -160,6 +160,9 @@ def register_bucket_stepper(
         ) from exc
     setattr(model, _MARKER, technique)
     stepper.model_before_rebuild = model
+    # DDP lays its buckets out again after the first backward, except where it tracks
+    # parameter usage; checkpoints record that second layout (checkpoint.ddp_buckets)
+    stepper.recording_layout = not (model.find_unused_parameters or model.static_graph)
     # Only now that the comm hook is in: hooks left on the parameters after a refused
     # registration would keep freeing gradients nobody steps.
     if stepper.free_grads and not model.gradient_as_bucket_view:

@@ -1,0 +1,114 @@
+"""The rank side of tests/test_resume_four_ranks.py: on four ranks, where the order in
+which the ranks' gradients are added depends on DDP's bucket layout, a run saved in
+the middle and resumed into a fresh model ends bitwise where the uninterrupted run
+ends (overlapkit.checkpoint.ddp_buckets), with each overlapped optimizer."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from helpers import compare, named_values
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import overlapkit
+from overlapkit.checkpoint.ddp_buckets import LAYOUT_FILE
+
+STEPS, SAVE_AT = 6, 3
+
+
+class OutOfOrder(nn.Module):
+    """Layers registered in another order than the forward uses them, a tied weight,
+    LayerNorm: the backward produces the gradients in an order of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(32, 16)
+        self.norm = nn.LayerNorm(32)
+        self.embed = nn.Linear(16, 32)
+        self.mid = nn.Linear(32, 32)
+        self.head.weight = nn.Parameter(self.embed.weight.t().contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = F.gelu(self.embed(x))
+        hidden = self.norm(hidden + F.gelu(self.mid(hidden)))
+        return self.head(hidden)
+
+
+def _build(kind: str, seed: int = 0) -> DDP:
+    torch.manual_seed(seed)
+    if kind == "readme":  # the README script's model and buckets
+        return DDP(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 1)))
+    # several buckets; their memory is the gradients' own in "bucket-views"
+    return DDP(OutOfOrder(), bucket_cap_mb=0.004,
+               gradient_as_bucket_view=kind == "bucket-views")
+
+
+def _optimizer(technique: str, model: DDP) -> Any:
+    if technique == "plain":
+        return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    if technique == "sharded":
+        return overlapkit.overlap_ddp(model, torch.optim.AdamW, lr=0.01, weight_decay=0.01,
+                                      shard_optimizer_state=True)
+    if technique == "clipped":  # the README's: global norm clipping
+        return overlapkit.overlap_ddp(model, torch.optim.AdamW, lr=0.01, weight_decay=0.01,
+                                      clip_grad_norm=1.0)
+    return getattr(overlapkit, technique)(model, torch.optim.AdamW, lr=0.01,
+                                          weight_decay=0.01)
+
+
+def _steps(kind: str, model: DDP, opt: Any, rank: int, steps: range) -> None:
+    for step in steps:
+        generator = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(32, 16, generator=generator)
+        target = x.sum(dim=1, keepdim=True).sin()
+        out = model(x)
+        F.mse_loss(out if kind == "readme" else out.sum(1, keepdim=True), target).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _resumed(kind: str, technique: str, rank: int, directory: str) -> dict[str, Any]:
+    model = _build(kind)
+    opt = _optimizer(technique, model)
+    _steps(kind, model, opt, rank, range(SAVE_AT))
+    path = os.path.join(directory, f"{kind}-{technique}")
+    overlapkit.checkpoint.save(path, model, opt)
+    fresh = _build(kind, seed=7)
+    fresh_opt = _optimizer(technique, fresh)
+    for param in fresh.parameters():
+        param.grad = torch.full_like(param, 3.0)
+    overlapkit.checkpoint.load(path, fresh, fresh_opt)
+    # as they were (with gradient_as_bucket_view, DDP moves them into its new buckets)
+    kept = all(p.grad is not None and bool((p.grad == 3.0).all()) for p in fresh.parameters())
+    fresh_opt.zero_grad()
+    # saved again at once, before any backward: the layout goes on with it
+    again = os.path.join(directory, f"{kind}-{technique}-again")
+    overlapkit.checkpoint.save(again, fresh, fresh_opt)
+    _steps(kind, fresh, fresh_opt, rank, range(SAVE_AT, STEPS))
+    return {"values": named_values(fresh.module), "grads kept": kept,
+            "layout saved": os.path.isfile(os.path.join(path, LAYOUT_FILE)),
+            "layout saved again": os.path.isfile(os.path.join(again, LAYOUT_FILE))}
+
+
+def run(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for kind in ("readme", "out-of-order", "bucket-views"):
+        for technique in ("plain", "overlap_ddp", "clipped", "optimizer_in_backward",
+                          "sharded"):
+            model = _build(kind)
+            opt = _optimizer(technique, model)
+            _steps(kind, model, opt, rank, range(STEPS))
+            uninterrupted = named_values(model.module)
+            resumed = _resumed(kind, technique, rank, directory)
+            key = f"{kind} {technique}"
+            out[key] = compare(uninterrupted, resumed["values"])
+            out[f"{key} grads kept"] = resumed["grads kept"]
+            out[f"{key} layout saved"] = resumed["layout saved"]
+            out[f"{key} layout saved again"] = resumed["layout saved again"]
+    dist.barrier()
+    return out
