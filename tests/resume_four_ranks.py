@@ -6,6 +6,7 @@ ends (overlapkit.checkpoint.ddp_buckets), with each overlapped optimizer."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlapkit
-from overlapkit.checkpoint.ddp_buckets import LAYOUT_FILE
+from overlapkit.checkpoint.ddp_buckets import LAYOUT_FILE, replay_layout
 
 STEPS, SAVE_AT = 6, 3
 
@@ -95,6 +96,36 @@ def _resumed(kind: str, technique: str, rank: int, directory: str) -> dict[str, 
             "layout saved again": os.path.isfile(os.path.join(again, LAYOUT_FILE))}
 
 
+def _kept_as_ddp_lays_them(directory: str) -> dict[str, Any]:
+    """Where DDP's own layout is kept, the saved one is not replayed (and nothing else
+    changes): DDP settings whose first backward is special, another library's comm
+    hook (stateful: PowerSGD), no_sync(), a model DDP already laid out again."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    path = Path(directory) / "out-of-order-overlap_ddp"
+    out: dict[str, Any] = {}
+
+    def fresh(**options: Any) -> DDP:
+        torch.manual_seed(0)
+        return DDP(OutOfOrder(), bucket_cap_mb=0.004, **options)
+
+    for name, options in (("find_unused_parameters", {"find_unused_parameters": True}),
+                          ("static_graph", {"static_graph": True})):
+        out[name] = replay_layout(path, fresh(**options))
+    model = fresh()
+    state = powersgd.PowerSGDState(process_group=None, start_powerSGD_iter=2)
+    model.register_comm_hook(state, powersgd.powerSGD_hook)
+    out["PowerSGD"] = (replay_layout(path, model), state.iter)
+    model = fresh()
+    with model.no_sync():
+        out["no_sync"] = replay_layout(path, model)
+    model = fresh()
+    out["laid out"] = replay_layout(path, model)
+    out["laid out again"] = replay_layout(path, model)
+    out["not DDP"] = replay_layout(path, OutOfOrder())
+    return out
+
+
 def run(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for kind in ("readme", "out-of-order", "bucket-views"):
@@ -110,5 +141,6 @@ def run(rank: int, world_size: int, directory: str) -> dict[str, Any]:
             out[f"{key} grads kept"] = resumed["grads kept"]
             out[f"{key} layout saved"] = resumed["layout saved"]
             out[f"{key} layout saved again"] = resumed["layout saved again"]
+    out["kept"] = _kept_as_ddp_lays_them(directory)
     dist.barrier()
     return out

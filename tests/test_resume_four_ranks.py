@@ -54,3 +54,14 @@ def test_the_layout_is_saved_and_saved_again_after_a_resume(
 def test_the_load_leaves_the_gradients_as_they_were(results: list[dict[str, Any]],
                                                     kind: str, technique: str) -> None:
     assert all(r[f"{kind} {technique} grads kept"] for r in results)
+
+
+def test_where_ddp_keeps_its_own_layout_the_saved_one_is_not_replayed(
+        results: list[dict[str, Any]]) -> None:
+    for result in results:
+        assert result["kept"] == {
+            "find_unused_parameters": False, "static_graph": False,
+            "PowerSGD": (False, 0),  # its state did not see a backward
+            "no_sync": False, "laid out": True, "laid out again": False,
+            "not DDP": False,
+        }

@@ -30,25 +30,36 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["LAYOUT_FILE", "read_layout", "replay_layout", "write_layout"]
+__all__ = ["LAYOUT_FILE", "KeepsBucketLayout", "read_layout", "replay_layout", "write_layout"]
 
 #: the file holding the bucket layout inside a checkpoint directory
 LAYOUT_FILE = ".overlapkit-ddp-buckets.json"
 
 
-def _stepper(model: DistributedDataParallel) -> Any:
-    """The comm hook state of overlapkit's bucket stepper on ``model``, or None."""
-    from overlapkit.overlap.bucket_stepper import BucketStepper, overlapped_comm_hook
+class KeepsBucketLayout(Protocol):
+    """What a DDP comm hook's state offers for its layout to be saved and replayed
+    (overlapkit's bucket stepper does; this module imports no technique)."""
 
-    for hook, state in getattr(model, "_comm_hooks", ()):
-        if hook is overlapped_comm_hook and isinstance(state, BucketStepper):
-            return state
+    #: DDP's parameters bucket by bucket since it rebuilt its buckets, or None
+    rebuilt_layout: list[list[torch.Tensor]] | None
+    #: whether the hook still notes each bucket's parameters
+    recording_layout: bool
+    #: set during the replay: the hook must reduce and step nothing
+    replaying: bool
+
+
+def _stepper(model: DistributedDataParallel) -> KeepsBucketLayout | None:
+    """The state of ``model``'s comm hook where it keeps the bucket layout, or None."""
+    for _, state in getattr(model, "_comm_hooks", ()):
+        if all(hasattr(state, name) for name in
+               ("rebuilt_layout", "recording_layout", "replaying")):
+            return cast(KeepsBucketLayout, state)
     return None
 
 
@@ -101,6 +112,8 @@ def _why_not_replayed(model: DistributedDataParallel) -> str | None:
         return "DDP reduces this model's gradients its own way"
     if not model.require_backward_grad_sync:
         return "inside no_sync()"
+    if torch.is_inference_mode_enabled():
+        return "inside torch.inference_mode()"
     hooks = getattr(model, "_comm_hooks", ())
     if hooks and _stepper(model) is None:
         return "a comm hook of another library would see the backward of zeros"
@@ -158,7 +171,9 @@ def replay_layout(directory: Path, model: torch.nn.Module) -> bool:
 
 def _backward_of_zeros(model: DistributedDataParallel, order: list[torch.Tensor]) -> None:
     """One backward through DDP's reducer in which the gradients of ``order`` arrive
-    in that order (each zero), and nothing is stepped; ``.grad`` is put back after."""
+    in that order (each zero), and nothing is stepped; ``.grad`` is put back after.
+    Costs what one backward of the parameters alone costs (their zero gradients are
+    allocated once, as a training step allocates them), at load only."""
     kept = [(param, param.grad) for param in order]
     for param in order:
         param.grad = None
