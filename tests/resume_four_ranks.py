@@ -1,7 +1,8 @@
 """The rank side of tests/test_resume_four_ranks.py: on four ranks, where the order in
 which the ranks' gradients are added depends on DDP's bucket layout, a run saved in
 the middle and resumed into a fresh model ends bitwise where the uninterrupted run
-ends (overlapkit.checkpoint.ddp_buckets), with each overlapped optimizer."""
+ends (overlapkit.checkpoint.ddp_buckets), with plain DDP and torch's AdamW and with each
+overlapped optimizer."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ STEPS, SAVE_AT = 6, 3
 
 
 class OutOfOrder(nn.Module):
-    """Layers registered in another order than the forward uses them, a tied weight,
-    LayerNorm: the backward produces the gradients in an order of its own."""
+    """Layers registered in another order than the forward uses them, a weight shared
+    by two layers, LayerNorm: the backward produces the gradients in an order of its
+    own."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -32,11 +34,13 @@ class OutOfOrder(nn.Module):
         self.norm = nn.LayerNorm(32)
         self.embed = nn.Linear(16, 32)
         self.mid = nn.Linear(32, 32)
-        self.head.weight = nn.Parameter(self.embed.weight.t().contiguous())
+        self.again = nn.Linear(32, 32)
+        self.again.weight = self.mid.weight  # shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = F.gelu(self.embed(x))
         hidden = self.norm(hidden + F.gelu(self.mid(hidden)))
+        hidden = hidden + 0.5 * self.again(hidden)
         return self.head(hidden)
 
 
@@ -71,6 +75,21 @@ def _steps(kind: str, model: DDP, opt: Any, rank: int, steps: range) -> None:
         F.mse_loss(out if kind == "readme" else out.sum(1, keepdim=True), target).backward()
         opt.step()
         opt.zero_grad()
+
+
+def _resumed_by_torch(kind: str, rank: int) -> dict[str, torch.Tensor]:
+    """Plain DDP resumed through torch's own load_state_dict (no layout): the first
+    step after it adds the gradients in DDP's first layout."""
+    model = _build(kind)
+    opt = _optimizer("plain", model)
+    _steps(kind, model, opt, rank, range(SAVE_AT))
+    states = model.state_dict(), opt.state_dict()
+    fresh = _build(kind, seed=7)
+    fresh_opt = _optimizer("plain", fresh)
+    fresh.load_state_dict(states[0])
+    fresh_opt.load_state_dict(states[1])
+    _steps(kind, fresh, fresh_opt, rank, range(SAVE_AT, STEPS))
+    return named_values(fresh.module)
 
 
 def _resumed(kind: str, technique: str, rank: int, directory: str) -> dict[str, Any]:
@@ -120,7 +139,8 @@ def _kept_as_ddp_lays_them(directory: str) -> dict[str, Any]:
     with model.no_sync():
         out["no_sync"] = replay_layout(path, model)
     model = fresh()
-    out["laid out"] = replay_layout(path, model)
+    with torch.no_grad():  # a load under no_grad() replays all the same
+        out["laid out"] = replay_layout(path, model)
     out["laid out again"] = replay_layout(path, model)
     out["not DDP"] = replay_layout(path, OutOfOrder())
     return out
@@ -141,6 +161,9 @@ def run(rank: int, world_size: int, directory: str) -> dict[str, Any]:
             out[f"{key} grads kept"] = resumed["grads kept"]
             out[f"{key} layout saved"] = resumed["layout saved"]
             out[f"{key} layout saved again"] = resumed["layout saved again"]
+            if technique == "plain":
+                out[f"{kind} torch's load"] = compare(uninterrupted,
+                                                     _resumed_by_torch(kind, rank))
     out["kept"] = _kept_as_ddp_lays_them(directory)
     dist.barrier()
     return out

@@ -10,19 +10,20 @@ in another order than the uninterrupted run did in the second one, and the resum
 run ends a few ulps away from it (measured on torch 2.13, the README script on four
 ranks: 3e-8, with plain DDP alike).
 
-So :func:`~overlapkit.checkpoint.save` records the second layout (the parameters'
-names, bucket by bucket, as the overlapped optimizer's comm hook saw them) in the
-checkpoint, and :func:`~overlapkit.checkpoint.load`, into a DDP model that has not laid
-its buckets out again yet, replays it: one backward of zeros in which the parameters'
-gradients arrive in that order, whose buckets are neither reduced nor stepped (nor,
-on a model without overlapkit's comm hook, anything but zeros reduced), and DDP's
-own rebuild from that order. The resumed run then ends bitwise where the uninterrupted
-one ends. Gradients are as they were before the load.
+So :func:`~overlapkit.checkpoint.save` records the second layout in the checkpoint
+(the parameters' names, bucket by bucket: as overlapkit's comm hook saw them, or as DDP
+gives them for a model without a comm hook), and :func:`~overlapkit.checkpoint.load`,
+into a DDP model that has not laid its buckets out again yet, replays it: one backward
+through DDP's reducer in which the parameters are marked ready in that order, without
+gradients (overlapkit's comm hook reduces and steps nothing in it; DDP's own allreduce
+reduces zeros), then DDP's own rebuild from that order. The resumed run then ends
+bitwise where the uninterrupted one ends, plain or overlapped. Gradients are as they
+were before the load.
 
 Where DDP does not rebuild its buckets (``find_unused_parameters``), where its first
 backward is special (``static_graph``, ``mixed_precision``, torch's in-backward
-optimizers) or a comm hook of another library would see the backward of zeros, the
-layout is left to DDP, as without this.
+optimizers, sparse gradients) or another library's comm hook would see the replay,
+the layout is left to DDP, as without this.
 """
 
 from __future__ import annotations
@@ -69,17 +70,43 @@ def _names(model: DistributedDataParallel) -> dict[int, str]:
 
 def write_layout(directory: Path, model: torch.nn.Module) -> None:
     """Record ``model``'s rebuilt bucket layout in the checkpoint being saved (rank 0,
-    before the manifest), where it is known: a DDP model with overlapkit's comm hook
-    that has run a backward since DDP rebuilt its buckets."""
+    before the manifest), where it is known: a DDP model whose comm hook keeps it
+    (overlapkit's, once it has run a backward since DDP rebuilt its buckets), or one
+    without a comm hook whose buckets DDP has rebuilt (read from DDP, see
+    :func:`_reducer_layout`)."""
     if not isinstance(model, DistributedDataParallel):
         return
     stepper = _stepper(model)
-    layout = None if stepper is None else stepper.rebuilt_layout
+    if stepper is not None:
+        layout = stepper.rebuilt_layout
+    elif not getattr(model, "_comm_hooks", ()):
+        layout = _reducer_layout(model)
+    else:
+        return  # another library's comm hook: the layout is not replayed anyway
     if not layout:
         return
     names = _names(model)
     buckets = [[names[id(param)] for param in bucket] for bucket in layout]
     (directory / LAYOUT_FILE).write_text(json.dumps({"version": 1, "buckets": buckets}))
+
+
+def _reducer_layout(model: DistributedDataParallel) -> list[list[torch.Tensor]] | None:
+    """The layout of a DDP model that has rebuilt its buckets, as DDP gives it: with a
+    zero-filled copy of every bucket (torch 2.13 has no other way), freed at once.
+    Skipped where that copy would not fit beside what the accelerator holds."""
+    if not getattr(model, "_has_rebuilt_buckets", False):
+        return None
+    params = [param for param in model.parameters() if param.requires_grad]
+    if not params:
+        return None
+    device = params[0].device
+    if device.type == "cuda":
+        needed = sum(param.numel() * param.element_size() for param in params)
+        free, _ = torch.cuda.mem_get_info(device)
+        if free < 2 * needed:
+            return None
+    buckets = model.reducer._get_zeros_like_grad_buckets()
+    return [list(bucket.parameters()) for bucket in buckets]
 
 
 def read_layout(directory: Path) -> list[list[str]] | None:
@@ -116,7 +143,7 @@ def _why_not_replayed(model: DistributedDataParallel) -> str | None:
         return "inside torch.inference_mode()"
     hooks = getattr(model, "_comm_hooks", ())
     if hooks and _stepper(model) is None:
-        return "a comm hook of another library would see the backward of zeros"
+        return "another library's comm hook would see the replay"
     if any(getattr(module, "sparse", False) is True for module in model.module.modules()):
         return "sparse gradients (a sparse nn.Embedding) are not replayed"
     if any(hasattr(param, "_in_backward_optimizers") for param in model.parameters()):
@@ -182,6 +209,13 @@ class _NoGradient(torch.autograd.Function):
         return grad, None
 
 
+def _accumulation_node(param: torch.Tensor) -> Any:
+    """The node that accumulates ``param``'s gradient (DDP's hook is on it)."""
+    view = param.view_as(param)
+    assert view.grad_fn is not None  # a leaf that requires grad, under enable_grad
+    return view.grad_fn.next_functions[0][0]
+
+
 def _backward_of_zeros(model: DistributedDataParallel, order: list[torch.Tensor]) -> None:
     """One backward through DDP's reducer in which the parameters of ``order`` are
     marked ready in that order, none with a gradient (DDP zeroes its part of the
@@ -195,7 +229,8 @@ def _backward_of_zeros(model: DistributedDataParallel, order: list[torch.Tensor]
         param.grad = None
     arrived: list[int] = []
     # a hook on each accumulation node (where DDP's own is) sees the order it runs in
-    nodes = [param.view_as(param).grad_fn.next_functions[0][0] for param in order]
+    with torch.enable_grad():  # a load may run under no_grad()
+        nodes = [_accumulation_node(param) for param in order]
     handles = [node.register_hook(lambda *_, index=index: arrived.append(index))
                for index, node in enumerate(nodes)]
     stepper = _stepper(model)
