@@ -58,6 +58,8 @@ REFUSED_SETUPS: dict[str, tuple[Callable[[], DDP], type[torch.optim.Optimizer],
     "find_unused_parameters": (lambda: build(find_unused_parameters=True),
                                torch.optim.AdamW, {}),
     "step_thread='comm'": (build, torch.optim.AdamW, {"step_thread": "comm"}),
+    "clip_grad_norm_scope='bucket'": (build, torch.optim.AdamW, {
+        "clip_grad_norm": 1.0, "clip_grad_norm_scope": "bucket"}),
     "LBFGS": (build, torch.optim.LBFGS, {}),
     "an optimizer writing into its param groups": (build, GroupWriter, {}),
     "an optimizer with state that is no parameter's": (build, SharedState, {}),

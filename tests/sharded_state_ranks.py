@@ -155,6 +155,13 @@ def _loss(ddp: DDP, tokens: torch.Tensor) -> torch.Tensor:
     return ddp(tokens).square().mean()
 
 
+def _grads(ddp: DDP) -> list[torch.Tensor]:
+    """Every parameter's ``.grad`` as the loop reads it after its step (an empty
+    tensor for None)."""
+    return [torch.empty(0) if p.grad is None else p.grad.detach().clone()
+            for p in ddp.parameters()]
+
+
 def train(case: Case, rank: int, sharded: bool) -> dict[str, Any]:
     """``STEPS`` iterations of ``case``; the plain loop when not ``sharded``."""
     ddp = build(**case.ddp) if sharded else build_reference(**case.ddp)
@@ -166,6 +173,7 @@ def train(case: Case, rank: int, sharded: bool) -> dict[str, Any]:
     clip_norm, clip_value = case.setup.get("clip_grad_norm"), case.setup.get("clip_grad_value")
     losses: list[torch.Tensor] = []
     first: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
     data = batches(rank, STEPS * case.micro)
     for step in range(STEPS):
         micro = data[step * case.micro:(step + 1) * case.micro]
@@ -181,12 +189,14 @@ def train(case: Case, rank: int, sharded: bool) -> dict[str, Any]:
             for param in ddp.parameters():
                 dist.all_reduce(param.grad)
                 param.grad /= dist.get_world_size()
+        last = step == STEPS - 1
         if scaler is not None:
             if not sharded:  # the PyTorch AMP loop with clipping
                 scaler.unscale_(opt)
                 torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip_norm)
             scaler.step(opt)
             scaler.update()
+            grads = _grads(ddp) if last else grads
             opt.zero_grad()
         elif not sharded:
             if clip_value is not None:
@@ -194,15 +204,19 @@ def train(case: Case, rank: int, sharded: bool) -> dict[str, Any]:
             if clip_norm is not None:
                 torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip_norm)
             opt.step()
+            grads = _grads(ddp) if last else grads
             opt.zero_grad()
         elif case.loop == "step" or case.full_step or case.micro > 1:
             opt.step()
+            grads = _grads(ddp) if last else grads
             opt.zero_grad()
+        else:  # a backward-only loop: the gradients stay until the next forward
+            grads = _grads(ddp) if last else grads
         if scheduler is not None:
             scheduler.step()
         if step == 0:
             first = values(ddp)  # read right after backward: every update has landed
-    out = {"losses": losses, "first": first, "values": values(ddp)}
+    out = {"losses": losses, "first": first, "values": values(ddp), "grads": grads}
     if sharded:
         opt.consolidate_state_dict(to=0)
         out["state"] = opt.state_dict() if rank == 0 else None
@@ -251,6 +265,7 @@ def run_cases(rank: int, world_size: int) -> dict[str, Any]:
             "losses": compare(plain["losses"], ours["losses"]),
             "first iteration": compare(plain["first"], ours["first"]),
             "values": compare(plain["values"], ours["values"]),
+            "grads": compare(plain["grads"], ours["grads"]),
             "state": (compare_state_dicts(plain["state"], ours["state"])
                       if rank == 0 else compare([], [])),
             "state bytes": ours["state_bytes"],

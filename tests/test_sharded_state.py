@@ -33,6 +33,9 @@ def test_sharded_training_is_bitwise_plain_ddp(results: dict[int, list[dict[str,
         assert result["first iteration"], (rank, result["first iteration"])
         assert result["losses"], (rank, result["losses"])  # each forward saw the updates
         assert result["values"], (rank, result["values"])
+        # .grad read after the step is the plain loop's (clipped on every parameter,
+        # not only on this rank's share)
+        assert result["grads"], (rank, result["grads"])
         assert result["state"], (rank, result["state"])  # gathered: the plain state
         assert result["trained"], rank
 
@@ -87,6 +90,7 @@ def test_bad_input_is_refused_before_anything_changes(
         assert result["unchanged"], (rank, result["after"])
     expected = {"find_unused_parameters": "find_unused_parameters",
                 "step_thread='comm'": "step_thread",
+                "clip_grad_norm_scope='bucket'": "its share's",
                 "LBFGS": "closure",
                 "an optimizer writing into its param groups": "'d'",
                 "an optimizer with state that is no parameter's": "no single parameter",

@@ -127,8 +127,18 @@ def check_shardable(optim_cls: type[torch.optim.Optimizer], args: Sequence[Any],
             )
 
 
-def _refuse_options(model: DistributedDataParallel, step_thread: str) -> None:
+def _refuse_options(model: DistributedDataParallel, step_thread: str,
+                    clipping: GradClipping) -> None:
     """:raises ConfigurationError: options sharded optimizer state cannot honour."""
+    if clipping.norm is not None and clipping.scope == "bucket":
+        raise ConfigurationError(
+            "clip_grad_norm_scope='bucket' cannot be used with shard_optimizer_state: "
+            "each rank steps only its share of a bucket, so the norm of what it steps "
+            "would be its share's, and the result would change with the number of "
+            "ranks. Use the default clip_grad_norm_scope='global' (exact: "
+            "torch.nn.utils.clip_grad_norm_ over every gradient), clip_grad_value, or "
+            "overlap_ddp without shard_optimizer_state."
+        )
     if step_thread != "backward":
         raise ConfigurationError(
             f"step_thread={step_thread!r} cannot be used with shard_optimizer_state: the "
@@ -182,7 +192,7 @@ def shard_on_ddp(
 ) -> ShardedOverlapOptimizer:
     """``overlap_ddp``'s set-up with sharded optimizer state (see
     :func:`overlapkit.overlap_ddp`): checks, ownership, then the comm hook."""
-    _refuse_options(model, step_thread)
+    _refuse_options(model, step_thread, clipping)
     if params is None:
         params = ddp_params(model)
     else:
