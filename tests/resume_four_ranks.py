@@ -118,7 +118,9 @@ def _resumed(kind: str, technique: str, rank: int, directory: str) -> dict[str, 
 def _kept_as_ddp_lays_them(directory: str) -> dict[str, Any]:
     """Where DDP's own layout is kept, the saved one is not replayed (and nothing else
     changes): DDP settings whose first backward is special, another library's comm
-    hook (stateful: PowerSGD), no_sync(), a model DDP already laid out again."""
+    hook (stateful: PowerSGD; torch's stateless allreduce_hook is replayed), no_sync(),
+    a model DDP already laid out again."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
     path = Path(directory) / "out-of-order-overlap_ddp"
@@ -135,6 +137,9 @@ def _kept_as_ddp_lays_them(directory: str) -> dict[str, Any]:
     state = powersgd.PowerSGDState(process_group=None, start_powerSGD_iter=2)
     model.register_comm_hook(state, powersgd.powerSGD_hook)
     out["PowerSGD"] = (replay_layout(path, model), state.iter)
+    model = fresh()
+    model.register_comm_hook(None, default_hooks.allreduce_hook)  # stateless: replayed
+    out["torch's allreduce_hook"] = replay_layout(path, model)
     model = fresh()
     with model.no_sync():
         out["no_sync"] = replay_layout(path, model)

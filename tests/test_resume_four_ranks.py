@@ -62,6 +62,7 @@ def test_where_ddp_keeps_its_own_layout_the_saved_one_is_not_replayed(
         assert result["kept"] == {
             "find_unused_parameters": False, "static_graph": False,
             "PowerSGD": (False, 0),  # its state did not see a backward
+            "torch's allreduce_hook": True,
             "no_sync": False, "laid out": True, "laid out again": False,
             "not DDP": False,
         }

@@ -11,14 +11,15 @@ run ends a few ulps away from it (measured on torch 2.13, the README script on f
 ranks: 3e-8, with plain DDP alike).
 
 So :func:`~overlapkit.checkpoint.save` records the second layout in the checkpoint
-(the parameters' names, bucket by bucket: as overlapkit's comm hook saw them, or as DDP
-gives them for a model without a comm hook), and :func:`~overlapkit.checkpoint.load`,
-into a DDP model that has not laid its buckets out again yet, replays it: one backward
-through DDP's reducer in which the parameters are marked ready in that order, without
-gradients (overlapkit's comm hook reduces and steps nothing in it; DDP's own allreduce
-reduces zeros), then DDP's own rebuild from that order. The resumed run then ends
-bitwise where the uninterrupted one ends, plain or overlapped. Gradients are as they
-were before the load.
+(the parameters' names, bucket by bucket: as overlapkit's comm hook saw them, or as
+DDP gives them for a model without a comm hook or with a stateless one), and
+:func:`~overlapkit.checkpoint.load`, into a DDP model that has not laid its buckets
+out again yet, replays it: one backward through DDP's reducer in which the parameters
+are marked ready in that order, without gradients (overlapkit's comm hook reduces and
+steps nothing in it; DDP's own allreduce, or a stateless comm hook such as torch's
+``allreduce_hook``, reduces zeros), then DDP's own rebuild from that order. The
+resumed run then ends bitwise where the uninterrupted one ends, plain or overlapped.
+Gradients are as they were before the load.
 
 Where DDP does not rebuild its buckets (``find_unused_parameters``), where its first
 backward is special (``static_graph``, ``mixed_precision``, torch's in-backward
@@ -64,6 +65,23 @@ def _stepper(model: DistributedDataParallel) -> KeepsBucketLayout | None:
     return None
 
 
+#: comm hooks that keep no state and reduce each bucket as it is (module, name): the
+#: replay may run them (they reduce zeros)
+_STATELESS_HOOKS = frozenset({
+    ("torch.distributed.algorithms.ddp_comm_hooks.default_hooks", "allreduce_hook"),
+    ("torch.distributed.algorithms.ddp_comm_hooks.default_hooks", "fp16_compress_hook"),
+    ("torch.distributed.algorithms.ddp_comm_hooks.default_hooks", "bf16_compress_hook"),
+    ("overlapkit.comm_hooks", "allreduce_hook"),
+})
+
+
+def _only_stateless_hooks(model: DistributedDataParallel) -> bool:
+    """Whether every comm hook registered on ``model`` (none included) is one of
+    :data:`_STATELESS_HOOKS`."""
+    return all((getattr(hook, "__module__", None), getattr(hook, "__name__", None))
+               in _STATELESS_HOOKS for hook, _ in getattr(model, "_comm_hooks", ()))
+
+
 def _names(model: DistributedDataParallel) -> dict[int, str]:
     return {id(param): name for name, param in model.module.named_parameters()}
 
@@ -72,14 +90,14 @@ def write_layout(directory: Path, model: torch.nn.Module) -> None:
     """Record ``model``'s rebuilt bucket layout in the checkpoint being saved (rank 0,
     before the manifest), where it is known: a DDP model whose comm hook keeps it
     (overlapkit's, once it has run a backward since DDP rebuilt its buckets), or one
-    without a comm hook whose buckets DDP has rebuilt (read from DDP, see
-    :func:`_reducer_layout`)."""
+    without a comm hook, or with a stateless one (torch's ``allreduce_hook``), whose
+    buckets DDP has rebuilt (read from DDP, see :func:`_reducer_layout`)."""
     if not isinstance(model, DistributedDataParallel):
         return
     stepper = _stepper(model)
     if stepper is not None:
         layout = stepper.rebuilt_layout
-    elif not getattr(model, "_comm_hooks", ()):
+    elif _only_stateless_hooks(model):
         layout = _reducer_layout(model)
     else:
         return  # another library's comm hook: the layout is not replayed anyway
@@ -141,8 +159,7 @@ def _why_not_replayed(model: DistributedDataParallel) -> str | None:
         return "inside no_sync()"
     if torch.is_inference_mode_enabled():
         return "inside torch.inference_mode()"
-    hooks = getattr(model, "_comm_hooks", ())
-    if hooks and _stepper(model) is None:
+    if _stepper(model) is None and not _only_stateless_hooks(model):
         return "another library's comm hook would see the replay"
     if any(getattr(module, "sparse", False) is True for module in model.module.modules()):
         return "sparse gradients (a sparse nn.Embedding) are not replayed"
