@@ -72,6 +72,8 @@ class BucketLayout:
     :param owned: the bucket's parameters the engine owns, in bucket order.
     :param views: their gradients, as views of ``buffer``.
     :param plan: the engine's :class:`~overlapkit.overlap.engine.StepPlan` of ``owned``.
+    :param others: the gradients, as views of ``buffer``, of the bucket's parameters
+        the optimizer holds but another rank steps (sharded state; else empty).
     """
 
     buffer: torch.Tensor
@@ -79,6 +81,7 @@ class BucketLayout:
     owned: list[torch.Tensor]
     views: list[torch.Tensor]
     plan: StepPlan
+    others: list[torch.Tensor]
 
 
 class BucketLayouts:
@@ -106,12 +109,14 @@ class BucketLayouts:
             self._by_index.clear()
         version = engine.layout_version
         params = bucket.parameters()
-        pairs = [(param, view) for param, view in
-                 zip(params, bucket_gradient_views(buffer, params), strict=True)
-                 if engine.owns(param)]
+        all_pairs = list(zip(params, bucket_gradient_views(buffer, params), strict=True))
+        pairs = [(param, view) for param, view in all_pairs if engine.owns(param)]
         owned = [param for param, _ in pairs]
+        others = [view for param, view in all_pairs
+                  if engine.holds(param) and not engine.owns(param)]
         layout = BucketLayout(buffer=buffer, version=version, owned=owned,
-                              views=[view for _, view in pairs], plan=engine.plan(owned))
+                              views=[view for _, view in pairs], plan=engine.plan(owned),
+                              others=others)
         self._by_index[index] = layout
         return layout
 

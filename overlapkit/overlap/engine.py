@@ -85,6 +85,8 @@ class OverlapEngine:
         self.lock = threading.RLock()
         # keyed by id(): Tensor.__hash__ is a Python-level call, id() is not
         self._group_of: dict[int, int] = {}
+        #: ids of every parameter of the real optimizer, stepped here or not
+        self._held: frozenset[int] = frozenset()
         self._layout_version = 0
         #: ids of the parameters this engine steps, or None for all (see step_only)
         self._stepped: frozenset[int] | None = None
@@ -154,6 +156,11 @@ class OverlapEngine:
         """Whether this engine steps ``param``: one of the real optimizer's parameters
         (and, after :meth:`step_only`, one of those it was given)."""
         return id(param) in self._group_of
+
+    def holds(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is one of the real optimizer's parameters, stepped by this
+        engine or (after :meth:`step_only`) by another rank's."""
+        return id(param) in self._held
 
     def step_only(self, params: Iterable[torch.Tensor] | None) -> None:
         """From now on step only ``params`` among the real optimizer's parameters (None:
@@ -246,12 +253,12 @@ class OverlapEngine:
         """
         with self.lock:
             stepped = self._stepped
-            self._group_of = {
-                id(param): index
-                for index, group in enumerate(self.optimizer.param_groups)
-                for param in group["params"]
-                if stepped is None or id(param) in stepped
-            }
+            every = [(id(param), index)
+                     for index, group in enumerate(self.optimizer.param_groups)
+                     for param in group["params"]]
+            self._held = frozenset(key for key, _ in every)
+            self._group_of = {key: index for key, index in every
+                              if stepped is None or key in stepped}
             self._layout_version += 1
 
     def __repr__(self) -> str:

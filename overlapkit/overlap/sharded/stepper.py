@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from overlapkit.errors import ConfigurationError, OverlapkitError
 from overlapkit.overlap.backward_scope import OUTSIDE
-from overlapkit.overlap.bucket_layout import bucket_gradient_views
 from overlapkit.overlap.bucket_stepper import BucketStepper
 from overlapkit.overlap.sharded.exchange import ParameterExchange
 
@@ -55,8 +54,6 @@ class ShardedBucketStepper(BucketStepper):
     #: counts the steps taken (stepping backwards, full steps, loads): a consolidated
     #: state dict is of one generation
     generation: int = 0
-    #: (the engine's layout version, ids of every parameter of the real optimizer)
-    _optimizer_ids: tuple[int, frozenset[int]] = (-1, frozenset())
 
     def attach(self, exchange: ParameterExchange) -> None:
         """Give the stepper its exchange (at set-up)."""
@@ -94,17 +91,9 @@ class ShardedBucketStepper(BucketStepper):
         as this rank's were before their step: ``.grad`` then reads as after the
         plain loop's ``clip_grad_value_`` on every parameter (DDP copies the bucket
         into ``.grad`` after backward), not only on this rank's share."""
-        engine = self.engine
-        if self._optimizer_ids[0] != engine.layout_version:
-            self._optimizer_ids = (engine.layout_version,
-                                   frozenset(id(p) for p in engine.parameters()))
-        ids = self._optimizer_ids[1]
-        params = bucket.parameters()
         with torch.no_grad():
-            for param, grad in zip(params, bucket_gradient_views(buffer, params),
-                                   strict=True):
-                if id(param) in ids and not engine.owns(param):
-                    grad.clamp_(min=-value, max=value)
+            for grad in self.layouts.get(bucket, buffer).others:
+                grad.clamp_(min=-value, max=value)
 
     def _after_backward(self) -> None:
         try:
