@@ -10,6 +10,7 @@ the tensors that differed with their largest absolute difference.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -86,6 +87,26 @@ def named_values(model: nn.Module) -> dict[str, torch.Tensor]:
     state.update(model.named_buffers())
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
             for k, v in state.items()}
+
+
+def checkpoint_tensors(checkpoint: Path, scratch: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an overlapkit (DCP) checkpoint — model and optimizer state — by
+    dotted key, through DCP's own converter (its ``.pt`` written into ``scratch``)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = scratch / f"{checkpoint.name}.pt"
+    dcp_to_torch_save(checkpoint, out)
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, value: object) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}.{key}", item)
+        elif isinstance(value, torch.Tensor):
+            flat[prefix] = value
+
+    walk("", torch.load(out, weights_only=False))
+    return flat
 
 
 def max_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:

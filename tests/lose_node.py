@@ -27,22 +27,17 @@ import sys
 import time
 from typing import Any
 
+from agents import children  # this script's folder is on sys.path (run as a script)
+
 
 def lose_this_node() -> None:
     with open(os.environ["LOSE_MARK"], "w") as mark:
         mark.write(repr(time.time()))
     how = signal.SIGSTOP if os.environ.get("LOSE_HOW") == "freeze" else signal.SIGKILL
     agent = os.getppid()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        if parent == agent:
-            os.kill(int(entry), how)
+    for worker in children(agent):
+        if worker != os.getpid():
+            os.kill(worker, how)
     os.kill(agent, how)
     os.kill(os.getpid(), how)
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import os
 import runpy
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from helpers import error_of
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlapkit
@@ -63,14 +64,6 @@ def train(model: DDP, opt: torch.optim.Optimizer, rank: int, steps: int) -> list
     return trajectory
 
 
-def _error(call: Callable[[], Any]) -> tuple[str, str, bool] | None:
-    try:
-        call()
-    except Exception as exc:
-        return type(exc).__name__, str(exc), isinstance(exc, overlapkit.OverlapkitError)
-    return None
-
-
 def _sgd(model: DDP) -> torch.optim.SGD:
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
@@ -113,15 +106,15 @@ def bad_launch(rank: int, world_size: int, per_node: list[int]) -> dict[str, Any
     as_node(rank, per_node)
     first, second = make_ddp(), make_ddp()
     out: dict[str, Any] = {
-        "from_launch": _error(lambda: overlapkit.post_local_sgd(
+        "from_launch": error_of(lambda: overlapkit.post_local_sgd(
             first, _sgd(first), period=4, warmup_steps=2, averager="hierarchical")),
-        "default_subgroup": _error(lambda: overlapkit.post_local_sgd(
+        "default_subgroup": error_of(lambda: overlapkit.post_local_sgd(
             second, _sgd(second), period=4, warmup_steps=2)),
-        "straddling_plan": _error(lambda: overlapkit.create_averager(
+        "straddling_plan": error_of(lambda: overlapkit.create_averager(
             "hierarchical", period_group_size_dict={2: 3, 4: world_size})),
-        "node_period_too_large": _error(lambda: overlapkit.create_averager(
+        "node_period_too_large": error_of(lambda: overlapkit.create_averager(
             "hierarchical", period=4, node_period=4)),
-        "both_plans": _error(lambda: overlapkit.create_averager(
+        "both_plans": error_of(lambda: overlapkit.create_averager(
             "hierarchical", period=4, node_period=2, period_group_size_dict={4: world_size})),
     }
     # every rank is still in step: a collective completes
@@ -139,7 +132,7 @@ def reshard_local_sgd_state(rank: int, world_size: int, saved: dict[str, Any],
     opt = overlapkit.post_local_sgd(model, _sgd(model), period=2, warmup_steps=3,
                                     subgroup_size=1)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    out: dict[str, Any] = {"after_warmup": _error(lambda: opt.load_state_dict(saved)),
+    out: dict[str, Any] = {"after_warmup": error_of(lambda: opt.load_state_dict(saved)),
                            "averager_step": opt.averager.step}
     out["unchanged"] = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     opt.load_state_dict(during_warmup)

@@ -68,8 +68,8 @@ def test_a_launch_of_unequal_nodes_is_refused_on_every_rank(
 ) -> None:
     for run in uneven_nodes:
         error = run[case]
-        assert error is not None and error[0] == "ConfigurationError" and error[2]
-        assert says in error[1]
+        assert error is not None and error["type"] == "ConfigurationError"
+        assert error["overlapkit"] and says in error["message"]
         assert run["in_step"] == 4
 
 
@@ -77,10 +77,10 @@ def test_a_plan_whose_groups_straddle_nodes_is_refused() -> None:
     runs = run_distributed(nodes_ranks.bad_launch, 6, args=([2, 2, 2],), timeout=TIMEOUT)
     for run in runs:
         error = run["straddling_plan"]
-        assert error is not None and error[0] == "ConfigurationError"
+        assert error is not None and error["type"] == "ConfigurationError"
         assert "a group of 3 ranks (ranks 0-2) takes part of one node and part of another" \
-            in error[1]
-        assert "here one of [1, 2, 6]" in error[1]
+            in error["message"]
+        assert "here one of [1, 2, 6]" in error["message"]
         assert run["from_launch"] is None and run["default_subgroup"] is None
         assert run["in_step"] == 6
 
@@ -92,8 +92,8 @@ def test_local_sgd_state_after_warmup_is_refused_at_another_world_size() -> None
                            args=(states["after_warmup"], states["during_warmup"]))
     for run in runs:
         error = run["after_warmup"]
-        assert error is not None and error[0] == "CheckpointError" and error[2]
-        assert "saved by one of 4 ranks after local SGD began" in error[1]
-        assert "cannot be resharded to 2 ranks" in error[1]
+        assert error is not None and error["type"] == "CheckpointError" and error["overlapkit"]
+        assert "saved by one of 4 ranks after local SGD began" in error["message"]
+        assert "cannot be resharded to 2 ranks" in error["message"]
         assert run["unchanged"] and run["averager_step"] == 0
         assert run["during_warmup_step"] == 2

@@ -29,7 +29,7 @@ import nodes_ranks
 import pytest
 import torch
 from agents import Job, finished
-from helpers import compare
+from helpers import checkpoint_tensors, compare
 
 from overlapkit import checkpoint
 from overlapkit.distributed import run_distributed
@@ -54,20 +54,7 @@ def _example() -> str:
 
 def _state(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint (model and optimizer state), by dotted key."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = path.parent / f"{path.name}.pt"
-    dcp_to_torch_save(path, out)
-    flat: dict[str, torch.Tensor] = {}
-
-    def walk(prefix: str, value: object) -> None:
-        if isinstance(value, dict):
-            for key, item in value.items():
-                walk(f"{prefix}.{key}", item)
-        elif isinstance(value, torch.Tensor):
-            flat[prefix] = value
-
-    walk("", torch.load(out, weights_only=False))
+    flat = checkpoint_tensors(path, path.parent)
     assert any("exp_avg" in key for key in flat)
     return flat
 

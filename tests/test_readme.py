@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import checkpoint_tensors
 
 from overlapkit.distributed import free_port
 
@@ -75,24 +76,6 @@ def _train(script: Path, checkpoint: Path, stop_at: int | None = None) -> str:
     return proc.stdout
 
 
-def _state(checkpoint: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = tmp_path / f"{checkpoint.name}.pt"
-    dcp_to_torch_save(checkpoint, out)
-    flat: dict[str, torch.Tensor] = {}
-
-    def walk(prefix: str, value: object) -> None:
-        if isinstance(value, dict):
-            for key, item in value.items():
-                walk(f"{prefix}.{key}", item)
-        elif isinstance(value, torch.Tensor):
-            flat[prefix] = value
-
-    walk("", torch.load(out, weights_only=False))
-    return flat
-
-
 @pytest.mark.slow
 def test_the_training_loop_example_resumes_bitwise(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
@@ -104,7 +87,8 @@ def test_the_training_loop_example_resumes_bitwise(tmp_path: Path) -> None:
     second = _train(script, tmp_path / "resumed")
     assert "resumed from" in second and "at step 7" in second
     assert through.splitlines()[-1] == second.splitlines()[-1]  # the same last line
-    expected, got = _state(tmp_path / "through", tmp_path), _state(tmp_path / "resumed", tmp_path)
+    expected = checkpoint_tensors(tmp_path / "through", tmp_path)
+    got = checkpoint_tensors(tmp_path / "resumed", tmp_path)
     assert expected.keys() == got.keys() and any("exp_avg" in k for k in expected)
     differ = [k for k in expected if not torch.equal(expected[k], got[k])]
     assert differ == []
