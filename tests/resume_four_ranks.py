@@ -25,8 +25,8 @@ STEPS, SAVE_AT = 6, 3
 
 class OutOfOrder(nn.Module):
     """Layers registered in another order than the forward uses them, a weight shared
-    by two layers, LayerNorm: the backward produces the gradients in an order of its
-    own."""
+    by two layers, LayerNorm, a frozen layer and an integer buffer: the backward
+    produces the gradients in an order of its own."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -36,9 +36,12 @@ class OutOfOrder(nn.Module):
         self.mid = nn.Linear(32, 32)
         self.again = nn.Linear(32, 32)
         self.again.weight = self.mid.weight  # shared
+        self.frozen = nn.Linear(16, 16).requires_grad_(False)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = F.gelu(self.embed(x))
+        self.calls += 1
+        hidden = F.gelu(self.embed(self.frozen(x)))
         hidden = self.norm(hidden + F.gelu(self.mid(hidden)))
         hidden = hidden + 0.5 * self.again(hidden)
         return self.head(hidden)
