@@ -213,5 +213,5 @@ def test_latest_raises_on_every_rank_when_the_ranks_see_different_checkpoints(
         assert error is not None and error["type"] == "CheckpointError", error
         assert "the ranks do not find the same checkpoint" in error["message"]
         assert "rank 0 (" in error["message"] and "rank 1 (" in error["message"]
-        assert "see no checkpoint at" in error["message"]
+        assert "sees no checkpoint at" in error["message"]
         assert "storage every node sees" in error["message"]
