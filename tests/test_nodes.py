@@ -361,3 +361,33 @@ def test_the_readme_script_waits_minutes_not_glooss_half_hour_for_a_node() -> No
     group's timeout: the README sets one a reader would choose."""
     calls = re.findall(r"dist\.init_process_group\((.*)\)", _example())
     assert calls == ['"gloo", timeout=datetime.timedelta(minutes=3)']
+
+
+# -- node 0 lost between the save's two renames ------------------------------------------
+
+@needs_proc
+def test_node_0_lost_between_the_renames_resumes_from_the_newest_complete_checkpoint(
+    workdir: Path, two_nodes_of_two: Job,
+) -> None:
+    """Node 0 (rank 0 moves checkpoints into place) killed between the two renames of
+    step 10's save: step 5's checkpoint at ``.NAME.old``, step 10's complete at
+    ``.NAME.saving``, nothing at the path. The job launched again resumes at step 10
+    and ends bitwise as the uninterrupted run. (Before: it trained from step 0 without
+    a word, and its first save threw step 10's checkpoint away.)"""
+    name = "lost-between-renames"
+    path = workdir / name
+    lost = _readme(workdir, name, [2, 2], lose={
+        "LOSE_GROUP": "0", "LOSE_AT": "rename:2", "LOSE_MARK": str(workdir / f"{name}.mark")})
+    codes = lost.wait(timeout=180)
+    assert codes[0] == -9 and codes[1] != 0, codes
+    assert not path.exists()
+    for left in (f".{name}.old", f".{name}.saving"):
+        assert (workdir / left / ".overlapkit-files.json").is_file(), left
+    job = _readme(workdir, name, [2, 2])
+    finished(job, LAST)
+    assert f"resumed from {path} at step 10" in job.output()
+    assert sorted(p.name for p in workdir.iterdir() if name in p.name and "agent" not in p.name
+                  and not p.name.endswith(".mark")) == [name]
+    assert _last_line(job.output()) == _last_line(two_nodes_of_two.output())
+    same = compare(_state(workdir / "two-nodes-of-2"), _state(path))
+    assert same, same
