@@ -194,8 +194,8 @@ def test_a_lost_node_is_named_by_the_survivors_within_seconds(
     assert re.search(r"RanksLostError: ranks 2, 3 \(torchrun node 1 on host \S+\) were lost "
                      r"while reducing a gradient bucket \(DDP comm hook\)", errors), errors[-3000:]
     assert "Connection" in errors and "where ranks 0, 1 did" in errors
-    # the README's process group has gloo's default timeout, 30 minutes: the survivors
-    # end long before it (the figure, measured: docs/benchmarks.md)
+    # the README's process group times out after 3 minutes (gloo's default: 30): the
+    # survivors end long before it (the figure, measured: docs/benchmarks.md)
     assert survivor.ended is not None and survivor.ended - lost_at < 60
 
 

@@ -7,14 +7,14 @@ A save to ``NAME`` writes ``.NAME.saving``; rank 0 then writes the file list
 ``.NAME.old``. Killed in between, the directory holds one of these states (the newest
 complete checkpoint in bold):
 
-=========================================  ===========  ==========  ===========
-instant of the kill                        ``.saving``  ``NAME``    ``.old``
-=========================================  ===========  ==========  ===========
-while the ranks write, or before the list  partial      **prev**    -
-after the list, before the first rename    **new**      prev        -
-between the two renames                    **new**      -           prev
-after the second rename, while deleting    -            **new**     prev (part)
-=========================================  ===========  ==========  ===========
+=========================================  ===========  ========  ===========
+instant of the kill                        ``.saving``  ``NAME``  ``.old``
+=========================================  ===========  ========  ===========
+while the ranks write, or before the list  partial      **prev**  none
+after the list, before the first rename    **new**      prev      none
+between the two renames                    **new**      none      prev
+after the second rename, while deleting    none         **new**   prev (part)
+=========================================  ===========  ========  ===========
 
 So the newest complete checkpoint is ``.NAME.saving`` when it has its file list and
 every listed file, else ``NAME``, else ``.NAME.old`` (:func:`newest_complete`), and

@@ -85,7 +85,8 @@ def _latest(path: str | os.PathLike[str]) -> Path | None:
             groups.setdefault((_describe(answer, directory), node), []).append(rank)
         seen = "; ".join(
             f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))} "
-            f"({node}) {'sees' if len(ranks) == 1 else 'see'} {what}" for (what, node), ranks in groups.items())
+            f"({node}) {'sees' if len(ranks) == 1 else 'see'} {what}"
+            for (what, node), ranks in groups.items())
         raise CheckpointError(
             f"latest: the ranks do not find the same checkpoint at {directory}: {seen}. "
             "The checkpoint directory must be on storage every node sees (a shared file "

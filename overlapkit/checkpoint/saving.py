@@ -126,7 +126,7 @@ def save(
 
     The save is atomic: it is written aside and moved into place, so an interrupted
     save — a rank or a whole node lost half-way included — leaves the previous
-    checkpoint at ``path`` intact, and the half-written one is never at ``path``.
+    checkpoint intact, and the half-written one is never at ``path``.
 
     ``extra`` is the caller's own progress — the step, an LR scheduler's
     ``state_dict()`` — saved inside the checkpoint (as JSON, plain data only) and
@@ -139,10 +139,18 @@ def save(
     optimizer (no step yet), so a run resumed from it takes its first step as a first
     step, as the uninterrupted run does.
 
+    Before the checkpoint is marked complete, every rank checks that it sees every
+    file of it (:mod:`overlapkit.checkpoint.visibility`): a directory that is the same
+    path on each node but each node's own disk fails here, on every rank. A save killed
+    at any instant leaves a complete checkpoint, the previous one or this one, which
+    :func:`~overlapkit.checkpoint.latest` finds; this save first finishes one that was
+    interrupted, so it never throws a complete checkpoint away for an older one.
+
     :return: ``path`` as a ``Path``.
     :raises CheckpointError: ``path`` exists and is not a checkpoint, ``extra`` is not
-        plain JSON data, or writing or moving it into place failed (on every rank
-        alike).
+        plain JSON data, a rank does not see every file of the checkpoint (the
+        directory is not on storage every node sees), or writing or moving it into
+        place failed (on every rank alike).
     :raises RanksLostError: ranks were lost while saving (the previous checkpoint is
         intact); the message names them.
     """
