@@ -215,3 +215,15 @@ def test_latest_raises_on_every_rank_when_the_ranks_see_different_checkpoints(
         assert "rank 0 (" in error["message"] and "rank 1 (" in error["message"]
         assert "sees no checkpoint at" in error["message"]
         assert "storage every node sees" in error["message"]
+
+
+def test_latest_follows_a_link_at_the_path_but_never_moves_a_linked_leftover(
+    complete: Path, tmp_path: Path,
+) -> None:
+    link = tmp_path / "current"
+    link.symlink_to(complete)
+    assert checkpoint.latest(link) == link
+    aside = tmp_path / ".gone.old"  # a link left where a save puts the previous one
+    aside.symlink_to(complete)
+    assert checkpoint.latest(tmp_path / "gone") is None
+    assert (complete / MANIFEST_FILE).is_file()  # the link's target is left alone

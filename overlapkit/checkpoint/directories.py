@@ -83,7 +83,7 @@ def damage(directory: Path, *, need_list: bool = False) -> str | None:
     (a checkpoint of torch's DCP or of an overlapkit before the list) and
     ``need_list`` is false: a save's ``.NAME.saving`` without its list is unfinished.
     """
-    if directory.is_symlink() or not directory.is_dir():
+    if not directory.is_dir():
         return "is not a directory"
     if not (directory / METADATA_FILE).is_file():
         return f"has no {METADATA_FILE} file (DCP's, written last by the ranks)"
@@ -108,6 +108,13 @@ def damage(directory: Path, *, need_list: bool = False) -> str | None:
     return None
 
 
+def _complete_sibling(sibling: Path, *, need_list: bool = False) -> bool:
+    """Whether ``.NAME.saving`` or ``.NAME.old`` holds a complete checkpoint (a link
+    there is a left-over to remove, never a checkpoint to move: a save writes neither
+    as a link)."""
+    return not sibling.is_symlink() and damage(sibling, need_list=need_list) is None
+
+
 def _empty_dir(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
 
@@ -123,7 +130,7 @@ def newest_complete(path: Path) -> Path | None:
         checkpoint at all.
     """
     saving, old = siblings(path)
-    if damage(saving, need_list=True) is None:
+    if _complete_sibling(saving, need_list=True):
         return saving
     if (path.exists() or path.is_symlink()) and not _empty_dir(path):
         if path.is_file() or (path.is_dir() and not (path / METADATA_FILE).is_file()
@@ -138,7 +145,7 @@ def newest_complete(path: Path) -> Path | None:
                 "checkpoint, or from the start, would go back without a word: restore the "
                 f"missing file, or remove {path} to start afresh.")
         return path
-    if old.exists() or old.is_symlink():
+    if old.exists() and not old.is_symlink():
         problem = damage(old)
         if problem is None:
             return old
@@ -180,9 +187,9 @@ def finish_interrupted_save(path: Path) -> None:
     saving, old = siblings(path)
     if _empty_dir(path):
         path.rmdir()  # nothing there: the newest complete checkpoint takes its place
-    if damage(saving, need_list=True) is None:
+    if _complete_sibling(saving, need_list=True):
         swap_into_place(path, saving, old)
-    elif not (path.exists() or path.is_symlink()) and damage(old) is None:
+    elif not (path.exists() or path.is_symlink()) and _complete_sibling(old):
         os.replace(old, path)
         _fsync_dir(path.parent)
     remove(old)
