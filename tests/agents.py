@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from overlapkit.distributed import free_port
@@ -100,7 +102,7 @@ class Job:
 
     def __init__(self, entrypoint: Sequence[str], nodes: Sequence[int], directory: Path, *,
                  env: Mapping[str, str] | None = None, max_restarts: int = 0,
-                 name: str = "job") -> None:
+                 name: str = "job", wrap: Callable[[int], list[str]] | None = None) -> None:
         self.entrypoint = list(entrypoint)
         self.nodes = list(nodes)
         self.directory = directory
@@ -109,6 +111,8 @@ class Job:
         self.max_restarts = max_restarts
         self.name = name
         self.port = free_port()
+        #: agent index -> a command the agent runs under (its own mounts, say)
+        self.wrap = wrap
         self.agents: list[Agent] = []
 
     def start_agent(self, nproc: int) -> Agent:
@@ -121,6 +125,8 @@ class Job:
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
                 "--rdzv-id", self.name, "--rdzv-conf", RDZV_CONF,
                 "--max-restarts", str(self.max_restarts), *self.entrypoint]
+        if self.wrap is not None:
+            argv = [*self.wrap(index), *argv]  # it must exec the agent (its pid is kept)
         with out.open("wb") as stdout, err.open("wb") as stderr:
             proc = subprocess.Popen(argv, stdout=stdout, stderr=stderr, env=self.env,
                                     cwd=self.directory, start_new_session=True)
@@ -162,6 +168,35 @@ class Job:
 
     def output(self) -> str:
         return "".join(agent.stdout for agent in self.agents)
+
+
+def private_mounts() -> list[str] | None:
+    """The ``unshare`` command under which a process gets mounts of its own (as root;
+    else in a user namespace of its own), or ``None`` where neither may bind-mount."""
+    if shutil.which("unshare") is None:
+        return None
+    with tempfile.TemporaryDirectory() as scratch:
+        source, target = Path(scratch, "source"), Path(scratch, "target")
+        source.mkdir()
+        target.mkdir()
+        for command in (["unshare", "--mount"], ["unshare", "--mount", "--map-root-user"]):
+            probe = subprocess.run([*command, "sh", "-c", 'mount --bind "$1" "$2"', "sh",
+                                    str(source), str(target)], capture_output=True)
+            if probe.returncode == 0:
+                return command
+    return None
+
+
+def own_disks(unshare: list[str], disks: Sequence[Path], at: Path
+              ) -> Callable[[int], list[str]]:
+    """A :class:`Job` ``wrap`` that gives agent ``i`` the directory ``disks[i]`` at the
+    path ``at``: the same path on every node, each node its own disk."""
+
+    def wrap(index: int) -> list[str]:
+        return [*unshare, "sh", "-c", 'mount --bind "$1" "$2" && shift 2 && exec "$@"', "sh",
+                str(disks[index]), str(at)]
+
+    return wrap
 
 
 def _listening(port: int) -> bool:

@@ -9,7 +9,10 @@ takes its processes with it, none of them running any clean-up — at ``LOSE_AT`
 - ``loss:K``: the K-th call of ``torch.nn.functional.mse_loss`` (mid-step: after a
   forward, before its backward);
 - ``save:K``: once this rank has written its files of the K-th checkpoint save (DCP's
-  ``FileSystemWriter.write_data``), before the save is complete.
+  ``FileSystemWriter.write_data``), before the save is complete;
+- ``rename:K``: (rank 0, which moves checkpoints into place: ``LOSE_GROUP=0``) between
+  the two renames of the K-th save, the previous checkpoint moved to ``.NAME.old`` and
+  the new one still at ``.NAME.saving``.
 
 It first writes the time (``time.time()``) to the file ``LOSE_MARK``, and does nothing
 where that file exists: the node started again after the loss runs the script plainly.
@@ -59,6 +62,22 @@ def _count_calls(owner: Any, name: str, at: int, after: bool = False) -> None:
     setattr(owner, name, counted)
 
 
+def _lose_between_renames(at: int) -> None:
+    """Lose this node when the K-th save moves its ``.NAME.saving`` to ``NAME`` (the
+    first save has no previous checkpoint to move aside: its only rename counts)."""
+    replace = os.replace
+    calls = [0]
+
+    def replacing(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        if os.path.basename(os.fspath(src)).endswith(".saving"):
+            calls[0] += 1
+            if calls[0] == at:
+                lose_this_node()
+        replace(src, dst, *args, **kwargs)
+
+    os.replace = replacing  # type: ignore[assignment]
+
+
 def main() -> None:
     here = (os.environ.get("GROUP_RANK") == os.environ.get("LOSE_GROUP")
             and os.environ.get("LOCAL_RANK") == "0"
@@ -73,8 +92,11 @@ def main() -> None:
             from torch.distributed.checkpoint import FileSystemWriter
 
             _count_calls(FileSystemWriter, "write_data", int(at), after=True)
+        elif what == "rename":
+            _lose_between_renames(int(at))
         else:
-            raise SystemExit(f"LOSE_AT={os.environ['LOSE_AT']!r}: use loss:K or save:K")
+            raise SystemExit(f"LOSE_AT={os.environ['LOSE_AT']!r}: use loss:K, save:K or "
+                             "rename:K")
     script, sys.argv = sys.argv[1], sys.argv[1:]
     runpy.run_path(script, run_name="__main__")
 

@@ -311,7 +311,7 @@ def test_a_save_interrupted_between_its_renames_is_recovered(tmp_path: Path) -> 
     model, opt = make(seed=0)
     checkpoint.save(path, model, opt)
     path.rename(tmp_path / ".ckpt.old")  # where the swap leaves it, had it died there
-    with pytest.raises(CheckpointError, match=r"previous checkpoint is intact at .*\.ckpt\.old"):
+    with pytest.raises(CheckpointError, match=r"a complete checkpoint is at .*\.ckpt\.old"):
         checkpoint.load(path, model, opt)
     checkpoint.save(path, *make(seed=1))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

@@ -14,6 +14,7 @@ import pytest
 
 from overlapkit.distributed import run_distributed
 from overlapkit.errors import RanksLostError
+from overlapkit.nodes import lost_ranks
 from overlapkit.nodes.lost_ranks import _message, is_peer_failure, name_lost_ranks
 from overlapkit.nodes.roll_call import Verdict
 
@@ -69,13 +70,28 @@ def test_the_message_names_the_lost_ranks_their_node_and_what_to_do(
 ) -> None:
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setattr(lost_ranks, "last_complete_checkpoint", "ckpt")
     text = _message(_verdict(), "saving the checkpoint to ckpt", RuntimeError(GLOO))
     assert text.startswith("ranks 2, 3 (torchrun node 1 on host b) were lost while saving "
                            "the checkpoint to ckpt: this rank's collective failed ([/pyt")
     assert "Connection closed by peer [127.0.0.1]:49306" in text
-    assert "where ranks 0, 1 did" in text and "that checkpoint is intact" in text
+    assert "where ranks 0, 1 did" in text and "that checkpoint (ckpt) is intact" in text
+    assert "Resume from it: restart the job" in text
     assert "torchrun --max-restarts N" in text
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text
+
+
+def test_before_any_checkpoint_the_message_says_there_is_none_to_resume_from(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(lost_ranks, "last_complete_checkpoint", None)
+    text = _message(_verdict(), "saving the checkpoint to ckpt", RuntimeError(GLOO))
+    assert "intact" not in text and "Resume from it" not in text
+    assert "has not completed or resumed from a checkpoint" in text
+    assert "The checkpoint being written is not complete and will not be taken" in text
+    text = _message(_verdict(), "averaging", RuntimeError(GLOO))
+    assert "none is there to resume from" in text and "being written" not in text
+    assert "Start again: restart the job" in text
 
 
 def test_ranks_on_several_nodes_and_ranks_that_left_are_told_apart() -> None:

@@ -10,7 +10,12 @@
   ``--max-restarts 1``: the half-written checkpoint is never taken, training resumes
   from the last complete one and ends bitwise as a run stopped there and resumed,
   and as the uninterrupted run;
-- post-local SGD's hierarchy taken from the real launch.
+- post-local SGD's hierarchy taken from the real launch;
+- a checkpoint directory that is not shared between the nodes (the same path, each
+  node its own disk: a bind mount in a mount namespace per agent): the save fails on
+  every rank, and nodes that see different checkpoints refuse to resume, on every rank;
+- node 0 killed between the save's two renames: the relaunched job resumes from the
+  newest complete checkpoint and ends bitwise as the uninterrupted run.
 
 Each launch costs 10 to 30 s of imports and rendezvous on two cores, so launches are
 module fixtures that several tests share.
@@ -28,7 +33,7 @@ from typing import Any
 import nodes_ranks
 import pytest
 import torch
-from agents import Job, finished
+from agents import Job, finished, own_disks, private_mounts
 from helpers import checkpoint_tensors, compare
 
 from overlapkit import checkpoint
@@ -42,6 +47,10 @@ RANK_TIMEOUT = 240
 #: losing a node finds an agent's workers in /proc (tests/lose_node.py)
 needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").is_file(),
                                 reason="losing a node reads /proc (Linux)")
+#: separate disks behind one path: each agent in a mount namespace of its own
+UNSHARE = private_mounts()
+needs_mounts = pytest.mark.skipif(UNSHARE is None, reason="needs unshare --mount (as root, "
+                                  "or with user namespaces) to give each node its own disk")
 
 
 def _example() -> str:
@@ -72,12 +81,20 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _readme(workdir: Path, name: str, nodes: list[int], *, stop_at: int = 20,
             lose: dict[str, str] | None = None, env: dict[str, str] | None = None,
-            max_restarts: int = 0) -> Job:
+            max_restarts: int = 0, disks: list[Path] | None = None) -> Job:
+    """The README script under torchrun agents, checkpointing to ``workdir / name``;
+    with ``disks``, agent ``i`` sees ``disks[i]`` there (separate disks, one path)."""
     entry = [str(workdir / "train.py")]
     if lose is not None:
         entry = [str(TESTS / "lose_node.py"), *entry]
-    return Job(entry, nodes, workdir, name=name, max_restarts=max_restarts,
-               env={"CHECKPOINT": str(workdir / name), "STOP_AT": str(stop_at),
+    wrap = None
+    if disks is not None:
+        assert UNSHARE is not None
+        (workdir / name).mkdir()
+        wrap = own_disks(UNSHARE, disks, workdir / name)
+    return Job(entry, nodes, workdir, name=name, max_restarts=max_restarts, wrap=wrap,
+               env={"CHECKPOINT": str(workdir / name / "checkpoint") if disks
+                    else str(workdir / name), "STOP_AT": str(stop_at),
                     **(lose or {}), **(env or {})}).start()
 
 
@@ -177,8 +194,8 @@ def test_a_lost_node_is_named_by_the_survivors_within_seconds(
     assert re.search(r"RanksLostError: ranks 2, 3 \(torchrun node 1 on host \S+\) were lost "
                      r"while reducing a gradient bucket \(DDP comm hook\)", errors), errors[-3000:]
     assert "Connection" in errors and "where ranks 0, 1 did" in errors
-    # the README's process group has gloo's default timeout, 30 minutes: the survivors
-    # end long before it (the figure, measured: docs/benchmarks.md)
+    # the README's process group times out after 3 minutes (gloo's default: 30): the
+    # survivors end long before it (the figure, measured: docs/benchmarks.md)
     assert survivor.ended is not None and survivor.ended - lost_at < 60
 
 
@@ -276,4 +293,101 @@ def test_a_restarted_node_ends_where_the_uninterrupted_run_ends(
     job, _ = lost_while_saving
     assert _last_line(job.output()) == _last_line(two_nodes_of_two.output())
     same = compare(_state(workdir / "two-nodes-of-2"), _state(workdir / "lost-while-saving"))
+    assert same, same
+
+
+# -- a checkpoint directory the nodes do not share ---------------------------------------
+
+def _disks(workdir: Path, name: str, count: int) -> list[Path]:
+    disks = [workdir / f"{name}-disk{node}" for node in range(count)]
+    for disk in disks:
+        disk.mkdir()
+    return disks
+
+
+@needs_mounts
+def test_a_checkpoint_directory_the_nodes_do_not_share_fails_the_save_on_every_rank(
+    workdir: Path,
+) -> None:
+    """Two nodes of one rank, CHECKPOINT at the same path on both, each on its own disk:
+    the first save (step 5) raises on both ranks, naming the directory's problem, and
+    nothing is marked complete on either disk. (Before: both printed "saved" and node
+    0's checkpoint lacked node 1's shards.)"""
+    name = "unshared-save"
+    disks = _disks(workdir, name, 2)
+    job = _readme(workdir, name, [1, 1], stop_at=5, disks=disks)
+    codes = job.wait(timeout=180)
+    assert all(code != 0 for code in codes), codes
+    assert "saved" not in job.output()
+    for agent in job.agents:
+        assert re.search(r"CheckpointError: saving the checkpoint to \S+ failed: the ranks do "
+                         r"not all see the files the others wrote", agent.stderr), \
+            agent.stderr[-3000:]
+        assert "rank 1 (torchrun node 1 on host" in agent.stderr
+        assert "must be on storage every node sees" in agent.stderr
+    assert not (disks[0] / "checkpoint").exists() and not (disks[1] / "checkpoint").exists()
+    assert not (disks[0] / ".checkpoint.saving" / ".overlapkit-files.json").exists()
+    assert checkpoint.latest(disks[0] / "checkpoint") is None
+
+
+@needs_mounts
+def test_nodes_that_see_different_checkpoints_refuse_to_resume_on_every_rank(
+    workdir: Path,
+) -> None:
+    """A complete checkpoint on node 0's disk only: every rank raises at ``latest``,
+    naming what each node sees, and none trains. (Before: node 0's ranks resumed, node
+    1's trained from the start, and the job hung for gloo's 30 minutes.)"""
+    name = "unshared-resume"
+    disks = _disks(workdir, name, 2)
+    _reference(workdir, f"{name}-saved", 2, stop_at=5)
+    shutil.copytree(workdir / f"{name}-saved", disks[0] / "checkpoint")
+    started = time.monotonic()
+    job = _readme(workdir, name, [1, 1], disks=disks)
+    codes = job.wait(timeout=180)
+    assert all(code != 0 for code in codes), codes
+    assert time.monotonic() - started < 150  # the job's timeout: never gloo's 30 minutes
+    assert "resumed" not in job.output() and "step " not in job.output()
+    for agent in job.agents:
+        errors = agent.stderr
+        assert "CheckpointError: latest: the ranks do not find the same checkpoint" in errors, \
+            errors[-3000:]
+        assert re.search(r"rank 0 \(torchrun node 0 on host \S+\) sees the checkpoint at \S+"
+                         r"checkpoint \(file list [0-9a-f]+\); rank 1 \(torchrun node 1 on "
+                         r"host \S+\) sees no checkpoint", errors), errors[-3000:]
+
+
+def test_the_readme_script_waits_minutes_not_glooss_half_hour_for_a_node() -> None:
+    """A node that hangs, or dies while starting, fails the others after the process
+    group's timeout: the README sets one a reader would choose."""
+    calls = re.findall(r"dist\.init_process_group\((.*)\)", _example())
+    assert calls == ['"gloo", timeout=datetime.timedelta(minutes=3)']
+
+
+# -- node 0 lost between the save's two renames ------------------------------------------
+
+@needs_proc
+def test_node_0_lost_between_the_renames_resumes_from_the_newest_complete_checkpoint(
+    workdir: Path, two_nodes_of_two: Job,
+) -> None:
+    """Node 0 (rank 0 moves checkpoints into place) killed between the two renames of
+    step 10's save: step 5's checkpoint at ``.NAME.old``, step 10's complete at
+    ``.NAME.saving``, nothing at the path. The job launched again resumes at step 10
+    and ends bitwise as the uninterrupted run. (Before: it trained from step 0 without
+    a word, and its first save threw step 10's checkpoint away.)"""
+    name = "lost-between-renames"
+    path = workdir / name
+    lost = _readme(workdir, name, [2, 2], lose={
+        "LOSE_GROUP": "0", "LOSE_AT": "rename:2", "LOSE_MARK": str(workdir / f"{name}.mark")})
+    codes = lost.wait(timeout=180)
+    assert codes[0] == -9 and codes[1] != 0, codes
+    assert not path.exists()
+    for left in (f".{name}.old", f".{name}.saving"):
+        assert (workdir / left / ".overlapkit-files.json").is_file(), left
+    job = _readme(workdir, name, [2, 2])
+    finished(job, LAST)
+    assert f"resumed from {path} at step 10" in job.output()
+    assert sorted(p.name for p in workdir.iterdir() if name in p.name and "agent" not in p.name
+                  and not p.name.endswith(".mark")) == [name]
+    assert _last_line(job.output()) == _last_line(two_nodes_of_two.output())
+    same = compare(_state(workdir / "two-nodes-of-2"), _state(path))
     assert same, same

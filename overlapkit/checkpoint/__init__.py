@@ -4,6 +4,7 @@
 
     from overlapkit import checkpoint
     checkpoint.save("ckpt/step-100", model, optimizer)   # every rank; atomic
+    checkpoint.latest("ckpt/step-100")                   # every rank: resume? (or None)
     checkpoint.load("ckpt/step-100", model, optimizer)   # any world size or mesh
     checkpoint.inspect("ckpt/step-100")                  # what it holds, from metadata
 
@@ -21,6 +22,7 @@ from overlapkit.checkpoint.inspection import CheckpointInfo, EntryInfo, inspect
 from overlapkit.checkpoint.loading import load
 from overlapkit.checkpoint.metadata import SafeFileSystemReader, SafeUnpickler, read_metadata
 from overlapkit.checkpoint.planners import OffsetLoadPlanner, SafeLoadPlanner
+from overlapkit.checkpoint.resuming import latest
 from overlapkit.checkpoint.saving import save
 from overlapkit.checkpoint.sharded_optimizer import load_sharded_optimizer_state_dict
 from overlapkit.checkpoint.state_dicts import MODEL_KEY, OPTIMIZER_KEY
@@ -35,6 +37,7 @@ __all__ = [
     "SafeLoadPlanner",
     "SafeUnpickler",
     "inspect",
+    "latest",
     "load",
     "load_sharded_optimizer_state_dict",
     "read_metadata",

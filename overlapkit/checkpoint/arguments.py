@@ -19,7 +19,7 @@ __all__ = ["check_load_planner", "check_model_and_optimizer", "check_path"]
 
 #: how each call is made, for messages
 _SIGNATURES = {"save": "path, model, optimizer", "load": "path, model, optimizer",
-               "inspect": "path"}
+               "inspect": "path", "latest": "path"}
 
 
 def check_path(path: Any, call: str) -> Path:

@@ -37,7 +37,7 @@ from overlapkit.checkpoint.state_dicts import (
     state_dicts,
 )
 from overlapkit.checkpoint.validation import check_against_metadata, check_param_groups
-from overlapkit.nodes.lost_ranks import lost_ranks_named
+from overlapkit.nodes.lost_ranks import lost_ranks_named, note_complete_checkpoint
 from overlapkit.optimizer_wrapper import local_state_params, unwrapped
 
 __all__ = ["load"]
@@ -66,7 +66,12 @@ def load(
     mismatch is one clear :class:`~overlapkit.errors.CheckpointError` everywhere rather
     than a traceback from inside DCP or a hang. A checkpoint without the file list
     (older, or written by torch's DCP) is read with a copy of the destination kept
-    aside, and put back if reading fails.
+    aside, and put back if reading fails; one whose list was deleted (overlapkit's
+    other files are there) is refused as damaged.
+
+    To resume from the newest complete checkpoint whatever instant a save was killed
+    at, ask :func:`~overlapkit.checkpoint.latest` first, which also makes every rank
+    agree.
 
     A fresh optimizer's state tensors are created empty, with the layout its own step
     gives them, and the load writes each byte once; if the load fails, that state is
@@ -97,8 +102,11 @@ def _load(path: str | os.PathLike[str], model: torch.nn.Module,
         metadata = read_metadata(directory)
         # every rank checksums a share of the files (they are shared), in parallel
         ranks = dist.get_world_size() if dist.is_initialized() else 1
+        unchanged = (" Nothing was loaded: the model and optimizer are as they were."
+                     if optimizer is not None else " Nothing was loaded: the model is as it was.")
         verify_files(directory, metadata.storage_data,
-                     share=dist.get_rank() if ranks > 1 else 0, shares=ranks)
+                     share=dist.get_rank() if ranks > 1 else 0, shares=ranks,
+                     consequence=unchanged)
     verified = (directory / MANIFEST_FILE).is_file()
     # sharded optimizer state: this rank reads its share only, whatever the saving
     # run's world size was (the checkpoint holds every share)
@@ -108,7 +116,9 @@ def _load(path: str | os.PathLike[str], model: torch.nn.Module,
                         share=share)
     # the first step after the resume sums the gradients as the uninterrupted run would
     replay_layout(directory, model)
-    return read_extra(directory)
+    extra = read_extra(directory)
+    note_complete_checkpoint(directory)
+    return extra
 
 
 def _read_values_first(path: Path, metadata: Metadata, flat: dict[str, Any]

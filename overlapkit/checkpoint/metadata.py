@@ -87,12 +87,15 @@ def find_checkpoint(path: str | os.PathLike[str]) -> Path:
     directory = Path(path)
     if (directory / METADATA_FILE).is_file():
         return directory
+    saving = directory.parent / f".{directory.name}.saving"
     aside = directory.parent / f".{directory.name}.old"
     hint = ""
-    if (aside / METADATA_FILE).is_file():
-        hint = (f" A save was interrupted while moving the new checkpoint into place; the "
-                f"previous checkpoint is intact at {aside}: rename it to {directory} (the "
-                "next overlapkit.checkpoint.save to this path does so for you).")
+    if (saving / ".overlapkit-files.json").is_file() or (aside / METADATA_FILE).is_file():
+        where = saving if (saving / ".overlapkit-files.json").is_file() else aside
+        hint = (f" A save was interrupted while moving the new checkpoint into place; a "
+                f"complete checkpoint is at {where}: overlapkit.checkpoint.latest"
+                f"({str(directory)!r}) moves the newest one to {directory} and returns "
+                "the path to load (the next overlapkit.checkpoint.save does so too).")
     if directory.is_dir():
         what = f"{directory} is a directory without a {METADATA_FILE} file"
     elif directory.exists():

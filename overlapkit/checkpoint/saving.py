@@ -1,12 +1,15 @@
 """Atomic checkpoint saves.
 
 Every rank writes its part into a sibling directory ``.NAME.saving``; once DCP has
-written the metadata (its last step), rank 0 moves an existing checkpoint at the path
-aside to ``.NAME.old``, renames ``.NAME.saving`` to the path, and deletes the old one;
-a barrier then lets every rank return. A save killed at any point leaves the previous
-checkpoint loadable: before the swap it is untouched at the path (the partial
-``.NAME.saving`` is removed by the next save); during the two renames it is intact at
-``.NAME.old``, which the next save moves back and ``load`` points to.
+written the metadata (its last step), every rank checks that it sees every file of it
+(:mod:`overlapkit.checkpoint.visibility`: a directory that is not shared between the
+nodes fails here, on every rank), rank 0 writes the file list that marks it complete,
+moves an existing checkpoint at the path aside to ``.NAME.old``, renames
+``.NAME.saving`` to the path, and deletes the old one; a broadcast then lets every rank
+return. A save killed at any instant leaves a complete checkpoint — the previous one,
+or the new one once its file list is written — which
+:func:`~overlapkit.checkpoint.latest` finds and the next save keeps
+(:mod:`overlapkit.checkpoint.directories` has the table).
 
 Rank 0 alone touches the directories; whether it succeeded is broadcast to every rank,
 so a failure there (a rename refused, a directory fsync a network file system rejects)
@@ -17,8 +20,7 @@ at the next collective.
 from __future__ import annotations
 
 import os
-import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,12 @@ from torch.nn.parallel import DistributedDataParallel
 from overlapkit.checkpoint.agreement import checks_on_every_rank
 from overlapkit.checkpoint.arguments import check_model_and_optimizer, check_path
 from overlapkit.checkpoint.ddp_buckets import write_layout
+from overlapkit.checkpoint.directories import (
+    finish_interrupted_save,
+    on_rank_zero,
+    siblings,
+    swap_into_place,
+)
 from overlapkit.checkpoint.extra import check_extra, write_extra
 from overlapkit.checkpoint.integrity import write_manifest
 from overlapkit.checkpoint.metadata import METADATA_FILE
@@ -41,41 +49,12 @@ from overlapkit.checkpoint.state_dicts import (
     converted_dcp_errors,
     state_dicts,
 )
+from overlapkit.checkpoint.visibility import check_every_rank_sees
 from overlapkit.errors import CheckpointError
-from overlapkit.nodes.lost_ranks import lost_ranks_named
+from overlapkit.nodes.lost_ranks import lost_ranks_named, note_complete_checkpoint
 from overlapkit.optimizer_wrapper import local_state_params, unwrapped
 
 __all__ = ["save"]
-
-
-def _siblings(path: Path) -> tuple[Path, Path]:
-    return path.parent / f".{path.name}.saving", path.parent / f".{path.name}.old"
-
-
-def _is_rank_zero() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _on_rank_zero(what: str, path: Path, action: Callable[[], None]) -> None:
-    """Run ``action`` on rank 0 only; if it fails, raise a ``CheckpointError`` on every
-    rank (the outcome is broadcast, which also makes every rank wait for rank 0)."""
-    error: str | None = None
-    cause: Exception | None = None
-    if _is_rank_zero():
-        try:
-            action()
-        except Exception as exc:
-            error, cause = f"{type(exc).__name__}: {exc}", exc
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        outcome = [error]
-        dist.broadcast_object_list(outcome, src=0)
-        error = outcome[0]
-    if error is not None:
-        raise CheckpointError(
-            f"saving the checkpoint to {path} failed on rank 0 while {what}: {error}. "
-            "Check that the directory is writable and that nothing else uses the "
-            f"names {path.name}, .{path.name}.saving and .{path.name}.old there."
-        ) from cause
 
 
 def _check_destination(path: Path) -> None:
@@ -86,46 +65,6 @@ def _check_destination(path: Path) -> None:
             f"{path} exists and is not a checkpoint; overlapkit.checkpoint.save replaces "
             "only a previous checkpoint. Choose another path, or remove it first."
         )
-
-
-def _remove(path: Path) -> None:
-    """Remove what is at ``path``: a directory tree, a file or a link (not its target)."""
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.is_dir():
-        shutil.rmtree(path)
-
-
-def _recover_and_clean(path: Path, saving: Path, old: Path) -> None:
-    if (old / METADATA_FILE).is_file() and not old.is_symlink() and not path.exists():
-        os.replace(old, path)  # a previous save died between its two renames
-    _remove(old)
-    _remove(saving)  # left by a save that was killed
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _swap_into_place(path: Path, saving: Path, old: Path) -> None:
-    """Move the new checkpoint to ``path``, the previous one aside; if the second
-    rename fails, the previous checkpoint is moved back to ``path``."""
-    had_previous = path.exists()
-    if had_previous:
-        os.replace(path, old)
-    try:
-        os.replace(saving, path)
-    except BaseException:
-        if had_previous and not path.exists():
-            os.replace(old, path)  # the previous checkpoint stays where it was
-        raise
-    _fsync_dir(path.parent)
-    if had_previous:
-        _remove(old)
 
 
 def with_rank_zero_buffers(model: torch.nn.Module,
@@ -187,7 +126,7 @@ def save(
 
     The save is atomic: it is written aside and moved into place, so an interrupted
     save — a rank or a whole node lost half-way included — leaves the previous
-    checkpoint at ``path`` intact, and the half-written one is never at ``path``.
+    checkpoint intact, and the half-written one is never at ``path``.
 
     ``extra`` is the caller's own progress — the step, an LR scheduler's
     ``state_dict()`` — saved inside the checkpoint (as JSON, plain data only) and
@@ -200,10 +139,18 @@ def save(
     optimizer (no step yet), so a run resumed from it takes its first step as a first
     step, as the uninterrupted run does.
 
+    Before the checkpoint is marked complete, every rank checks that it sees every
+    file of it (:mod:`overlapkit.checkpoint.visibility`): a directory that is the same
+    path on each node but each node's own disk fails here, on every rank. A save killed
+    at any instant leaves a complete checkpoint, the previous one or this one, which
+    :func:`~overlapkit.checkpoint.latest` finds; this save first finishes one that was
+    interrupted, so it never throws a complete checkpoint away for an older one.
+
     :return: ``path`` as a ``Path``.
     :raises CheckpointError: ``path`` exists and is not a checkpoint, ``extra`` is not
-        plain JSON data, or writing or moving it into place failed (on every rank
-        alike).
+        plain JSON data, a rank does not see every file of the checkpoint (the
+        directory is not on storage every node sees), or writing or moving it into
+        place failed (on every rank alike).
     :raises RanksLostError: ranks were lost while saving (the previous checkpoint is
         intact); the message names them.
     """
@@ -217,14 +164,14 @@ def _save(path: str | os.PathLike[str], model: torch.nn.Module,
         path = check_path(path, "save")
         check_model_and_optimizer(model, optimizer, "save")
         checked_extra = None if extra is None else check_extra(extra)
-        saving, old = _siblings(path)
+        saving, old = siblings(path)
         _check_destination(path)
 
     def prepare() -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _recover_and_clean(path, saving, old)
+        finish_interrupted_save(path)  # never throws away a newer complete checkpoint
 
-    _on_rank_zero("preparing its directory", path, prepare)
+    on_rank_zero("preparing its directory", path, prepare)
     # sharded optimizer state: this rank writes its share (the shares are disjoint)
     share = None if optimizer is None else local_state_params(optimizer)
     with unwrapped(optimizer) if optimizer is not None else nullcontext() as real:
@@ -235,18 +182,21 @@ def _save(path: str | os.PathLike[str], model: torch.nn.Module,
             if real is not None and not had_state:
                 without_created_state(state)
             writer = dcp.FileSystemWriter(saving, sync_files=True)
-            converted_dcp_errors("saving the checkpoint to", path,
-                                 lambda: dcp.save(state, storage_writer=writer))
+            metadata = converted_dcp_errors("saving the checkpoint to", path,
+                                            lambda: dcp.save(state, storage_writer=writer))
         finally:
             if real is not None:
                 remove_state_except(real, had_state)
     # dcp.save returns on every rank only after rank 0 wrote the metadata.
+    check_every_rank_sees(saving, metadata.storage_data, path)
+
     def record() -> None:
         if checked_extra is not None:
             write_extra(saving, checked_extra)  # before the manifest, which lists it
         write_layout(saving, model)  # DDP's bucket layout, for a bitwise resume
-        write_manifest(saving)
+        write_manifest(saving)  # last: it marks the checkpoint complete
 
-    _on_rank_zero("recording the files' sizes and checksums", path, record)
-    _on_rank_zero("moving it into place", path, lambda: _swap_into_place(path, saving, old))
+    on_rank_zero("recording the files' sizes and checksums", path, record)
+    on_rank_zero("moving it into place", path, lambda: swap_into_place(path, saving, old))
+    note_complete_checkpoint(path)
     return path

@@ -46,6 +46,7 @@ __all__ = [
     "is_peer_failure",
     "lost_ranks_named",
     "name_lost_ranks",
+    "note_complete_checkpoint",
     "reduced_tensor",
     "watch",
 ]
@@ -61,6 +62,19 @@ PEER_LOSS_SIGNS = (
     "remote process exited",
     "Watchdog caught collective operation timeout",
 )
+
+
+#: the last checkpoint this process saved or resumed from with overlapkit.checkpoint
+#: (its path), for the message: ``None`` until one is
+last_complete_checkpoint: str | None = None
+
+
+def note_complete_checkpoint(path: object) -> None:
+    """Record that the checkpoint at ``path`` is complete (a save returned, or a run
+    resumed from it), so a later loss can say it is intact — and, before any, that
+    there is none to resume from."""
+    global last_complete_checkpoint
+    last_complete_checkpoint = str(path)
 
 
 def _chain(error: BaseException) -> Iterator[BaseException]:
@@ -103,8 +117,21 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
+def _saved(what: str) -> str:
+    """What is saved: the last complete checkpoint, or that there is none yet."""
+    if last_complete_checkpoint is not None:
+        return (" Their work since the last complete checkpoint is lost; that checkpoint "
+                f"({last_complete_checkpoint}) is intact (a save is complete only once every "
+                "rank has written its part).")
+    writing = (" The checkpoint being written is not complete and will not be taken."
+               if what.startswith("saving") else "")
+    return (" This run has not completed or resumed from a checkpoint "
+            f"(overlapkit.checkpoint) yet, so none is there to resume from.{writing}")
+
+
 def _restart_advice() -> str:
-    advice = (" Resume from it: restart the job, or launch with torchrun --max-restarts N, "
+    first = "Resume from it" if last_complete_checkpoint is not None else "Start again"
+    advice = (f" {first}: restart the job, or launch with torchrun --max-restarts N, "
               "which restarts it once the lost node's torchrun is started again "
               "(docs/nodes.rst).")
     if agent_keeps_store() and os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
@@ -118,8 +145,7 @@ def _restart_advice() -> str:
 def _message(verdict: Verdict, what: str, error: BaseException) -> str:
     lost = verdict.lost
     cause = _transport_error(error)
-    saved = (" Their work since the last complete checkpoint is lost; that checkpoint is "
-             "intact (a save is complete only once every rank has written its part).")
+    saved = _saved(what)
     if verdict.store_error is not None:
         keeper = ("torchrun's node 0, whose agent keeps it" if agent_keeps_store()
                   else "rank 0, whose process keeps it")
