@@ -11,9 +11,7 @@ from __future__ import annotations
 import copy
 import gc
 import os
-import time
 import warnings
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -176,46 +174,6 @@ def clip_after_add_param_group(rank: int, world_size: int) -> dict[str, Any]:
             "refused": refused, "unchanged": compare(before, after)}
 
 
-# -- case 4: a rank raising mid-backward, alive ------------------------------------------
-
-#: the DDP group's timeout in the probe
-GROUP_TIMEOUT_S = 8
-#: how long the raising rank stays alive afterwards
-ALIVE_S = 25
-
-
-def raising_rank(rank: int, world_size: int, sharded: bool) -> dict[str, Any]:
-    """On a DDP group with an 8 s timeout, the last rank raises in the middle of its
-    second backward and stays alive for :data:`ALIVE_S`; the others report how long their
-    backward took to fail, and with what."""
-    group = dist.new_group(timeout=timedelta(seconds=GROUP_TIMEOUT_S))
-    torch.manual_seed(0)
-    from sharded_state_ranks import Net
-
-    ddp = torch.nn.parallel.DistributedDataParallel(Net(), bucket_cap_mb=0.001,
-                                                    process_group=group)
-    opt = (_sharded(ddp) if sharded
-           else torch.optim.AdamW(ddp.parameters(), lr=LR))
-    data = batches(rank)
-    _loss(ddp, data[0]).backward()
-    opt.step()
-    opt.zero_grad()
-    out: dict[str, Any] = {"seconds": None, "error": None}
-    loss = _loss(ddp, data[1])
-    if rank == world_size - 1:
-        def fail(grad: torch.Tensor) -> torch.Tensor:
-            raise RuntimeError("a user error in the middle of backward")
-
-        ddp.module.fc.weight.register_hook(fail)
-        out["error"] = error_of(loss.backward)
-        time.sleep(ALIVE_S)  # alive: its sockets stay open
-        return out
-    started = time.monotonic()
-    out["error"] = error_of(lambda: (loss.backward(), opt.step() if sharded else None))
-    out["seconds"] = time.monotonic() - started
-    return out
-
-
 # -- case 5: nothing left behind -----------------------------------------------------
 
 def _resources() -> dict[str, int]:
@@ -225,8 +183,8 @@ def _resources() -> dict[str, int]:
 
 
 def build_and_drop(rank: int, world_size: int, how: str) -> dict[str, Any]:
-    """Build DDP + the optimizer, train one step, drop both (``how``: ``"plain"``,
-    ``"dropped"`` sharded, ``"closed"`` sharded with ``close()`` first), 10 times; the
+    """Build DDP + the optimizer, train one step, drop both (``how``: ``"plain"`` or
+    ``"dropped"``, sharded), 10 times; the
     threads, file descriptors and process groups of this rank after the first and the
     last."""
     tokens = batches(rank, 1)[0]
@@ -238,8 +196,6 @@ def build_and_drop(rank: int, world_size: int, how: str) -> dict[str, Any]:
         _loss(ddp, tokens).backward()
         opt.step()
         opt.zero_grad()
-        if how == "closed":
-            opt.close()
         del ddp, opt
         gc.collect()
         dist.barrier()

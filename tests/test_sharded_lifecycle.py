@@ -2,7 +2,8 @@
 (issue 31, cases 1-7), on 2 and 3 gloo ranks: reads of ``opt.state[p]`` on ranks not
 owning ``p`` leave the gathered state the plain optimizer's; ``state_dict()`` has the
 current param groups; parameters added later are under the late-clipping guard; a stale
-gathered state is released; state-dict hooks round-trip as a plain optimizer's."""
+gathered state is released; nothing (threads, file descriptors, process groups) is left
+behind; state-dict hooks round-trip as a plain optimizer's."""
 
 from __future__ import annotations
 
@@ -50,6 +51,14 @@ def test_a_clip_of_parameters_added_later_is_answered_or_refused(world_size: int
         assert refused is not None and refused["type"] == "ConfigurationError", refused
         assert "max_norm=0.01" in refused["message"], refused
         assert result["unchanged"], (rank, result["unchanged"])
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("how", ["dropped", "plain"])
+def test_building_and_dropping_ten_times_leaves_nothing_behind(world_size: int,
+                                                               how: str) -> None:
+    for rank, result in enumerate(_run(ranks_.build_and_drop, world_size, how)):
+        assert result["first"] == result["last"], (rank, result)  # threads, fds, groups
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
