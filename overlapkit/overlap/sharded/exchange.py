@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
+from datetime import timedelta
 from operator import is_
 from typing import Any
 
@@ -52,15 +53,26 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from overlapkit.nodes.lost_ranks import name_lost_ranks, watch
+from overlapkit.errors import OverlapkitError
+from overlapkit.nodes.lost_ranks import is_peer_failure, name_lost_ranks, watch
 from overlapkit.overlap.sharded.ownership import Ownership
 from overlapkit.overlap.side_stream import SideStream
 
-__all__ = ["DIRECT_BYTES", "ParameterExchange", "Traffic", "Transfer"]
+__all__ = ["DIRECT_BYTES", "ExchangeFailedError", "ParameterExchange", "Traffic", "Transfer",
+           "exchange_group", "group_timeout"]
 
 #: parameters of at least this many bytes (and contiguous) are broadcast on their own,
 #: straight from and into the parameter; smaller ones are flattened together
 DIRECT_BYTES = 64 * 1024
+
+
+class ExchangeFailedError(OverlapkitError, RuntimeError):
+    """The parameter exchange of sharded optimizer state failed on this rank while every
+    rank is still there: another rank stopped sending (it raised mid-backward, or hangs)
+    and the exchange's process group timed out.
+
+    .. versionadded:: 0.4
+    """
 
 
 @attrs.frozen(eq=False)
@@ -275,9 +287,18 @@ class ParameterExchange:
             except Exception as error:  # a lost node: named, as for the allreduces
                 named = name_lost_ranks(
                     error, "exchanging the updated parameters (sharded optimizer state)")
-                if named is None:
+                if named is not None:
+                    raise named from error
+                if not is_peer_failure(error):
                     raise
-                raise named from error
+                raise ExchangeFailedError(
+                    "exchanging the updated parameters (sharded optimizer state) failed "
+                    f"on rank {self.ownership.rank}: another rank stopped sending them "
+                    "(it raised during backward or hangs; its own error says why) and "
+                    "the exchange's process group gave up after the DDP model's "
+                    f"process-group timeout. Transport error: {error}. Fix the failing "
+                    "rank and restart from the last checkpoint."
+                ) from error
             received = item.received
             if received is None:
                 return
@@ -303,12 +324,49 @@ class ParameterExchange:
         return counted
 
 
+def group_timeout(group: Any) -> timedelta | None:
+    """The timeout of ``group``'s backend (what ``init_process_group(timeout=...)`` or
+    ``new_group(timeout=...)`` set), or None where torch does not tell."""
+    for device in ("cpu", "cuda"):
+        try:
+            backend = group._get_backend(torch.device(device))
+            timeout = backend.options._timeout
+        except Exception:  # no such backend, or one without options
+            continue
+        if isinstance(timeout, timedelta):
+            return timeout
+    return None
+
+
+#: the exchange groups made so far, by (ranks, timeout): one per set of ranks, shared by
+#: every sharded optimizer on them
+_GROUPS: dict[tuple[tuple[int, ...], timedelta | None], Any] = {}
+
+
 def exchange_group(group: Any, world_size: int) -> Any:
-    """A new process group with the ranks of ``group`` (the DDP model's), for the
-    exchange; None at world size 1. Only the members call it (local synchronisation),
-    so a DDP model on a subgroup works too."""
+    """A process group with the ranks of ``group`` (the DDP model's) and its timeout, for
+    the exchange; None at world size 1. Only the members call it (local synchronisation),
+    so a DDP model on a subgroup works too.
+
+    Without the timeout the group got torch's default of 30 minutes: a rank raising
+    mid-backward and staying alive kept the others waiting until its process exited
+    (45 s in the issue's probe), where plain DDP raises at its group's timeout.
+
+    One group per set of ranks, reused by every later sharded optimizer on them: a new
+    one per optimizer was never destroyed (building and dropping DDP + a sharded
+    optimizer 10 times took a rank from 10 to 37 threads, 36 to 81 file descriptors and
+    2 to 11 process groups, gloo at 2 ranks). Sharing is safe: exchanges are launched
+    on the thread running backward, in the same order on every rank."""
     if world_size <= 1:
         return None
     ranks: Sequence[int] = dist.get_process_group_ranks(group)
-    return dist.new_group(ranks=list(ranks), use_local_synchronization=True,
+    timeout = group_timeout(group)
+    key = (tuple(ranks), timeout)
+    known = _GROUPS.get(key)
+    if known is not None and known in dist.distributed_c10d._world.pg_map:
+        return known
+    made = dist.new_group(ranks=list(ranks), timeout=timeout,
+                          use_local_synchronization=True,
                           group_desc="overlapkit_parameter_exchange")
+    _GROUPS[key] = made
+    return made

@@ -29,6 +29,7 @@ from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.ddp_setup import check_params_in_ddp_model, ddp_params
 from overlapkit.overlap.engine import OverlapEngine
 from overlapkit.overlap.facade import OverlappedOptimizerFacade
+from overlapkit.overlap.late_clipping import watch
 from overlapkit.overlap.setup import (
     check_unclaimed,
     claim_params,
@@ -56,11 +57,45 @@ TECHNIQUE = "overlap_ddp"
 
 @attrs.frozen
 class _Consolidated:
-    """A whole state dict gathered on one rank, valid while nothing has stepped since."""
+    """Where and when the whole state was last gathered; the state itself is the
+    stepper's ``consolidated`` (released at the next step)."""
 
     to: int
     generation: int
-    state_dict: dict[str, Any] | None
+
+
+def _plain_state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` without its state-dict hooks (they run once, on the
+    dict the user gets: :func:`_with_state`)."""
+    pre, post = optimizer._optimizer_state_dict_pre_hooks, \
+        optimizer._optimizer_state_dict_post_hooks
+    saved = dict(pre), dict(post)
+    pre.clear()
+    post.clear()
+    try:
+        return optimizer.state_dict()
+    finally:
+        pre.update(saved[0])
+        post.update(saved[1])
+
+
+def _with_state(optimizer: torch.optim.Optimizer, state: dict[int, Any]) -> dict[str, Any]:
+    """The real optimizer's ``state_dict()`` (its pre-hooks, current param groups, its
+    post-hooks' entries) with ``state`` (the whole, gathered state) as its state: the
+    post-hooks see the whole state, as a plain optimizer's do."""
+    post = optimizer._optimizer_state_dict_post_hooks
+    saved = dict(post)
+    post.clear()
+    try:
+        out = optimizer.state_dict()
+    finally:
+        post.update(saved)
+    out["state"] = state
+    for hook in saved.values():
+        changed = hook(optimizer, out)
+        if changed is not None:
+            out = changed
+    return out
 
 
 class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
@@ -146,7 +181,6 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         super().step(closure)
         if full:
             self._stepper.full_step_taken()
-            self._consolidated = None
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the whole optimizer state on rank ``to`` (of the DDP model's process
@@ -166,9 +200,10 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
             )
         self.synchronize()
         with self._engine.lock:
-            local = self._engine.state_dict()
+            local = _plain_state_dict(self._engine.optimizer)
         gathered = gather_state_dict(local, self._ownership, self._model.process_group, to)
-        self._consolidated = _Consolidated(to, self._stepper.generation, gathered)
+        self._stepper.consolidated = None if gathered is None else gathered["state"]
+        self._consolidated = _Consolidated(to, self._stepper.generation)
 
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer's state dict, in the plain optimizer's format (it loads
@@ -186,7 +221,7 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
             return self._engine.state_dict()
         held = self._consolidated
         rank = self._ownership.rank
-        if held is None or held.to != rank or held.state_dict is None:
+        if held is None or held.to != rank:
             where = "" if held is None else f" (it was gathered on rank {held.to})"
             raise ConfigurationError(
                 "the optimizer state is sharded across ranks, so state_dict() returns "
@@ -203,14 +238,22 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
                 "optimizer has stepped since. Call consolidate_state_dict() on every rank "
                 "again after the last step you want to save, then state_dict()."
             )
-        return held.state_dict
+        # the current param groups (an LR scheduler may have stepped since the
+        # gathering, as ZeroRedundancyOptimizer's state_dict() does) and the state
+        # hooks: the real optimizer's state_dict(), its share's state replaced by the
+        # whole (gathered) state
+        gathered = self._stepper.consolidated
+        with self._engine.lock:
+            return _with_state(self._engine.optimizer, gathered)
 
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's share of the state, with the ownership it belongs to: for saving
         one file per rank (``torch.save(opt.local_state_dict(), f"optim-{rank}.pt")``)
         and loading it back at the same world size. No communication."""
         self.synchronize()
-        return sharded_state_dict(self._engine.state_dict(), self._ownership)
+        with self._engine.lock:
+            local = self._engine.state_dict()
+        return sharded_state_dict(local, self._ownership)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a whole state dict (from :meth:`state_dict`, a plain optimizer of the same
@@ -224,7 +267,7 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         self.synchronize()
         share = share_of(state_dict, self._ownership)
         self._engine.load_state_dict(share)
-        self._stepper.generation += 1
+        self._stepper.advance()
         self._consolidated = None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -256,7 +299,10 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
             ownership, {id(p) for p in ownership.params if id(p) in reduced})
         self._steps.register(params)
         claim_params(params, self._technique)
+        # a torch clip after a stepping backward is answered or refused for these too
+        watch(params, self._steps)
         self._consolidated = None
+        self._stepper.consolidated = None
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self._engine.optimizer!r}, rank "

@@ -52,8 +52,16 @@ def gather_state_dict(local: dict[str, Any], ownership: Ownership, group: Any,
     rank's ``local`` one (its real optimizer's ``state_dict()``). A collective: every
     rank calls it. The state's tensors are copies on the CPU (as
     ``ZeroRedundancyOptimizer.consolidate_state_dict`` keeps them): the gathering rank
-    holds every rank's state."""
-    mine = _to_cpu({index: value for index, value in local["state"].items()})
+    holds every rank's state.
+
+    Only the owner's entry of each parameter is sent: reading ``optimizer.state[p]`` (a
+    defaultdict) on a rank that does not own ``p`` stores an empty entry there, which
+    overwrote the owner's state when every rank's entries were merged (measured: one
+    parameter's Adam state missing at 2 ranks, two at 3; resuming restarted Adam for
+    them)."""
+    owned = ownership.my_indices()
+    mine = _to_cpu({index: value for index, value in local["state"].items()
+                    if index in owned})
     if ownership.world_size == 1:
         return {"state": mine, "param_groups": local["param_groups"]}
     gathered: list[Any] | None = [None] * ownership.world_size \
@@ -69,9 +77,13 @@ def gather_state_dict(local: dict[str, Any], ownership: Ownership, group: Any,
 
 
 def sharded_state_dict(local: dict[str, Any], ownership: Ownership) -> dict[str, Any]:
-    """This rank's share as a sharded state dict: the param groups, the share's state,
-    and the ownership it belongs to."""
-    return {SHARDED_STATE_KEY: local["state"], "param_groups": local["param_groups"],
+    """This rank's share as a sharded state dict: the param groups, the share's state
+    (only the parameters this rank owns), the ownership it belongs to, and any entry a
+    state-dict post-hook added."""
+    owned = ownership.my_indices()
+    extra = {key: value for key, value in local.items() if key != "state"}
+    return {**extra, SHARDED_STATE_KEY: {index: value for index, value
+                                         in local["state"].items() if index in owned},
             SHARDING_KEY: ownership.describe()}
 
 
@@ -131,11 +143,12 @@ def share_of(state_dict: Mapping[str, Any], ownership: Ownership) -> dict[str, A
                if isinstance(state_dict, Mapping) else "")
             + "; pass what state_dict() or local_state_dict() returned."
         )
+    # entries other than the state are handed on as given: the load pre-hooks see them
     if SHARDED_STATE_KEY in state_dict:
         check_sharded_state_dict(state_dict, ownership)
-        return {"state": dict(state_dict[SHARDED_STATE_KEY]),
-                "param_groups": state_dict["param_groups"]}
+        extra = {key: value for key, value in state_dict.items()
+                 if key not in (SHARDED_STATE_KEY, SHARDING_KEY)}
+        return {**extra, "state": dict(state_dict[SHARDED_STATE_KEY])}
     mine = ownership.my_indices()
-    return {"state": {index: value for index, value in state_dict["state"].items()
-                      if index in mine},
-            "param_groups": state_dict["param_groups"]}
+    return {**state_dict, "state": {index: value for index, value
+                                    in state_dict["state"].items() if index in mine}}

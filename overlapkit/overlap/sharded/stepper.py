@@ -54,6 +54,15 @@ class ShardedBucketStepper(BucketStepper):
     #: counts the steps taken (stepping backwards, full steps, loads): a consolidated
     #: state dict is of one generation
     generation: int = 0
+    #: the whole state gathered by ``consolidate_state_dict`` (the optimizer's record),
+    #: released as soon as it is stale: it is the size of the whole optimizer state
+    consolidated: Any = None
+
+    def advance(self) -> None:
+        """A step was taken (or state loaded): a new generation, and the gathered state
+        dict, stale now, is released."""
+        self.generation += 1
+        self.consolidated = None
 
     def attach(self, exchange: ParameterExchange) -> None:
         """Give the stepper its exchange (at set-up)."""
@@ -69,7 +78,7 @@ class ShardedBucketStepper(BucketStepper):
     def backward_starts(self) -> OverlapkitError | None:
         refused = super().backward_starts()
         if refused is None:
-            self.generation += 1
+            self.advance()
         return refused
 
     def _step_bucket(self, bucket: dist.GradBucket,
@@ -126,6 +135,6 @@ class ShardedBucketStepper(BucketStepper):
         """A ``step()`` with no stepping backward before it stepped this rank's share:
         exchange it, and wait (the plain ``step()`` returns with the parameters
         updated)."""
-        self.generation += 1
+        self.advance()
         self.exchange.launch_all()
         self.wait_for_parameters()
