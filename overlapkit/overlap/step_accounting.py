@@ -36,9 +36,12 @@ backward-only loop clearing gradients now and then, and is accepted.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+
+import torch
 
 from overlapkit.errors import ConfigurationError, OverlapkitError
+from overlapkit.overlap.window import FirstWindow
 
 __all__ = ["StepAccount", "accumulation_error", "backward_without_step_error"]
 
@@ -106,6 +109,9 @@ class StepAccount:
         #: None; set by a framework that knows where its loop's backward runs
         #: (``OverlappedOptimizerFacade.gate_backwards``)
         self.backward_gate: Callable[[], OverlapkitError | None] | None = None
+        #: what the loop does in its first optimizer step, while that step is deferred to
+        #: learn it (``OverlappedOptimizerFacade.learn_first_step``, :mod:`.window`)
+        self.first_window: FirstWindow | None = None
 
     def backward_starts(self) -> OverlapkitError | None:
         """Count a stepping backward that starts now: the error to hold until it ends
@@ -126,7 +132,15 @@ class StepAccount:
         """A backward starts while steps are deferred: it steps nothing and is not
         counted, but the :attr:`backward_gate` is asked, so that a framework sees every
         backward of the deferred window (and refuses one before anything steps)."""
+        if self.first_window is not None:
+            self.first_window.backwards += 1
         return self.backward_gate() if self.backward_gate is not None else None
+
+    def deferred_backward_ended(self, params: Iterable[torch.Tensor]) -> None:
+        """A backward ended while steps are deferred (its gradients are in ``.grad``): the
+        :attr:`first_window` marks them, to see whether the loop changes them."""
+        if self.first_window is not None:
+            self.first_window.mark(params)
 
     def starting_backward(self) -> OverlapkitError | None:
         """What a stepper calls when a backward starts: :meth:`backward_starts`, or
