@@ -76,6 +76,9 @@ class BackwardSteps(Protocol):
     #: the loop has called step() right after a stepping backward
     calls_step: bool
 
+    #: the gradients the last stepping backward left, to check at step(), or None
+    stepped_marks: FirstWindow | None
+
 
 class OverlappedOptimizerFacade(OptimizerWrapper):
     """A ``torch.optim.Optimizer`` whose steps happen during backward.
@@ -240,6 +243,25 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
             steps.calls_step = True
         return clipped
 
+    def _refuse_changed_gradients(self, marks: FirstWindow) -> None:
+        """:raises ConfigurationError: the loop changed (or set) a gradient after the
+        backward that stepped it, before this ``step()``: the change missed that step."""
+        edited = marks.edited(getattr(self, "_names", {}), self._engine.parameters())
+        if not edited:
+            return
+        shown = ", ".join(edited[:3]) + (" and others" if len(edited) > 3 else "")
+        raise ConfigurationError(
+            f"the gradients of {shown} were changed between backward() and "
+            f"optimizer.step(), after {self._technique} had already stepped the parameters "
+            "with them during backward, so the change missed this step. The parameters "
+            "have taken it: restart from the last checkpoint after fixing the loop. To "
+            "change gradients, change them before they are reduced (a gradient hook on "
+            "the parameter, a DDP comm hook), or do it from the first step on under an "
+            "integration (overlapkit.integrations: the first step shows the loop uses "
+            "that window, and every step is then taken at optimizer.step(), in the plain "
+            "order)."
+        )
+
     def gate_backwards(self, gate: Callable[[], OverlapkitError | None] | None) -> None:
         """Have ``gate`` asked each time a backward that would step starts (None: stop).
 
@@ -312,7 +334,10 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
             for name in ("found_inf", "grad_scale"):  # as GradScaler.step would
                 self.__dict__.pop(name, None)
             raise
+        marks, steps.stepped_marks = steps.stepped_marks, None
         if stepped:
+            if marks is not None:
+                self._refuse_changed_gradients(marks)
             rule = steps.global_step
         else:
             rule = steps.full_step

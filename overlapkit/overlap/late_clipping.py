@@ -148,6 +148,9 @@ def _clipped_in_window(params: list[torch.Tensor], before: list[tuple[int, int]]
         if window is not None and stepper.deferring:
             window.clipped = window.clipped or by_norm
             window.clipped_by_loop(param, was)
+        marks = getattr(stepper, "stepped_marks", None)
+        if marks is not None:
+            marks.clipped_by_loop(param, was)
 
 
 def _stepper_of(param: torch.Tensor) -> Any:
@@ -253,8 +256,11 @@ def guarded_clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float =
                and p.requires_grad):
             # the gradients that were stepped are still there (overlap_ddp): their norm,
             # and a clip by inf changes nothing
-            return unguarded_clip_grad_norm_(params, max_norm, norm_type,
-                                             error_if_nonfinite, foreach)
+            before = [state(p) for p in params]
+            total = unguarded_clip_grad_norm_(params, max_norm, norm_type,
+                                              error_if_nonfinite, foreach)
+            _clipped_in_window(params, before)  # by inf: a scale of 1.0, not an edit
+            return total
         warnings.warn(
             f"clip_grad_norm_(..., max_norm=inf) asked for the norm of gradients that "
             f"{technique} freed during backward: NaN is returned. Pass "

@@ -165,3 +165,5 @@ class ParamStepper(StepAccount):
             raise error
         if self.deferring:
             self.deferred_backward_ended(self.engine.parameters())
+        else:
+            self.stepped_backward_ended(self.engine.parameters())

@@ -112,6 +112,10 @@ class StepAccount:
         #: what the loop does in its first optimizer step, while that step is deferred to
         #: learn it (``OverlappedOptimizerFacade.learn_first_step``, :mod:`.window`)
         self.first_window: FirstWindow | None = None
+        #: the gradients a backward stepped, as it left them, in a loop that calls
+        #: ``step()``: a change before ``step()`` could not reach that step
+        #: (:meth:`stepped_backward_ended`, checked by the facade's ``step()``)
+        self.stepped_marks: FirstWindow | None = None
 
     def backward_starts(self) -> OverlapkitError | None:
         """Count a stepping backward that starts now: the error to hold until it ends
@@ -147,14 +151,25 @@ class StepAccount:
         :meth:`deferred_backward_starts` while steps are deferred."""
         return self.deferred_backward_starts() if self.deferring else self.backward_starts()
 
+    def stepped_backward_ended(self, params: Iterable[torch.Tensor]) -> None:
+        """A backward that stepped ``params`` ended: in a loop that calls ``step()``, mark
+        their gradients (kept, or freed: None), so that ``step()`` sees one the loop
+        changed or set in between — too late for the step it was meant for."""
+        if self.calls_step:
+            marks = FirstWindow()
+            marks.mark(params)
+            self.stepped_marks = marks
+
     def deferred(self) -> None:
         """The deferred backwards are over (``defer_steps()`` left): forget what they
         noted on the way (a stepper that tracks parameter usage overrides this)."""
 
     def backward_refused(self) -> None:
         """A backward raised (a refused one, or a step that failed): the loop learns of
-        it there, so the window is closed and the next backward is not refused for it."""
+        it there, so the window is closed and the next backward is not refused for it
+        (and its gradients, reduced into ``.grad`` all the same, are not an edit)."""
         self.window = 0
+        self.stepped_marks = None
 
     def step_called(self) -> bool:
         """``step()`` was called: whether a backward stepped since the last one (the call
@@ -176,3 +191,4 @@ class StepAccount:
         if self.window == 1:
             self.calls_step = True
         self.window = 0
+        self.stepped_marks = None
