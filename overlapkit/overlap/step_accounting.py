@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from overlapkit.errors import ConfigurationError, OverlapkitError
+from overlapkit.overlap.foreign_loop import foreign_trainer_refusal
 from overlapkit.overlap.window import FirstWindow
 
 __all__ = ["StepAccount", "accumulation_error", "backward_without_step_error"]
@@ -124,6 +125,10 @@ class StepAccount:
         None."""
         if self.backward_gate is not None:
             refusal = self.backward_gate()
+            if refusal is not None:
+                return refusal
+        elif not self.has_stepped:
+            refusal = foreign_trainer_refusal(self.technique)
             if refusal is not None:
                 return refusal
         if self.window and self.calls_step:
