@@ -58,3 +58,12 @@ def test_two_ranks_a_run_using_the_window_is_bitwise_the_plain_trainer_with_one_
         two_ranks: list[dict[str, Any]], case: str, technique: str) -> None:
     for rank_results in two_ranks:
         _check(rank_results[case][technique], NAMED[case])
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+def test_two_ranks_with_max_grad_norm_0_the_plain_grad_norm_is_logged(
+        two_ranks: list[dict[str, Any]], technique: str) -> None:
+    for rank_results in two_ranks:
+        assert rank_results["max_grad_norm 0"]["plain logged"]
+        same, differences = rank_results["max_grad_norm 0"][technique]
+        assert same, differences

@@ -116,6 +116,23 @@ def compare_case(case: str, out_dir: str, techniques: tuple[str, ...]) -> dict[s
     return out
 
 
+def unclipped(out_dir: str, techniques: tuple[str, ...]) -> dict[str, Any]:
+    """``max_grad_norm=0`` (issue 30, case 4): per technique, what differs from the plain
+    Trainer, logged ``grad_norm`` included (0.3 logged none under optimizer_in_backward)."""
+    from trainer_runs import train as train_plain_case
+
+    plain = train_plain_case(None, "gpt2", f"{out_dir}/unclipped-plain", max_grad_norm=0.0)
+    out: dict[str, Any] = {"plain logged": None not in plain["grad_norms"]}
+    for technique in techniques:
+        ours = train_plain_case(technique, "gpt2", f"{out_dir}/unclipped-{technique}",
+                                max_grad_norm=0.0)
+        found = same_run(plain, ours)
+        out[technique] = (bool(found), str(found))
+    return out
+
+
 def run(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
-    return {case: compare_case(case, out_dir, ("overlap_ddp", "optimizer_in_backward"))
-            for case in CASES}
+    techniques = ("overlap_ddp", "optimizer_in_backward")
+    out = {case: compare_case(case, out_dir, techniques) for case in CASES}
+    out["max_grad_norm 0"] = unclipped(out_dir, techniques)
+    return out
