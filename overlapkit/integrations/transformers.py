@@ -228,13 +228,17 @@ class OverlapTrainer(Trainer):
         editing ``.grad``, a ``create_optimizer`` keeping its optimizer), a callback
         overriding ``on_pre_optimizer_step`` / ``on_optimizer_step`` (reading or changing
         ``.grad`` there), ``step_in_plain_order=True``. A callback class declaring
-        ``overlapkit_reads_no_gradients = True`` is left out: it reads no gradient there.
+        ``overlapkit_reads_no_gradients = True`` is left out: it reads no gradient there;
+        so are the overrides of a subclass declaring it (one backward, no ``.grad``
+        edit, no optimizer kept).
         """
         found = []
         if self.overlap_in_plain_order:
             found.append("step_in_plain_order=True")
         cls = type(self)
-        for name in _WINDOW_METHODS:
+        # a subclass whose overrides do not work in the window says so the same way
+        for name in () if getattr(self, "overlapkit_reads_no_gradients", False) \
+                else _WINDOW_METHODS:
             for klass in cls.__mro__[:cls.__mro__.index(OverlapTrainer)]:
                 if name in vars(klass):
                     found.append(f"{klass.__qualname__}.{name} (an override)")
@@ -293,8 +297,9 @@ def _plain_order_warning(technique: str, users: list[str]) -> str:
         f"{', '.join(users)} may read or change the gradients (or the optimizer) between "
         "backward and step, a window that stepping during backward removes. The run is "
         "the plain Trainer's. To keep the overlap: do that work in on_step_end or "
-        "on_step_begin instead, or, for a callback that reads no gradients there, set the "
-        "class attribute overlapkit_reads_no_gradients = True; move gradient edits and "
-        "second backwards out of training_step / compute_loss; give a custom optimizer "
+        "on_step_begin instead, or, for a callback (or a Trainer subclass) that reads no "
+        "gradients there, set the class attribute overlapkit_reads_no_gradients = True; "
+        "move gradient edits and second backwards out of training_step; give a custom "
+        "optimizer "
         "through optimizers=(optimizer, None) instead of a create_optimizer override."
     )

@@ -67,3 +67,24 @@ def test_two_ranks_with_max_grad_norm_0_the_plain_grad_norm_is_logged(
         assert rank_results["max_grad_norm 0"]["plain logged"]
         same, differences = rank_results["max_grad_norm 0"][technique]
         assert same, differences
+
+
+def test_a_subclass_declaring_it_reads_no_gradients_keeps_the_overlap(tmp_path: Any) -> None:
+    from hf_models import Tokens, gpt2, quiet
+    from trainer_runs import arguments
+
+    from overlapkit.integrations.transformers import OverlapTrainer
+
+    class Logged(OverlapTrainer):
+        overlapkit_reads_no_gradients = True
+
+        def training_step(self, *args: Any, **kwargs: Any) -> Any:
+            return super().training_step(*args, **kwargs)
+
+    quiet()
+    trainer = Logged(model=gpt2(), args=arguments(str(tmp_path), max_steps=2),
+                     train_dataset=Tokens("gpt2"))
+    assert trainer.window_users() == []
+    trainer.train()
+    assert type(trainer.optimizer.optimizer).__name__ == "OptimizerInBackward"
+    assert trainer.overlap_off_by == []
