@@ -33,6 +33,14 @@ def two_ranks() -> list[dict[str, Any]]:
     return run_distributed(run, 2, timeout=600)
 
 
+@pytest.fixture(scope="module")
+def one_launched_process() -> dict[str, Any]:
+    """One process launched as torchrun launches it: Accelerate wraps the model in DDP
+    (of one rank), so overlap_ddp runs too."""
+    (result,) = run_distributed(run, 1, timeout=600)
+    return result
+
+
 def _check(result: tuple[bool, str, list[str]], named: str) -> None:
     same, differences, warned = result
     assert same, differences
@@ -44,6 +52,12 @@ def _check(result: tuple[bool, str, list[str]], named: str) -> None:
 def test_one_process_a_loop_using_the_window_is_bitwise_the_plain_run_with_one_warning(
         one_process: dict[str, Any], case: str) -> None:
     _check(one_process[case]["optimizer_in_backward"], NAMED[case])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_one_launched_process_overlap_ddp_using_the_window_is_bitwise_the_plain_run(
+        one_launched_process: dict[str, Any], case: str) -> None:
+    _check(one_launched_process[case]["overlap_ddp"], NAMED[case])
 
 
 @pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])

@@ -33,6 +33,15 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
                            timeout=600)
 
 
+@pytest.fixture(scope="module")
+def one_launched_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One process launched as torchrun launches it: Accelerate wraps the model in DDP
+    (of one rank), so overlap_ddp runs too."""
+    (result,) = run_distributed(run, 1, args=(str(tmp_path_factory.mktemp("window-l")),),
+                                timeout=600)
+    return result
+
+
 def _check(result: tuple[bool, str, list[str]], named: str) -> None:
     same, differences, warned = result
     assert same, differences
@@ -50,6 +59,14 @@ NAMED = {"callback zeroes rows": "ZeroOldRows.on_pre_optimizer_step",
 def test_one_process_a_run_using_the_window_is_bitwise_the_plain_trainer_with_one_warning(
         one_process: dict[str, Any], case: str) -> None:
     _check(one_process[case]["optimizer_in_backward"], NAMED[case])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_one_launched_process_overlap_ddp_using_the_window_is_bitwise_the_plain_trainer(
+        one_launched_process: dict[str, Any], case: str) -> None:
+    _check(one_launched_process[case]["overlap_ddp"], NAMED[case])
+    same, differences = one_launched_process["max_grad_norm 0"]["overlap_ddp"]
+    assert same, differences
 
 
 @pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
