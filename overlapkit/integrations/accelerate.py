@@ -279,4 +279,7 @@ def prepare(accelerator: Accelerator, model: torch.nn.Module,
     facade = overlap_prepared(accelerator, prepared, optimizer, technique,
                               clip_grad_norm=clip_grad_norm, clip_norm_type=clip_norm_type,
                               **options)
+    # Accelerate's loops call optimizer.step(): the first one shows what the loop does
+    # between backward and step (overlapkit.overlap.window), before anything steps
+    facade.learn_first_step(prepared)
     return prepared, accelerator.prepare(facade)

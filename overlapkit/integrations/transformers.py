@@ -50,6 +50,7 @@ from overlapkit.integrations.requirements import require
 require("transformers", "transformers", "5.24.0")
 require("accelerate", "transformers", "1.15.0")
 
+import warnings  # noqa: E402
 import weakref  # noqa: E402
 from collections.abc import Mapping  # noqa: E402
 from typing import Any  # noqa: E402
@@ -73,6 +74,13 @@ __all__ = ["OverlapTrainer"]
 #: options the Trainer's arguments decide, which ``overlap_options`` may not set
 _FROM_ARGUMENTS = {"clip_grad_norm": "max_grad_norm", "clip_norm_type": "max_grad_norm",
                    "params": "the Trainer's param groups", "grad_scaler": "fp16"}
+
+#: the Trainer's callback events inside the window between backward and step
+_WINDOW_EVENTS = ("on_pre_optimizer_step", "on_optimizer_step")
+
+#: the Trainer's methods whose override may work in that window (two backwards, an edit
+#: of ``.grad`` before returning the loss) or keep the optimizer they build
+_WINDOW_METHODS = ("training_step", "create_optimizer")
 
 #: where the classes of optimizers the Trainer builds from ``args.optim`` may come from
 #: (torch's own and transformers' Adafactor): stepping them part by part is what
@@ -104,6 +112,10 @@ class OverlapTrainer(Trainer):
     :param overlap_options: other keyword options of the technique (``comm_hook``,
         ``clip_grad_value``, ``step_thread``, ...); clipping by norm comes from
         ``args.max_grad_norm``.
+    :param step_in_plain_order: take every step at the Trainer's ``optimizer.step()``,
+        as the plain ``Trainer`` (no overlap): for code that works in the window between
+        backward and step which overlapkit cannot see (see :meth:`window_users` for what
+        it sees by itself).
     :raises ConfigurationError: a setting it cannot honour (DeepSpeed, FSDP,
         ``torch_compile``, ``fp16``, ...), ``overlap_ddp`` on one process without
         ``torchrun``, an optimizer given through ``optimizers=`` that overlapkit already
@@ -111,7 +123,8 @@ class OverlapTrainer(Trainer):
     """
 
     def __init__(self, *args: Any, technique: str = "optimizer_in_backward",
-                 overlap_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+                 overlap_options: Mapping[str, Any] | None = None,
+                 step_in_plain_order: bool = False, **kwargs: Any) -> None:
         self.overlap_technique = check_technique(technique)
         options = dict(overlap_options or {})
         for name, source in _FROM_ARGUMENTS.items():
@@ -122,8 +135,10 @@ class OverlapTrainer(Trainer):
                     "Trainer's; set it there."
                 )
         self.overlap_options = options
-        #: whether the norm of the gradients is unknown after a step (logged as none)
-        self._overlap_frees_unclipped_grads = False
+        #: the user asked for the plain order: every step at ``optimizer.step()``
+        self.overlap_in_plain_order = bool(step_in_plain_order)
+        #: what turned the overlap off for this run (:meth:`window_users`), or empty
+        self.overlap_off_by: list[str] = []
         super().__init__(*args, **kwargs)
         self._overlap_optimizer_given = self.optimizer is not None
         if isinstance(self.optimizer, OptimizerWrapper):
@@ -184,7 +199,8 @@ class OverlapTrainer(Trainer):
         """
         cls = type(optimizer)
         chosen_by_user = (self.optimizer_cls_and_kwargs is not None
-                          or self._overlap_optimizer_given)
+                          or self._overlap_optimizer_given
+                          or type(self).create_optimizer is not Trainer.create_optimizer)
         reason = None
         if callable(getattr(optimizer, "train", None)):
             reason = ("it has train()/eval() modes (schedule-free), which move the "
@@ -205,10 +221,52 @@ class OverlapTrainer(Trainer):
                 "...), or the plain Trainer."
             )
 
+    def window_users(self) -> list[str]:
+        """What in this run works in the window between backward and ``optimizer.step()``,
+        which stepping during backward removes: an override of :data:`_WINDOW_METHODS`
+        in a subclass of ``OverlapTrainer`` (a ``training_step`` running two backwards or
+        editing ``.grad``, a ``create_optimizer`` keeping its optimizer), a callback
+        overriding ``on_pre_optimizer_step`` / ``on_optimizer_step`` (reading or changing
+        ``.grad`` there), ``step_in_plain_order=True``. A callback class declaring
+        ``overlapkit_reads_no_gradients = True`` is left out: it reads no gradient there;
+        so are the overrides of a subclass declaring it (one backward, no ``.grad``
+        edit, no optimizer kept).
+        """
+        found = []
+        if self.overlap_in_plain_order:
+            found.append("step_in_plain_order=True")
+        cls = type(self)
+        # a subclass whose overrides do not work in the window says so the same way
+        for name in () if getattr(self, "overlapkit_reads_no_gradients", False) \
+                else _WINDOW_METHODS:
+            for klass in cls.__mro__[:cls.__mro__.index(OverlapTrainer)]:
+                if name in vars(klass):
+                    found.append(f"{klass.__qualname__}.{name} (an override)")
+                    break
+        for callback in self.callback_handler.callbacks:
+            if getattr(callback, "overlapkit_reads_no_gradients", False):
+                continue
+            for event in _WINDOW_EVENTS:
+                if getattr(type(callback), event) is not getattr(TrainerCallback, event):
+                    found.append(f"the callback {type(callback).__qualname__}.{event}")
+        return found
+
     def set_up_overlap(self) -> None:
         """Set the technique up on ``self.model_wrapped`` around the optimizer the Trainer
-        prepared (called at ``on_train_begin``; a second ``train()`` keeps it)."""
+        prepared (called at ``on_train_begin``; a second ``train()`` keeps it).
+
+        When something in the run works in the window between backward and step
+        (:meth:`window_users`), every step is taken by the Trainer's ``optimizer.step()``
+        in the plain order instead — the plain ``Trainer``'s run, bitwise — with one
+        warning naming what turned the overlap off and how to keep it."""
         prepared = self.optimizer
+        users = self.window_users()
+        set_up = isinstance(getattr(prepared, "optimizer", None), OverlappedOptimizerFacade)
+        if users and not set_up:  # (a second train() keeps what the first set up)
+            self.overlap_off_by = users
+            warnings.warn(_plain_order_warning(self.overlap_technique, users),
+                          UserWarning, stacklevel=2)
+            return
         if not isinstance(prepared, AcceleratedOptimizer):
             raise ConfigurationError(
                 "OverlapTrainer expected the optimizer prepared by Accelerate "
@@ -221,16 +279,27 @@ class OverlapTrainer(Trainer):
         self.check_optimizer(inner)
         max_norm = self.args.max_grad_norm
         clip = float(max_norm) if max_norm is not None and max_norm > 0 else None
+        if clip is None and self.overlap_technique == "optimizer_in_backward":
+            # the plain Trainer logs clip_grad_norm_(params, inf) of the gradients, which
+            # optimizer_in_backward frees once stepped: clipping to inf computes that norm
+            # before the step and scales by exactly 1.0 (torch clamps the coefficient),
+            # and the Trainer's clip_grad_norm_(params, inf) then returns it (late_clipping)
+            clip = float("inf")
         prepared.optimizer = overlap_prepared(
             self.accelerator, self.model_wrapped, inner, self.overlap_technique,
             clip_grad_norm=clip, **self.overlap_options)
-        self._overlap_frees_unclipped_grads = (
-            clip is None and self.overlap_technique == "optimizer_in_backward")
 
-    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
-        """The Trainer's logged ``grad_norm``. With ``max_grad_norm=0`` it asks torch for
-        the gradients' norm after the step, and ``optimizer_in_backward`` has freed them:
-        no ``grad_norm`` is logged then, rather than a NaN."""
-        if grad_norm is None and self._overlap_frees_unclipped_grads:
-            return None
-        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+def _plain_order_warning(technique: str, users: list[str]) -> str:
+    return (
+        f"OverlapTrainer(technique={technique!r}) takes every step of this run at the "
+        "Trainer's optimizer.step(), in the plain order, without overlap: "
+        f"{', '.join(users)} may read or change the gradients (or the optimizer) between "
+        "backward and step, a window that stepping during backward removes. The run is "
+        "the plain Trainer's. To keep the overlap: do that work in on_step_end or "
+        "on_step_begin instead, or, for a callback (or a Trainer subclass) that reads no "
+        "gradients there, set the class attribute overlapkit_reads_no_gradients = True; "
+        "move gradient edits and second backwards out of training_step; give a custom "
+        "optimizer "
+        "through optimizers=(optimizer, None) instead of a create_optimizer override."
+    )

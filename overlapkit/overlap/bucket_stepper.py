@@ -209,10 +209,12 @@ class BucketStepper(StepAccount):
             self.backward_refused()  # the loop learns of it here, not at step()
             raise error
         if self.deferring:
+            self.deferred_backward_ended(self.engine.parameters())
             return  # nothing stepped, nothing freed: step() takes the full step
         self._stepped_grads_kept = not self.free_grads
         if self.global_step is not None:
             self._step_globally()
+            self.stepped_backward_ended(self.engine.parameters())
             return
         owned = self.engine.parameters() if self.track_usage or self.free_grads else []
         if self.track_usage:
@@ -229,6 +231,7 @@ class BucketStepper(StepAccount):
             # copy of the bucket (gradient_as_bucket_view=False; measured).
             for param in owned:
                 param.grad = None
+        self.stepped_backward_ended(self.engine.parameters())
 
     def _step_globally(self) -> None:
         """After DDP's finalize every reduced gradient is in ``.grad`` (unused ones

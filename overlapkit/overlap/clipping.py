@@ -28,14 +28,15 @@ __all__ = ["SCOPES", "GradClipping"]
 SCOPES = ("global", "bucket")
 
 
-def _positive_or_none(name: str, value: float | None) -> None:
+def _positive_or_none(name: str, value: float | None, *, infinite: bool = False) -> None:
+    """``infinite``: ``inf`` is accepted too (``clip_grad_norm_(params, inf)`` computes the
+    norm and scales by exactly 1.0: how the Hugging Face Trainer logs the norm unclipped)."""
     if value is not None and not (
         isinstance(value, (int, float)) and not isinstance(value, bool)
-        and math.isfinite(value) and value > 0
+        and (math.isfinite(value) or (infinite and value == math.inf)) and value > 0
     ):
-        raise ConfigurationError(
-            f"{name} must be a positive finite number or None, got {value!r}."
-        )
+        what = "positive number (inf included)" if infinite else "positive finite number"
+        raise ConfigurationError(f"{name} must be a {what} or None, got {value!r}.")
 
 
 @attrs.frozen(kw_only=True)
@@ -57,7 +58,7 @@ class GradClipping:
 
     def __attrs_post_init__(self) -> None:
         _positive_or_none("clip_grad_value", self.value)
-        _positive_or_none("clip_grad_norm", self.norm)
+        _positive_or_none("clip_grad_norm", self.norm, infinite=True)
         if not isinstance(self.norm_type, (int, float)) or isinstance(self.norm_type, bool) \
                 or not (self.norm_type > 0):
             raise ConfigurationError(

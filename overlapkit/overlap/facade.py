@@ -11,6 +11,7 @@ backward that already stepped, so existing training loops keep working.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
@@ -33,6 +34,7 @@ from overlapkit.overlap.setup import (
     flatten_params,
     materialise_params,
 )
+from overlapkit.overlap.window import FirstWindow, plain_order_warning
 
 __all__ = ["BackwardSteps", "OverlappedOptimizerFacade"]
 
@@ -67,6 +69,15 @@ class BackwardSteps(Protocol):
 
     #: asked when a stepping backward starts: the error to refuse it with, or None
     backward_gate: Callable[[], OverlapkitError | None] | None
+
+    #: what the loop does in the window while steps are deferred to learn it, or None
+    first_window: FirstWindow | None
+
+    #: the loop has called step() right after a stepping backward
+    calls_step: bool
+
+    #: the gradients the last stepping backward left, to check at step(), or None
+    stepped_marks: FirstWindow | None
 
 
 class OverlappedOptimizerFacade(OptimizerWrapper):
@@ -186,6 +197,71 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
             steps.deferring = False
             steps.deferred()
 
+    def learn_first_step(self, model: torch.nn.Module | None = None) -> None:
+        """Defer the first optimizer step, to see what the loop does between backward and
+        ``step()`` before anything steps (:mod:`~overlapkit.overlap.window`), then step
+        during backward from the second step on — or, when the loop used that window
+        (several backwards before ``step()``, a gradient changed), keep taking every
+        step at ``step()`` in the plain order, with one warning.
+
+        For an integration whose loops call ``step()`` (Accelerate's): a loop that never
+        does would step nothing. ``model`` names the parameters in the warning.
+        """
+        steps = self._steps
+        steps.first_window = FirstWindow()
+        steps.deferring = True
+        self._names = {} if model is None else {
+            id(p): name for name, p in model.named_parameters()}
+
+    def _end_first_window(self) -> bool:
+        """At ``step()`` while :meth:`learn_first_step` defers: decide whether the loop
+        keeps the plain order (warned once), and whether it clipped the kept gradients
+        itself (the full step then does not clip again); returns the latter."""
+        steps = self._steps
+        window = steps.first_window
+        assert window is not None
+        clipped = window.clipped
+        if not window.plain_order:
+            used = []
+            if window.backwards > 1:
+                used.append(f"{window.backwards} backwards ran before one optimizer.step() "
+                            "(gradient accumulation outside accelerator.accumulate)")
+            edited = window.edited(getattr(self, "_names", {}), self._engine.parameters())
+            if edited:
+                shown = ", ".join(edited[:3]) + (" and others" if len(edited) > 3 else "")
+                used.append(f"the gradients of {shown} were changed")
+            if used:
+                window.plain_order = True
+                warnings.warn(plain_order_warning(self._technique, "; ".join(used)),
+                              UserWarning, stacklevel=3)
+        if window.plain_order:
+            window.reset()
+        else:  # from now on every step is taken during backward
+            steps.first_window = None
+            steps.deferring = False
+            steps.deferred()
+            steps.calls_step = True
+        return clipped
+
+    def _refuse_changed_gradients(self, marks: FirstWindow) -> None:
+        """:raises ConfigurationError: the loop changed (or set) a gradient after the
+        backward that stepped it, before this ``step()``: the change missed that step."""
+        edited = marks.edited(getattr(self, "_names", {}), self._engine.parameters())
+        if not edited:
+            return
+        shown = ", ".join(edited[:3]) + (" and others" if len(edited) > 3 else "")
+        raise ConfigurationError(
+            f"the gradients of {shown} were changed between backward() and "
+            f"optimizer.step(), after {self._technique} had already stepped the parameters "
+            "with them during backward, so the change missed this step. The parameters "
+            "have taken it: restart from the last checkpoint after fixing the loop. To "
+            "change gradients, change them before they are reduced (a gradient hook on "
+            "the parameter, a DDP comm hook), or do it from the first step on under an "
+            "integration (overlapkit.integrations: the first step shows the loop uses "
+            "that window, and every step is then taken at optimizer.step(), in the plain "
+            "order)."
+        )
+
     def gate_backwards(self, gate: Callable[[], OverlapkitError | None] | None) -> None:
         """Have ``gate`` asked each time a backward that would step starts (None: stop).
 
@@ -250,17 +326,24 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         scaler = self._scaler_driving()
         self.synchronize()
         steps = self._steps
+        clipped_by_loop = (steps.first_window is not None and steps.deferring
+                           and self._end_first_window())
         try:
             stepped = steps.step_called()
         except ConfigurationError:
             for name in ("found_inf", "grad_scale"):  # as GradScaler.step would
                 self.__dict__.pop(name, None)
             raise
+        marks, steps.stepped_marks = steps.stepped_marks, None
         if stepped:
+            if marks is not None:
+                self._refuse_changed_gradients(marks)
             rule = steps.global_step
         else:
             rule = steps.full_step
-            if rule is None:
+            if rule is None or (clipped_by_loop and rule.grad_scaler is None):
+                # the loop's own clip of the kept gradients was the plain loop's
+                rule = None
                 self._engine.step()
             else:
                 with self._engine.lock:

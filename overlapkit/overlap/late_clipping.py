@@ -49,6 +49,7 @@ import torch.nn.utils.clip_grad as torch_clip_grad
 from torch.utils.weak import WeakIdKeyDictionary
 
 from overlapkit.errors import ConfigurationError
+from overlapkit.overlap.window import state
 
 __all__ = ["FreedGradientNormWarning", "guarded_clip_grad_norm_", "guarded_clip_grad_value_",
            "install", "late_clip_error", "unguarded_clip_grad_norm_",
@@ -105,6 +106,51 @@ def _stepped(params: list[torch.Tensor]) -> list[Any]:
         if stepper is not None and stepper.stepped_since_step:
             found[id(stepper)] = stepper
     return list(found.values())
+
+
+def _refuse_other_clip_in_window(params: list[torch.Tensor], max_norm: float,
+                                 norm_type: float) -> None:
+    """A clip by norm in a deferred first step that is not the one the optimizer was
+    set up with: the later steps, taken during backward, could not honour it, so it is
+    refused now, before anything steps (``max_norm=inf``, a norm for logging, passes)."""
+    if math.isinf(max_norm):
+        return
+    for param in params:
+        stepper = _stepper_of(param)
+        if getattr(stepper, "first_window", None) is None or not stepper.deferring:
+            continue
+        if stepper.first_window.plain_order:
+            return  # every step is taken at step(): the loop's clip is the plain one
+        rule = stepper.full_step
+        clipping = None if rule is None else rule.clipping
+        if (clipping is None or clipping.norm != max_norm
+                or float(clipping.norm_type) != float(norm_type)):
+            option = f"clip_grad_norm={max_norm:g}" + (
+                "" if float(norm_type) == 2.0 else f", clip_norm_type={float(norm_type):g}")
+            raise ConfigurationError(
+                f"torch.nn.utils.clip_grad_norm_(..., max_norm={max_norm:g}) was called "
+                f"before the first optimizer.step(), and {stepper.technique} was not set "
+                "up with this clip: from the second step on it steps during backward, "
+                f"before such a call could clip. Nothing has stepped yet. Set it up with "
+                f"{option} (the integration's clip_grad_norm= argument); it then clips "
+                f"before each step, bitwise this call before a plain step().{_framework_hint()}")
+        return
+
+
+def _clipped_in_window(params: list[torch.Tensor], before: list[tuple[int, int]],
+                       by_norm: bool = True) -> None:
+    """The loop clipped gradients that a deferred first step keeps
+    (:mod:`overlapkit.overlap.window`): its own clip, not an edit of them (and after a
+    clip by norm, the full step does not clip by norm again)."""
+    for param, was in zip(params, before, strict=True):
+        stepper = _stepper_of(param)
+        window = getattr(stepper, "first_window", None)
+        if window is not None and stepper.deferring:
+            window.clipped = window.clipped or by_norm
+            window.clipped_by_loop(param, was)
+        marks = getattr(stepper, "stepped_marks", None)
+        if marks is not None:
+            marks.clipped_by_loop(param, was)
 
 
 def _stepper_of(param: torch.Tensor) -> Any:
@@ -187,8 +233,12 @@ def guarded_clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float =
     if not steppers:
         # an empty generator is handed on as one: torch warns that nothing is clipped
         given = (p for p in params) if is_generator else params
-        return unguarded_clip_grad_norm_(given, max_norm, norm_type, error_if_nonfinite,
-                                         foreach)
+        _refuse_other_clip_in_window(params, float(max_norm), norm_type)
+        before = [state(p) for p in params]
+        total = unguarded_clip_grad_norm_(given, max_norm, norm_type, error_if_nonfinite,
+                                          foreach)
+        _clipped_in_window(params, before)
+        return total
     max_norm = float(max_norm)
     if len(steppers) == 1:
         norm = _applied_norm(steppers[0], params, max_norm, norm_type)
@@ -206,8 +256,11 @@ def guarded_clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float =
                and p.requires_grad):
             # the gradients that were stepped are still there (overlap_ddp): their norm,
             # and a clip by inf changes nothing
-            return unguarded_clip_grad_norm_(params, max_norm, norm_type,
-                                             error_if_nonfinite, foreach)
+            before = [state(p) for p in params]
+            total = unguarded_clip_grad_norm_(params, max_norm, norm_type,
+                                              error_if_nonfinite, foreach)
+            _clipped_in_window(params, before)  # by inf: a scale of 1.0, not an edit
+            return total
         warnings.warn(
             f"clip_grad_norm_(..., max_norm=inf) asked for the norm of gradients that "
             f"{technique} freed during backward: NaN is returned. Pass "
@@ -232,7 +285,9 @@ def guarded_clip_grad_value_(parameters: Any, clip_value: float,
     params = _as_list(parameters)
     steppers = _stepped(params) if params else []
     if not steppers:
+        before = [state(p) for p in params]
         unguarded_clip_grad_value_(params, clip_value, foreach)
+        _clipped_in_window(params, before, by_norm=False)  # clamping again changes nothing
         return
     if len(steppers) == 1 and steppers[0].clipping.value == float(clip_value) and all(
             p.grad is None or _stepper_of(p) is steppers[0] for p in params):

@@ -163,3 +163,7 @@ class ParamStepper(StepAccount):
         if error is not None:
             self.backward_refused()  # the loop learns of it here, not at step()
             raise error
+        if self.deferring:
+            self.deferred_backward_ended(self.engine.parameters())
+        else:
+            self.stepped_backward_ended(self.engine.parameters())

@@ -36,9 +36,13 @@ backward-only loop clearing gradients now and then, and is accepted.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+
+import torch
 
 from overlapkit.errors import ConfigurationError, OverlapkitError
+from overlapkit.overlap.foreign_loop import foreign_trainer_refusal
+from overlapkit.overlap.window import FirstWindow
 
 __all__ = ["StepAccount", "accumulation_error", "backward_without_step_error"]
 
@@ -106,6 +110,13 @@ class StepAccount:
         #: None; set by a framework that knows where its loop's backward runs
         #: (``OverlappedOptimizerFacade.gate_backwards``)
         self.backward_gate: Callable[[], OverlapkitError | None] | None = None
+        #: what the loop does in its first optimizer step, while that step is deferred to
+        #: learn it (``OverlappedOptimizerFacade.learn_first_step``, :mod:`.window`)
+        self.first_window: FirstWindow | None = None
+        #: the gradients a backward stepped, as it left them, in a loop that calls
+        #: ``step()``: a change before ``step()`` could not reach that step
+        #: (:meth:`stepped_backward_ended`, checked by the facade's ``step()``)
+        self.stepped_marks: FirstWindow | None = None
 
     def backward_starts(self) -> OverlapkitError | None:
         """Count a stepping backward that starts now: the error to hold until it ends
@@ -114,6 +125,10 @@ class StepAccount:
         None."""
         if self.backward_gate is not None:
             refusal = self.backward_gate()
+            if refusal is not None:
+                return refusal
+        elif not self.has_stepped:
+            refusal = foreign_trainer_refusal(self.technique)
             if refusal is not None:
                 return refusal
         if self.window and self.calls_step:
@@ -126,12 +141,29 @@ class StepAccount:
         """A backward starts while steps are deferred: it steps nothing and is not
         counted, but the :attr:`backward_gate` is asked, so that a framework sees every
         backward of the deferred window (and refuses one before anything steps)."""
+        if self.first_window is not None:
+            self.first_window.backwards += 1
         return self.backward_gate() if self.backward_gate is not None else None
+
+    def deferred_backward_ended(self, params: Iterable[torch.Tensor]) -> None:
+        """A backward ended while steps are deferred (its gradients are in ``.grad``): the
+        :attr:`first_window` marks them, to see whether the loop changes them."""
+        if self.first_window is not None:
+            self.first_window.mark(params)
 
     def starting_backward(self) -> OverlapkitError | None:
         """What a stepper calls when a backward starts: :meth:`backward_starts`, or
         :meth:`deferred_backward_starts` while steps are deferred."""
         return self.deferred_backward_starts() if self.deferring else self.backward_starts()
+
+    def stepped_backward_ended(self, params: Iterable[torch.Tensor]) -> None:
+        """A backward that stepped ``params`` ended: in a loop that calls ``step()``, mark
+        their gradients (kept, or freed: None), so that ``step()`` sees one the loop
+        changed or set in between — too late for the step it was meant for."""
+        if self.calls_step:
+            marks = FirstWindow()
+            marks.mark(params)
+            self.stepped_marks = marks
 
     def deferred(self) -> None:
         """The deferred backwards are over (``defer_steps()`` left): forget what they
@@ -139,8 +171,10 @@ class StepAccount:
 
     def backward_refused(self) -> None:
         """A backward raised (a refused one, or a step that failed): the loop learns of
-        it there, so the window is closed and the next backward is not refused for it."""
+        it there, so the window is closed and the next backward is not refused for it
+        (and its gradients, reduced into ``.grad`` all the same, are not an edit)."""
         self.window = 0
+        self.stepped_marks = None
 
     def step_called(self) -> bool:
         """``step()`` was called: whether a backward stepped since the last one (the call
@@ -162,3 +196,4 @@ class StepAccount:
         if self.window == 1:
             self.calls_step = True
         self.window = 0
+        self.stepped_marks = None

@@ -102,10 +102,13 @@ def test_a_clip_it_was_not_set_up_for_raises_at_the_first_clip(fresh_state: None
     accelerator = Accelerator(cpu=True)
     model, _ = _prepare(accelerator, clip_grad_norm=None)
     batch = torch.utils.data.default_collate([Tokens("gpt2")[i] for i in range(4)])
+    before = [p.detach().clone() for p in model.parameters()]
     accelerator.backward(model(**batch).loss)
     with pytest.raises(overlapkit.ConfigurationError,
-                       match=r"max_norm=1\b.*accelerate\.prepare\(\.\.\., clip_grad_norm="):
+                       match=r"max_norm=1\b.*Nothing has stepped yet.*"
+                             r"accelerate\.prepare\(\.\.\., clip_grad_norm="):
         accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+    assert all(p.detach().equal(b) for p, b in zip(model.parameters(), before, strict=True))
 
 
 @pytest.mark.parametrize(("settings", "named"), [
@@ -168,9 +171,13 @@ def test_on_one_process_accelerator_no_sync_pauses_the_steps(fresh_state: None) 
     from hf_models import Tokens
 
     accelerator = Accelerator(cpu=True)
-    model, _ = _prepare(accelerator, clip_grad_norm=None)
-    before = [p.detach().clone() for p in model.parameters()]
+    model, optimizer = _prepare(accelerator, clip_grad_norm=None)
     batch = torch.utils.data.default_collate([Tokens("gpt2")[i] for i in range(4)])
+    # the first step is taken at step(), which learns the loop (overlapkit.overlap.window)
+    accelerator.backward(model(**batch).loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
     with accelerator.no_sync(model):
         accelerator.backward(model(**batch).loss)
     assert all(p.grad is not None for p in model.parameters())

@@ -4,7 +4,8 @@ on CPU and ``resume_from_checkpoint`` trains bitwise as the plain ``Trainer`` â€
 parameters, the same logged gradient norms and learning rates â€” on GPT-2 (tied weights)
 and BERT, on one process and on 2 gloo ranks, with both techniques; the ``optimizer.pt``
 it saves resumes bitwise. A plain ``optimizer_in_backward`` handed to the ``Trainer``
-raises at its first clip (0.2: silently unclipped, 0.0153 off)."""
+is refused at its first backward, before anything steps (0.2: silently unclipped, 0.0153
+off; 0.3: raised after 1 or 2 steps)."""
 
 from __future__ import annotations
 
@@ -92,22 +93,30 @@ def test_the_saved_optimizer_state_is_the_plain_trainers(tmp_path: Path) -> None
             assert torch.equal(value, ours["state"][index][key]), (index, key)
 
 
-def test_a_plain_optimizer_in_backward_in_the_trainer_raises_at_the_first_clip(
-        tmp_path: Path) -> None:
+@pytest.mark.parametrize(("overrides", "named"), [
+    ({}, r"max_grad_norm=1\b.*gradient_accumulation_steps=2"),
+    ({"max_grad_norm": 0.0}, r"whose gradient_accumulation_steps=2"),
+])
+def test_an_overlapkit_optimizer_in_the_plain_trainer_is_refused_before_the_first_step(
+        tmp_path: Path, overrides: dict[str, Any], named: str) -> None:
+    # 0.3: raised at the first clip, or (max_grad_norm=0) at the first step() ending an
+    # accumulation window, after the parameters had taken 1 or 2 steps
     from hf_models import Tokens, gpt2, quiet
     from transformers import Trainer, get_scheduler
 
     quiet()
     model = gpt2()
+    before = [p.detach().clone() for p in model.parameters()]
     optimizer = overlapkit.optimizer_in_backward(model, torch.optim.AdamW, lr=1e-2)
     scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=2, num_training_steps=6)
-    trainer = Trainer(model=model, args=arguments(str(tmp_path)), train_dataset=Tokens("gpt2"),
-                      optimizers=(optimizer, scheduler))
-    with pytest.raises(overlapkit.ConfigurationError,
-                       match=r"max_norm=1\b.*OverlapTrainer") as info:
+    trainer = Trainer(model=model, args=arguments(str(tmp_path), **overrides),
+                      train_dataset=Tokens("gpt2"), optimizers=(optimizer, scheduler))
+    with pytest.raises(overlapkit.ConfigurationError, match=named) as info:
         trainer.train()
-    assert "taken unclipped" in str(info.value)
+    assert "Nothing has stepped yet" in str(info.value)
+    assert "OverlapTrainer" in str(info.value)
     assert trainer.state.global_step == 0
+    assert all(p.detach().equal(b) for p, b in zip(model.parameters(), before, strict=True))
 
 
 def test_overlap_ddp_on_one_process_without_torchrun_is_refused(tmp_path: Path) -> None:
@@ -115,12 +124,13 @@ def test_overlap_ddp_on_one_process_without_torchrun_is_refused(tmp_path: Path) 
         train("overlap_ddp", "gpt2", str(tmp_path))
 
 
-def test_with_max_grad_norm_0_no_grad_norm_is_logged_and_training_is_the_plain_one(
+def test_with_max_grad_norm_0_the_plain_grad_norm_is_logged_and_training_is_the_plain_one(
         tmp_path: Path) -> None:
+    # 0.3 logged no grad_norm (optimizer_in_backward had freed the gradients)
     plain = train(None, "gpt2", str(tmp_path / "plain"), max_grad_norm=0.0)
     ours = train("optimizer_in_backward", "gpt2", str(tmp_path / "ours"), max_grad_norm=0.0)
-    assert ours["grad_norms"] == [None] * len(plain["grad_norms"])
-    ours["grad_norms"] = plain["grad_norms"]
+    assert None not in plain["grad_norms"]
+    assert ours["grad_norms"] == plain["grad_norms"]
     assert same_run(plain, ours)
 
 

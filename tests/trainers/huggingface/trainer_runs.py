@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from helpers import compare
+from helpers import Comparison, compare
 from hf_models import MODELS, Tokens, parameters, quiet
 
 STEPS, SAVE_AT = 6, 3
@@ -43,6 +43,8 @@ class StepsInBackward:
         watcher = self
 
         class Watch(TrainerCallback):  # type: ignore[misc]
+            overlapkit_reads_no_gradients = True  # it compares parameters only
+
             def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
                 watcher.before = [p.detach().clone() for p in watcher.model.parameters()]
 
@@ -86,9 +88,10 @@ def same_run(plain: dict[str, Any], ours: dict[str, Any]) -> Any:
     """Bitwise the same parameters, and the same logged gradient norms and LRs."""
     found = compare(plain["params"], ours["params"])
     if found and plain["grad_norms"] != ours["grad_norms"]:
-        return f"grad norms differ: {plain['grad_norms']} vs {ours['grad_norms']}"
+        return Comparison((f"grad norms differ: {plain['grad_norms']} vs "
+                           f"{ours['grad_norms']}",))
     if found and plain["lrs"] != ours["lrs"]:
-        return f"learning rates differ: {plain['lrs']} vs {ours['lrs']}"
+        return Comparison((f"learning rates differ: {plain['lrs']} vs {ours['lrs']}",))
     return found
 
 
@@ -110,9 +113,10 @@ def cases(out_dir: str, techniques: tuple[str, ...]) -> dict[str, Any]:
             and not any(plain["stepped in backward"]))
         resumed = train(technique, "gpt2", f"{out_dir}/{technique}-resumed",
                         resume=f"{saved}/checkpoint-{SAVE_AT}")
-        # logged before the resume point: only the steps after it are compared
-        resumed["grad_norms"] = plain["grad_norms"][:SAVE_AT] + resumed["grad_norms"]
-        resumed["lrs"] = plain["lrs"][:SAVE_AT] + resumed["lrs"]
+        # logged before the resume point (the checkpoint's log history holds the saved
+        # run's): only the steps after it are compared
+        for key in ("grad_norms", "lrs"):
+            resumed[key] = plain[key][:SAVE_AT] + resumed[key][SAVE_AT - STEPS:]
         out[f"{technique} gpt2 resumed"] = same_run(plain, resumed)
         out[f"{technique} bert"] = same_run(plain_bert,
                                             train(technique, "bert", f"{out_dir}/{technique}-bert"))

@@ -1,0 +1,64 @@
+"""An overlapped optimizer stepped by a framework's loop that overlapkit does not set up:
+Hugging Face's plain ``Trainer`` handed an overlapkit optimizer through ``optimizers=``.
+
+That loop clips after backward (``max_grad_norm``, 1.0 by default) and accumulates
+gradients without pausing the steps (``gradient_accumulation_steps``): either makes the
+run differ from the plain one. 0.3 raised only at the first clip, or at the first
+``step()`` ending an accumulation window — after 1 or 2 steps were taken. The first
+stepping backward now looks for the ``Trainer`` in the calling frames (once per optimizer;
+on CPU the autograd hooks run in the thread that called backward, so it is there; on a
+GPU's autograd thread it is not, and the later refusals remain) and refuses that
+backward before anything steps in it.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+from overlapkit.errors import ConfigurationError
+
+__all__ = ["foreign_trainer_refusal"]
+
+
+def _trainer_in_frames() -> Any | None:
+    """The Hugging Face ``Trainer`` (not overlapkit's ``OverlapTrainer``) whose method is
+    on the stack, or None."""
+    frame: types.FrameType | None = sys._getframe(2)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if candidate is not None and any(
+                klass.__name__ == "Trainer"
+                and klass.__module__.startswith("transformers.")
+                for klass in type(candidate).__mro__):
+            return None if hasattr(candidate, "overlap_technique") else candidate
+        frame = frame.f_back
+    return None
+
+
+def foreign_trainer_refusal(technique: str) -> ConfigurationError | None:
+    """The error for a first stepping backward run by a plain ``Trainer`` that clips or
+    accumulates, else None."""
+    trainer = _trainer_in_frames()
+    if trainer is None:
+        return None
+    args = trainer.args
+    settings = []
+    max_norm = getattr(args, "max_grad_norm", None)
+    if max_norm is not None and max_norm > 0:
+        settings.append(f"max_grad_norm={max_norm:g} (a clip after backward, which "
+                        "has already stepped)")
+    accumulate = getattr(args, "gradient_accumulation_steps", 1)
+    if accumulate > 1:
+        settings.append(f"gradient_accumulation_steps={accumulate} (a step in every "
+                        "backward instead of one per accumulation window)")
+    if not settings:
+        return None
+    return ConfigurationError(
+        f"an overlapkit {technique} optimizer was handed to Hugging Face's plain Trainer, "
+        f"whose {' and '.join(settings)} it cannot honour: it steps during backward. "
+        "Nothing has stepped yet. Give the plain optimizer (or none) to "
+        "overlapkit.integrations.transformers.OverlapTrainer(technique=...), which sets "
+        "the technique up with the Trainer's clipping and accumulation."
+    )

@@ -1,0 +1,68 @@
+"""``overlapkit.integrations.accelerate.prepare`` in loops that work in the window
+between backward and ``optimizer.step()`` (issue 30, cases 5 and 6). 0.3: Accelerate's
+manual accumulation got a ``ConfigurationError`` at ``step()`` after 2 steps were taken;
+gradient noise was silently ignored by ``overlap_ddp`` on 2 ranks (0.036-0.049 off) and
+gave a raw ``AttributeError`` under ``optimizer_in_backward`` after a step. Now the first
+step is deferred to learn the loop (``overlapkit.overlap.window``), and such a loop
+takes every step in the plain order: bitwise the plain Accelerate run (parameters,
+optimizer state, clip norms), with one warning, on one process and on 2 gloo ranks,
+with both techniques."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from accelerate_window_runs import CASES, compare_case, run
+
+from overlapkit.distributed import run_distributed
+
+pytestmark = pytest.mark.trainers
+
+NAMED = {"manual accumulation": "2 backwards ran before one optimizer.step()",
+         "gradient noise": "were changed", "gradient masking": "were changed"}
+
+
+@pytest.fixture(scope="module")
+def one_process() -> dict[str, Any]:
+    return {case: compare_case(case, ("optimizer_in_backward",)) for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, Any]]:
+    return run_distributed(run, 2, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def one_launched_process() -> dict[str, Any]:
+    """One process launched as torchrun launches it: Accelerate wraps the model in DDP
+    (of one rank), so overlap_ddp runs too."""
+    (result,) = run_distributed(run, 1, timeout=600)
+    return result
+
+
+def _check(result: tuple[bool, str, list[str]], named: str) -> None:
+    same, differences, warned = result
+    assert same, differences
+    assert len(warned) == 1, warned
+    assert named in warned[0] and "To keep the overlap" in warned[0]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_one_process_a_loop_using_the_window_is_bitwise_the_plain_run_with_one_warning(
+        one_process: dict[str, Any], case: str) -> None:
+    _check(one_process[case]["optimizer_in_backward"], NAMED[case])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_one_launched_process_overlap_ddp_using_the_window_is_bitwise_the_plain_run(
+        one_launched_process: dict[str, Any], case: str) -> None:
+    _check(one_launched_process[case]["overlap_ddp"], NAMED[case])
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+@pytest.mark.parametrize("case", CASES)
+def test_two_ranks_a_loop_using_the_window_is_bitwise_the_plain_run_with_one_warning(
+        two_ranks: list[dict[str, Any]], case: str, technique: str) -> None:
+    for rank_results in two_ranks:
+        _check(rank_results[case][technique], NAMED[case])

@@ -1,0 +1,107 @@
+"""``OverlapTrainer`` in a run that works in the window between backward and
+``optimizer.step()`` (issue 30, cases 1 to 3): a callback changing ``.grad`` in
+``on_pre_optimizer_step`` (0.3: 0.020 off the plain run with ``overlap_ddp``, a raw
+``TypeError`` after a step with ``optimizer_in_backward``), one logging per-parameter
+gradient norms there (0.3: logged ``{}``), a ``create_optimizer`` override (0.3: refused,
+blaming ``optim='adamw_torch_fused'``), a ``training_step`` override running two
+backwards (FGM; 0.3: a raw ``TypeError`` or a refusal after a step). Each now takes its
+steps in the plain order: bitwise the plain ``Trainer`` (parameters, optimizer state,
+logged ``grad_norm`` and learning rates, the callback's logs), with one warning naming
+what turned the overlap off; on one process and on 2 gloo ranks, with both techniques."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from window_runs import CASES, compare_case, run
+
+from overlapkit.distributed import run_distributed
+
+pytestmark = pytest.mark.trainers
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = str(tmp_path_factory.mktemp("window-one"))
+    return {case: compare_case(case, out, ("optimizer_in_backward",)) for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_distributed(run, 2, args=(str(tmp_path_factory.mktemp("window-two")),),
+                           timeout=600)
+
+
+@pytest.fixture(scope="module")
+def one_launched_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One process launched as torchrun launches it: Accelerate wraps the model in DDP
+    (of one rank), so overlap_ddp runs too."""
+    (result,) = run_distributed(run, 1, args=(str(tmp_path_factory.mktemp("window-l")),),
+                                timeout=600)
+    return result
+
+
+def _check(result: tuple[bool, str, list[str]], named: str) -> None:
+    same, differences, warned = result
+    assert same, differences
+    assert len(warned) == 1, warned
+    assert named in warned[0] and "To keep the overlap" in warned[0]
+
+
+NAMED = {"callback zeroes rows": "ZeroOldRows.on_pre_optimizer_step",
+         "callback logs norms": "LogNorms.on_pre_optimizer_step",
+         "create_optimizer": "CustomOptimizer.create_optimizer",
+         "two backwards": "FGM.training_step"}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_one_process_a_run_using_the_window_is_bitwise_the_plain_trainer_with_one_warning(
+        one_process: dict[str, Any], case: str) -> None:
+    _check(one_process[case]["optimizer_in_backward"], NAMED[case])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_one_launched_process_overlap_ddp_using_the_window_is_bitwise_the_plain_trainer(
+        one_launched_process: dict[str, Any], case: str) -> None:
+    _check(one_launched_process[case]["overlap_ddp"], NAMED[case])
+    same, differences = one_launched_process["max_grad_norm 0"]["overlap_ddp"]
+    assert same, differences
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+@pytest.mark.parametrize("case", CASES)
+def test_two_ranks_a_run_using_the_window_is_bitwise_the_plain_trainer_with_one_warning(
+        two_ranks: list[dict[str, Any]], case: str, technique: str) -> None:
+    for rank_results in two_ranks:
+        _check(rank_results[case][technique], NAMED[case])
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+def test_two_ranks_with_max_grad_norm_0_the_plain_grad_norm_is_logged(
+        two_ranks: list[dict[str, Any]], technique: str) -> None:
+    for rank_results in two_ranks:
+        assert rank_results["max_grad_norm 0"]["plain logged"]
+        same, differences = rank_results["max_grad_norm 0"][technique]
+        assert same, differences
+
+
+def test_a_subclass_declaring_it_reads_no_gradients_keeps_the_overlap(tmp_path: Any) -> None:
+    from hf_models import Tokens, gpt2, quiet
+    from trainer_runs import arguments
+
+    from overlapkit.integrations.transformers import OverlapTrainer
+
+    class Logged(OverlapTrainer):
+        overlapkit_reads_no_gradients = True
+
+        def training_step(self, *args: Any, **kwargs: Any) -> Any:
+            return super().training_step(*args, **kwargs)
+
+    quiet()
+    trainer = Logged(model=gpt2(), args=arguments(str(tmp_path), max_steps=2),
+                     train_dataset=Tokens("gpt2"))
+    assert trainer.window_users() == []
+    trainer.train()
+    assert type(trainer.optimizer.optimizer).__name__ == "OptimizerInBackward"
+    assert trainer.overlap_off_by == []

@@ -1,0 +1,138 @@
+"""Trainer runs that work in the window between backward and ``optimizer.step()`` (issue
+30, cases 1 to 3): a callback changing or reading ``.grad`` in
+``on_pre_optimizer_step``, a ``create_optimizer`` override, a ``training_step`` override
+with two backwards (FGM). Each is run by the plain ``Trainer`` and by ``OverlapTrainer``
+with the same override, in the test process or on gloo ranks (``run``)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from hf_models import Tokens, gpt2, parameters, quiet
+from trainer_runs import arguments, same_run
+
+CASES = ("callback zeroes rows", "callback logs norms", "create_optimizer", "two backwards")
+STEPS = 3
+
+
+class MomentumSGD(torch.optim.SGD):
+    """The user's own optimizer class (a torch.optim optimizer from outside torch)."""
+
+
+def _callback(case: str, logged: list[dict[str, float]]) -> Any:
+    from transformers import TrainerCallback
+
+    class ZeroOldRows(TrainerCallback):  # type: ignore[misc]
+        """Keeps the first rows of the embedding (the "old tokens") frozen."""
+
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any,
+                                  model: Any = None, **kw: Any) -> None:
+            for name, param in model.named_parameters():
+                if "wte" in name and param.grad is not None:
+                    param.grad[:8] = 0
+
+    class LogNorms(TrainerCallback):  # type: ignore[misc]
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any,
+                                  model: Any = None, **kw: Any) -> None:
+            logged.append({name: float(p.grad.norm()) for name, p in model.named_parameters()
+                           if p.grad is not None})
+
+    return ZeroOldRows() if case == "callback zeroes rows" else LogNorms()
+
+
+def _trainer_class(case: str, base: type) -> type:
+    class CustomOptimizer(base):  # type: ignore[valid-type,misc]
+        def create_optimizer(self, model: Any = None) -> Any:
+            self.optimizer = MomentumSGD(self.model.parameters(), lr=1e-2, momentum=0.9)
+            return self.optimizer
+
+    class FGM(base):  # type: ignore[valid-type,misc]
+        def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None,
+                          ) -> torch.Tensor:
+            model.train()
+            loss = self.compute_loss(model, inputs)
+            self.accelerator.backward(loss, retain_graph=True)
+            adversarial = self.compute_loss(model, inputs)
+            self.accelerator.backward(adversarial)
+            return loss.detach()
+
+    return {"create_optimizer": CustomOptimizer, "two backwards": FGM}.get(case, base)
+
+
+def train(case: str, technique: str | None, out_dir: str) -> dict[str, Any]:
+    """One run of ``case`` by the plain Trainer (``technique`` None) or OverlapTrainer;
+    its parameters, optimizer state, logs and the warnings it gave."""
+    from transformers import Trainer
+
+    from overlapkit.integrations.transformers import OverlapTrainer
+
+    quiet()
+    model = gpt2()
+    base = Trainer if technique is None else OverlapTrainer
+    extra = {} if technique is None else {"technique": technique}
+    logged: list[dict[str, float]] = []
+    trainer = _trainer_class(case, base)(
+        model=model, args=arguments(out_dir, max_steps=STEPS), train_dataset=Tokens("gpt2"),
+        **extra)
+    if case.startswith("callback"):
+        trainer.add_callback(_callback(case, logged))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    entries = [entry for entry in trainer.state.log_history if "loss" in entry]
+    inner = trainer.optimizer.optimizer
+    return {"params": parameters(model),
+            "state": [t for s in inner.state.values() for t in s.values()
+                      if isinstance(t, torch.Tensor)],
+            "grad_norms": [entry.get("grad_norm") for entry in entries],
+            "lrs": [entry["learning_rate"] for entry in entries],
+            "norms logged": logged,
+            "warnings": [str(w.message) for w in caught if "plain order" in str(w.message)]}
+
+
+
+
+def compare_case(case: str, out_dir: str, techniques: tuple[str, ...]) -> dict[str, Any]:
+    """For each technique: what differs from the plain Trainer (a falsy Comparison when
+    nothing), and the warnings given."""
+    from helpers import Comparison, compare
+
+    plain = train(case, None, f"{out_dir}/{case}-plain")
+    out: dict[str, Any] = {}
+    for technique in techniques:
+        try:
+            ours = train(case, technique, f"{out_dir}/{case}-{technique}")
+        except Exception as error:  # what 0.3 raised, reported per case
+            out[technique] = (False, f"{type(error).__name__}: {error}"[:300], [])
+            continue
+        found = same_run(plain, ours)
+        if found:
+            found = compare(plain["state"], ours["state"])
+        if found and plain["norms logged"] != ours["norms logged"]:
+            found = Comparison(("the callback logged other gradient norms",))
+        out[technique] = (bool(found), str(found), ours["warnings"])
+    return out
+
+
+def unclipped(out_dir: str, techniques: tuple[str, ...]) -> dict[str, Any]:
+    """``max_grad_norm=0`` (issue 30, case 4): per technique, what differs from the plain
+    Trainer, logged ``grad_norm`` included (0.3 logged none under optimizer_in_backward)."""
+    from trainer_runs import train as train_plain_case
+
+    plain = train_plain_case(None, "gpt2", f"{out_dir}/unclipped-plain", max_grad_norm=0.0)
+    out: dict[str, Any] = {"plain logged": None not in plain["grad_norms"]}
+    for technique in techniques:
+        ours = train_plain_case(technique, "gpt2", f"{out_dir}/unclipped-{technique}",
+                                max_grad_norm=0.0)
+        found = same_run(plain, ours)
+        out[technique] = (bool(found), str(found))
+    return out
+
+
+def run(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
+    techniques = ("overlap_ddp", "optimizer_in_backward")
+    out = {case: compare_case(case, out_dir, techniques) for case in CASES}
+    out["max_grad_norm 0"] = unclipped(out_dir, techniques)
+    return out
