@@ -8,7 +8,6 @@ installed before importing this module.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -185,26 +184,19 @@ def check_gradient_readers(readers: list[tuple[str, str]], technique: str,
 def overlapped_like(plain: torch.optim.Optimizer, technique: str, model: torch.nn.Module,
                     clipping: Mapping[str, float], options: Mapping[str, Any]
                     ) -> OverlappedOptimizerFacade:
-    """``overlap_ddp`` / ``optimizer_in_backward`` of ``model`` with the class, param
-    groups (every hyperparameter, ``initial_lr`` of a scheduler), defaults and state of
-    ``plain``; clipping by global norm in ``plain``'s parameter order, as Lightning's
+    """``overlap_ddp`` / ``optimizer_in_backward`` of ``model`` stepping ``plain``
+    itself (adopted: its param groups, ``initial_lr`` of a scheduler, defaults and state
+    stay, and a ``self.optimizer`` the module kept from ``configure_optimizers`` stays
+    live); clipping by global norm in ``plain``'s parameter order, as Lightning's
     precision plugin clips (``main_params``: group by group)."""
+    from overlapkit.overlap.adopt import check_adopted
     from overlapkit.overlap.ddp import overlap_ddp
     from overlapkit.overlap.in_backward import optimizer_in_backward
 
-    optim_cls = type(plain)
-    groups = [{**group, "params": list(group["params"])} for group in plain.param_groups]
-    # every hyperparameter is in every group; the defaults matter for add_param_group
-    accepted = inspect.signature(optim_cls.__init__).parameters
-    optim_kwargs = {k: v for k, v in plain.defaults.items()
-                    if k in accepted and k not in ("self", "params")}
     build: Callable[..., OverlappedOptimizerFacade] = (
         overlap_ddp if technique == "overlap_ddp" else optimizer_in_backward)
-    arguments: dict[str, Any] = {**optim_kwargs, **options, **clipping}
-    overlapped = build(model, optim_cls, params=groups, **arguments)
-    overlapped.defaults = dict(plain.defaults)
-    if plain.state:
-        overlapped.load_state_dict(plain.state_dict())
+    overlapped = build(model, plain, **options, **clipping)
+    check_adopted(overlapped.optimizer, plain)
     overlapped.clip_in_order(p for group in plain.param_groups for p in group["params"])
     return overlapped
 

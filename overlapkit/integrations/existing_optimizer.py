@@ -9,11 +9,9 @@ integrations keep that very instance as the real optimizer that
 registered engine) stay what the framework set up, so the run is the plain run with the
 steps moved into backward.
 
-The techniques take an optimizer *class* and build the instance from ``params`` and
-the keyword arguments. :func:`overlap_existing` passes them a stand-in class whose
-construction returns the existing instance: the techniques' checks (the parameters are
-the model's, trainable, reduced by DDP, not stepped by another technique, the class
-can be stepped part by part) run as for any other call, on that instance's groups.
+:func:`overlap_existing` is a thin call into the public adopt path: the techniques
+take the instance itself (:mod:`overlapkit.overlap.adopt`), and their checks run on
+that instance's groups.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ import torch
 import overlapkit
 from overlapkit.errors import ConfigurationError, UnsupportedOptimizerError
 from overlapkit.optimizer_wrapper import OptimizerWrapper
+from overlapkit.overlap.adopt import check_adopted
 from overlapkit.overlap.facade import OverlappedOptimizerFacade
 
 __all__ = ["TECHNIQUES", "check_technique", "overlap_existing"]
@@ -43,20 +42,6 @@ def check_technique(technique: Any) -> str:
             "the model during backward and frees its gradient."
         )
     return str(technique)
-
-
-def _returning(optimizer: torch.optim.Optimizer) -> type[torch.optim.Optimizer]:
-    """A subclass of ``type(optimizer)`` whose construction returns ``optimizer``
-    itself (``__init__`` is then not run again: it is not an instance of the
-    subclass). Resolved to the engine registered for ``type(optimizer)``."""
-    cls = type(optimizer)
-
-    def __new__(klass: type, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
-        return optimizer
-
-    return type(cls.__name__, (cls,), {
-        "__new__": __new__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-    })
 
 
 def overlap_existing(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -84,8 +69,6 @@ def overlap_existing(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             f"expected a torch.optim.Optimizer instance, got {type(optimizer).__name__}."
         )
     build = getattr(overlapkit, technique)
-    facade: OverlappedOptimizerFacade = build(model, _returning(optimizer),
-                                              params=optimizer.param_groups, **options)
-    if facade.optimizer is not optimizer:  # the technique built its own after all
-        raise AssertionError("overlapkit built another optimizer than the one given")
+    facade: OverlappedOptimizerFacade = build(model, optimizer, **options)
+    check_adopted(facade.optimizer, optimizer)
     return facade

@@ -150,8 +150,9 @@ class OverlapDDPStrategy(_StepsInBackward, pl.strategies.DDPStrategy):
 
     ``configure_optimizers`` returns the plain optimizer (and LR scheduler) as for
     ``strategy="ddp"``; once Lightning has wrapped the model in
-    ``DistributedDataParallel``, the optimizer is rebuilt — same class, param groups,
-    hyperparameters and state — as ``technique`` of the DDP model, with Lightning's
+    ``DistributedDataParallel``, that optimizer instance is adopted by ``technique`` of
+    the DDP model (the same object stepped: its groups, state and a kept
+    ``self.optimizer`` stay live), with Lightning's
     ``gradient_clip_val`` / ``gradient_clip_algorithm`` as its exact clipping, and the LR
     schedulers drive it. Accumulation (``accumulate_grad_batches``,
     ``GradientAccumulationScheduler``) runs the other micro-batches under ``no_sync()``,

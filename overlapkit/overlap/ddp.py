@@ -18,6 +18,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.errors import ConfigurationError
+from overlapkit.overlap.adopt import class_or_adopted
 from overlapkit.overlap.bucket_stepper import STEP_THREADS, BucketStepper
 from overlapkit.overlap.clipping import GradClipping
 from overlapkit.overlap.ddp_setup import (
@@ -70,7 +71,7 @@ class DDPOverlapOptimizer(OverlappedOptimizerFacade):
 
 def overlap_ddp(
     ddp_model: DistributedDataParallel,
-    optim_cls: type[torch.optim.Optimizer],
+    optim_cls: type[torch.optim.Optimizer] | torch.optim.Optimizer,
     *args: Any,
     params: Iterable[Any] | None = None,
     comm_hook: str = "allreduce",
@@ -93,7 +94,11 @@ def overlap_ddp(
 
     :param ddp_model: the ``DistributedDataParallel`` model.
     :param optim_cls: any ``torch.optim.Optimizer`` subclass; ``*args`` and
-        ``**optim_kwargs`` are passed to it as to the plain optimizer.
+        ``**optim_kwargs`` are passed to it as to the plain optimizer. Or an existing
+        optimizer instance over the model's parameters, adopted as it is (its param
+        groups, state and LR schedulers; the returned optimizer steps it): then no
+        ``*args``, ``params`` or optimizer keyword arguments (see
+        :mod:`overlapkit.overlap.adopt`).
     :param params: the parameters (or param-group dicts) to optimise; default: every
         parameter DDP manages. The others in a bucket are left alone, for another
         optimizer stepped after backward. Frozen parameters are accepted (never
@@ -143,6 +148,7 @@ def overlap_ddp(
         whose step couples parameters (state not per parameter, values written into its
         param groups).
     """
+    optim_cls, params = class_or_adopted(optim_cls, args, optim_kwargs, params, TECHNIQUE)
     model = check_ddp_model(ddp_model, TECHNIQUE)
     overlapped_cls = resolve_overlapped_cls(optim_cls)
     if step_thread not in STEP_THREADS:

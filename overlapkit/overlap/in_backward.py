@@ -25,6 +25,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.errors import ConfigurationError, UnsupportedModelError
+from overlapkit.overlap.adopt import class_or_adopted
 from overlapkit.overlap.clipping import GradClipping
 from overlapkit.overlap.ddp_setup import (
     check_ddp_model,
@@ -145,7 +146,7 @@ def _side_stream(params: list[torch.Tensor]) -> SideStream:
 
 def optimizer_in_backward(
     module: torch.nn.Module,
-    optim_cls: type[torch.optim.Optimizer],
+    optim_cls: type[torch.optim.Optimizer] | torch.optim.Optimizer,
     *args: Any,
     params: Iterable[Any] | None = None,
     comm_hook: str | None = None,
@@ -173,7 +174,11 @@ def optimizer_in_backward(
 
     :param module: a DDP model, an FSDP2 model, or a plain ``torch.nn.Module``.
     :param optim_cls: any ``torch.optim.Optimizer`` subclass; ``*args`` and
-        ``**optim_kwargs`` are passed to it as to the plain optimizer.
+        ``**optim_kwargs`` are passed to it as to the plain optimizer. Or an existing
+        optimizer instance over the model's parameters, adopted as it is (its param
+        groups, state and LR schedulers; the returned optimizer steps it): then no
+        ``*args``, ``params`` or optimizer keyword arguments (see
+        :mod:`overlapkit.overlap.adopt`).
     :param params: the parameters (or param-group dicts) to optimise; default: every
         trainable parameter (for DDP: every parameter DDP manages). Others keep
         their gradients, for another optimizer stepped after backward. Frozen
@@ -210,6 +215,7 @@ def optimizer_in_backward(
         ``clip_grad_norm_scope="bucket"`` on a DDP model with
         ``find_unused_parameters`` or ``static_graph``.
     """
+    optim_cls, params = class_or_adopted(optim_cls, args, optim_kwargs, params, TECHNIQUE)
     kind = _model_kind(module)
     ddp_model = check_ddp_model(module, TECHNIQUE) if kind == "ddp" else None
     overlapped_cls = resolve_overlapped_cls(optim_cls)

@@ -24,6 +24,7 @@ CASES: dict[str, dict[str, Any]] = {
                                "precision": "bf16-mixed"},
     "GradientAccumulationScheduler": {"gradient_clip_val": 0.05},
     "checkpoint, ckpt_path= resume": {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2},
+    "self.optimizer kept, lr lowered by hand": {},
 }
 #: overlapkit's strategy -> the plain one it is compared with, by world size
 PAIRS = {
@@ -31,6 +32,33 @@ PAIRS = {
     1: {"overlap_ddp": "ddp", "optimizer_in_backward": "ddp",
         "one device": "single device"},
 }
+
+
+class LowersItsLr(Regression):
+    """Keeps ``self.optimizer`` from ``configure_optimizers`` and halves its learning
+    rates by hand every other step; records what ``self.optimizers()`` reports."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lrs: list[float] = []
+
+    def configure_optimizers(self) -> Any:
+        config = super().configure_optimizers()
+        self.optimizer = config["optimizer"]
+        return config
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx % 2:
+            for group in self.optimizer.param_groups:
+                group["lr"] *= 0.5
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.lrs.extend(group["lr"] for group in self.optimizers().param_groups)
+        return super().training_step(batch, batch_idx)
+
+
+#: the parity cases whose module is not Regression
+MODULES: dict[str, type[Regression]] = {"self.optimizer kept, lr lowered by hand": LowersItsLr}
 
 
 def strategy(label: str, accelerator: str = "cpu") -> Any:
@@ -58,9 +86,13 @@ def fit(label: str, case: str, world_size: int, root: Path,
     root.mkdir(parents=True, exist_ok=True)
     options = {**_options(case), "accelerator": accelerator}
     if case != "checkpoint, ckpt_path= resume":
-        module = Regression()
+        module = MODULES.get(case, Regression)()
         trainer(strategy(label, accelerator), world_size, root, **options).fit(module, data())
-        return {"values": values(module)}
+        out: dict[str, Any] = {"values": values(module)}
+        if isinstance(module, LowersItsLr):  # the learning rates seen, and the last ones
+            out["state"] = [torch.tensor(module.lrs + [
+                g["lr"] for g in module.optimizer.param_groups], dtype=torch.float64)]
+        return out
     first = trainer(strategy(label, accelerator), world_size, root, max_epochs=1, **options)
     first.fit(Regression(), data())
     path = root / "halfway.ckpt"

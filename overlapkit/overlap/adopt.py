@@ -1,0 +1,104 @@
+"""Adopt an optimizer instance the user or a framework already built.
+
+:func:`overlapkit.overlap_ddp` and :func:`overlapkit.optimizer_in_backward` take an
+optimizer *class* (built from ``params`` and the keyword arguments) or an existing
+``torch.optim.Optimizer`` *instance*. An instance is kept: the overlapped optimizer
+steps that very object, so references to it held by a module (``self.optimizer``), by
+callbacks and by LR schedulers built on it stay live, and its param groups and state
+(a loaded checkpoint) are what is trained. The techniques' checks (the parameters are
+the model's, trainable, reduced by DDP, not stepped by another technique, the class can
+be stepped part by part) run on its groups as for any other call.
+
+The set-up builds its optimizer as ``optim_cls(params, *args, **optim_kwargs)``;
+:func:`adopted` gives it a class resolved to the engine registered for the instance's
+class, whose construction returns the instance itself (``__init__`` is not run again).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from overlapkit.errors import ConfigurationError, UnsupportedOptimizerError
+from overlapkit.optimizer_wrapper import OptimizerWrapper
+
+__all__ = ["adopted", "check_adopted", "class_or_adopted", "is_instance"]
+
+
+def is_instance(optim: Any) -> bool:
+    """``optim`` is an optimizer object (to adopt), not an optimizer class."""
+    return isinstance(optim, (torch.optim.Optimizer, OptimizerWrapper))
+
+
+def _returning(optimizer: torch.optim.Optimizer) -> type[torch.optim.Optimizer]:
+    cls = type(optimizer)
+
+    def __new__(klass: type, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
+        return optimizer
+
+    return type(cls.__name__, (cls,), {
+        "__new__": __new__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+        "_overlapkit_adopts": optimizer,
+    })
+
+
+def adopted(optimizer: Any, args: Sequence[Any], optim_kwargs: Mapping[str, Any],
+            params: Any, technique: str) -> tuple[type[torch.optim.Optimizer], list[Any]]:
+    """The ``(optim_cls, params)`` with which ``technique``'s set-up steps
+    ``optimizer`` itself: its own param groups (the same dicts, so a scheduler built on
+    it drives the overlapped steps).
+
+    :raises UnsupportedOptimizerError: ``optimizer`` is already overlapped or wrapped by
+        overlapkit.
+    :raises ConfigurationError: optimizer arguments or ``params=`` given with an
+        instance (they belong to the optimizer: set them on it), or step hooks
+        registered on it.
+    """
+    if isinstance(optimizer, OptimizerWrapper):
+        raise UnsupportedOptimizerError(
+            f"the optimizer is already an overlapkit {type(optimizer).__name__}, so "
+            f"{technique} would step it a second time; pass the plain optimizer it wraps "
+            "(e.g. torch.optim.AdamW(model.parameters())), or its class."
+        )
+    name = type(optimizer).__name__
+    given = [f"{k}={v!r}" for k, v in optim_kwargs.items()]
+    given += [f"positional argument {a!r}" for a in args]
+    if given:
+        raise ConfigurationError(
+            f"{technique} was given an existing {name} instance and the optimizer "
+            f"arguments {', '.join(given)}, which apply only when it builds the optimizer "
+            "from a class; set them on the instance before the call (e.g. "
+            "optimizer.param_groups[0]['lr'] = ...), or pass the class instead."
+        )
+    if params is not None:
+        raise ConfigurationError(
+            f"{technique} was given an existing {name} instance and params=; the "
+            "instance's own param groups are stepped. Build the optimizer over the "
+            "parameters to step (optimizer.add_param_group for more), and leave params "
+            "out."
+        )
+    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+        raise ConfigurationError(
+            f"the {name} has step hooks (register_step_pre_hook / "
+            f"register_step_post_hook), which would run once per part of the model that "
+            f"{technique} steps instead of once per step; remove them and do that work "
+            "after optimizer.step() in the loop."
+        )
+    return _returning(optimizer), optimizer.param_groups
+
+
+def class_or_adopted(optim: Any, args: Sequence[Any], optim_kwargs: Mapping[str, Any],
+                     params: Any, technique: str) -> tuple[type[torch.optim.Optimizer], Any]:
+    """``(optim, params)`` for an optimizer class (checked later, by the engine
+    registry), :func:`adopted` for an instance."""
+    if is_instance(optim):
+        return adopted(optim, args, optim_kwargs, params, technique)
+    return optim, params
+
+
+def check_adopted(built: torch.optim.Optimizer, optimizer: torch.optim.Optimizer) -> None:
+    """The set-up stepped ``optimizer`` itself (an internal invariant)."""
+    if built is not optimizer:
+        raise AssertionError("overlapkit built another optimizer than the one given")

@@ -1,0 +1,129 @@
+"""overlap_ddp / optimizer_in_backward adopting an existing optimizer instance: the
+instance itself is stepped, a scheduler built on it before adoption drives it, and the
+training is bitwise the plain optimizer's (1 process and 2 gloo ranks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import overlapkit
+from overlapkit.distributed import run_distributed
+from overlapkit.errors import ConfigurationError, UnsupportedOptimizerError
+from tests.helpers import compare, rank_batches, values
+
+STEPS = 4
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        [{"params": model[0].parameters(), "weight_decay": 0.1},
+         {"params": model[2].parameters(), "weight_decay": 0.0}], lr=0.01)
+
+
+def _train(model: nn.Module, optimizer: Any, schedule: Any, batches: list[torch.Tensor]
+           ) -> None:
+    for batch in batches:
+        model(batch).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        schedule.step()
+
+
+def _run(rank: int, wrap: Any, technique: str | None) -> dict[str, Any]:
+    batches = rank_batches(rank, STEPS)
+    plain = wrap(_model())
+    plain_opt = _optimizer(plain.module if hasattr(plain, "module") else plain)
+    _train(plain, plain_opt, torch.optim.lr_scheduler.StepLR(plain_opt, 1, gamma=0.5),
+           batches)
+
+    model = wrap(_model())
+    optimizer = _optimizer(model.module if hasattr(model, "module") else model)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+    if technique is None:
+        return {}
+    overlapped = getattr(overlapkit, technique)(model, optimizer)
+    _train(model, overlapped, schedule, batches)
+    return {
+        "same instance": overlapped.optimizer is optimizer,
+        "parameters": compare(values(plain), values(model)),
+        "lr": [g["lr"] for g in optimizer.param_groups]
+        == [g["lr"] for g in plain_opt.param_groups],
+        "state": compare(_state(plain_opt), _state(optimizer)),
+    }
+
+
+def _state(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every state tensor, named by its parameter's place in the groups."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {f"{i}.{k}": v for i, p in enumerate(params)
+            for k, v in optimizer.state[p].items()}
+
+
+def _ranks(rank: int, world_size: int, technique: str) -> dict[str, Any]:
+    return _run(rank, lambda m: DistributedDataParallel(m), technique)
+
+
+@pytest.mark.parametrize("technique", ["optimizer_in_backward"])
+def test_an_adopted_instance_on_one_process_is_stepped_itself_bitwise(technique: str
+                                                                      ) -> None:
+    result = _run(0, lambda m: m, technique)
+    assert result["same instance"]
+    assert result["parameters"], result["parameters"]
+    assert result["state"], result["state"]
+    assert result["lr"]
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+def test_an_adopted_instance_on_two_ranks_is_stepped_itself_bitwise(technique: str
+                                                                    ) -> None:
+    for result in run_distributed(_ranks, 2, args=(technique,), timeout=240):
+        assert result["same instance"]
+        assert result["parameters"], result["parameters"]
+        assert result["state"], result["state"]
+        assert result["lr"], "the scheduler built on the instance did not drive it"
+
+
+def test_an_instance_with_optimizer_arguments_is_refused_saying_to_set_them_on_it(
+        ) -> None:
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigurationError, match="set them on the instance"):
+        overlapkit.optimizer_in_backward(model, optimizer, lr=0.5)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_instance_over_parameters_outside_the_model_is_refused() -> None:
+    model = _model()
+    other = nn.Linear(16, 4)
+    with pytest.raises(ConfigurationError, match="not a parameter of"):
+        overlapkit.optimizer_in_backward(model, torch.optim.SGD(other.parameters(), lr=0.1))
+
+
+def test_an_overlapped_optimizer_is_refused_as_an_instance_to_adopt() -> None:
+    model = _model()
+    overlapped = overlapkit.optimizer_in_backward(model, torch.optim.SGD, lr=0.1)
+    with pytest.raises(UnsupportedOptimizerError, match="already an overlapkit"):
+        overlapkit.optimizer_in_backward(_model(1), overlapped)
+
+
+def test_an_instance_keeps_its_loaded_state() -> None:
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.ones(2, 16)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    before = {k: {n: t.clone() for n, t in s.items()} for k, s in optimizer.state.items()}
+    overlapped = overlapkit.optimizer_in_backward(model, optimizer)
+    assert overlapped.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
+    assert all(torch.equal(before[p]["exp_avg"], optimizer.state[p]["exp_avg"])
+               for p in before)
