@@ -36,9 +36,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from overlapkit.cli.bench import goal, torchscript_warnings_silenced
-from overlapkit.cli.bench.optimizer_in_backward import fix_mmap_threshold
-from overlapkit.cli.bench.timing import mlp, timed_rounds
-from overlapkit.cli.memory import peak_rss_mib
+from overlapkit.cli.bench.timing import mlp, paired_ratio, timed_rounds
+from overlapkit.cli.memory import fix_mmap_threshold, peak_rss_mib
 from overlapkit.distributed import RankFailedError, run_distributed
 
 __all__ = ["VARIANTS", "run_benchmark"]
@@ -275,9 +274,9 @@ def run_benchmark(*, rounds: int = 5, world_size: int = 2, quick: bool = False,
         """The median over rounds of sharded / ``other`` within each round (the two ran
         back to back): steadier than a ratio of medians when the machine's load drifts
         between rounds."""
-        return statistics.median(
-            max(r["per_round"]["sharded"][i] for r in per_rank)
-            / max(r["per_round"][other][i] for r in per_rank) for i in range(rounds))
+        return paired_ratio(
+            [max(r["per_round"]["sharded"][i] for r in per_rank) for i in range(rounds)],
+            [max(r["per_round"][other][i] for r in per_rank) for i in range(rounds)])
 
     ratios: dict[str, float] = {
         "sharded / overlap_ddp step time": paired("overlap_ddp"),

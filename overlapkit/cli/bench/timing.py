@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["TrainsOneStep", "mlp", "rotated", "timed_rounds"]
+__all__ = ["TrainsOneStep", "mlp", "paired_ratio", "rotated", "timed_rounds"]
 
 
 def mlp(width: int, depth: int) -> nn.Module:
@@ -56,3 +56,9 @@ def timed_rounds(variants: Mapping[str, TrainsOneStep], names: Sequence[str], ro
                 times.append(time.perf_counter() - started)
             per_round[name].append(statistics.median(times))
     return per_round
+
+
+def paired_ratio(ours: list[float], other: list[float]) -> float:
+    """The median over rounds of ``ours / other`` within each round: the two ran seconds
+    apart, so load from other processes cancels better than in a ratio of medians."""
+    return statistics.median(a / b for a, b in zip(ours, other, strict=True))
