@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from overlapkit.cli.bench.goals import verdict
 from overlapkit.cli.textui import format_table
 
 __all__ = ["format_result"]
@@ -18,13 +19,9 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def _met(met: bool | None) -> str:
-    return "not measured" if met is None else "met" if met else "MISSED"
-
-
 def format_result(result: dict[str, Any]) -> str:
     """One benchmark's result as text: a row per variant, the ratios, then a table of
-    its goals with value, target and met/MISSED."""
+    its goals with value, target and met/MISSED (or why a goal is not judged)."""
     if "error" in result:
         return f"== {result['benchmark']}: FAILED: {result['error']}"
     variants: dict[str, dict[str, Any]] = result.get("variants", {})
@@ -42,7 +39,7 @@ def format_result(result: dict[str, Any]) -> str:
     if goals:
         rows = [["goal", "value", "target", "met"]]
         rows += [[g["goal"], "-" if g["value"] is None else _cell(float(g["value"])),
-                  g["target"], _met(g["met"])] for g in goals]
+                  g["target"], verdict(g)] for g in goals]
         text.append(format_table(rows))
     if result.get("notes"):
         text.append(f"  notes: {result['notes']}")
