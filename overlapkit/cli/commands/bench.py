@@ -85,7 +85,8 @@ def register(commands: Any) -> None:
                         "2 -> 4 for the checkpoint reshard)")
     parser.add_argument("--quick", action="store_true",
                         help=f"small sizes and {QUICK_ROUNDS} round: a smoke test of every "
-                        "variant, not figures to quote; goals it cannot measure are shown, not judged")
+                        "variant, not figures to quote; goals it cannot measure are shown, "
+                        "not judged")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the ranks train: cpu (gloo) or cuda (NCCL, one GPU "
                         "per rank; the benchmarks with a GPU variant: "
