@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from overlapkit.cli.bench import goal
+from overlapkit.cli.bench.timing import slowest_per_round
 from overlapkit.distributed import run_distributed
 
 __all__ = ["GOALS", "MODELS", "ModelSpec", "run_benchmark"]
@@ -156,8 +157,8 @@ def _figures(ranks: int, per_rank: list[dict[str, Any]], rounds: int, models: li
     variants: dict[str, dict[str, float]] = {}
     shapes = per_rank[0]["shapes"]
     for name in variant_names(models):
-        slowest = [max(r["per_round"][name][i] for r in per_rank) for i in range(rounds)]
-        busiest = [max(r["cpu_per_round"][name][i] for r in per_rank) for i in range(rounds)]
+        slowest = slowest_per_round([r["per_round"] for r in per_rank], name)
+        busiest = slowest_per_round([r["cpu_per_round"] for r in per_rank], name)
         model_name = name.split("/")[0]
         buckets = shapes[f"{model_name}/overlap_ddp"]["buckets"]
         variants[f"{ranks}r/{name}"] = {"step_ms": 1000 * statistics.median(slowest),

@@ -22,7 +22,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from overlapkit.cli.bench import goal
-from overlapkit.cli.bench.timing import mlp, timed_rounds
+from overlapkit.cli.bench.timing import mlp, slowest_per_round, timed_rounds
 from overlapkit.distributed import run_distributed
 
 __all__ = ["VARIANTS", "run_benchmark"]
@@ -118,7 +118,7 @@ def run_benchmark(*, rounds: int = 5, world_size: int = 2, quick: bool = False,
                                args=(rounds, steps, warmup, quick), timeout=600)
     variants: dict[str, dict[str, float]] = {}
     for name in VARIANTS:
-        slowest = [max(r[name][i] for r in per_rank) for i in range(rounds)]
+        slowest = slowest_per_round(per_rank, name)
         variants[name] = {"step_ms": 1000 * statistics.median(slowest)}
     ms = {name: figures["step_ms"] for name, figures in variants.items()}
     ratios = {

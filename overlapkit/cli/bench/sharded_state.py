@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from overlapkit.cli.bench import goal, torchscript_warnings_silenced
-from overlapkit.cli.bench.timing import mlp, paired_ratio, timed_rounds
+from overlapkit.cli.bench.timing import mlp, paired_ratio, slowest_per_round, timed_rounds
 from overlapkit.cli.memory import fix_mmap_threshold, peak_rss_mib
 from overlapkit.distributed import RankFailedError, run_distributed
 
@@ -230,9 +230,10 @@ def run_benchmark(*, rounds: int = 5, world_size: int = 2, quick: bool = False,
                                args=(timing, rounds, steps, warmup, device),
                                timeout=900, backend=backend)
     names = list(per_rank[0]["per_round"])
+    timings = [r["per_round"] for r in per_rank]
     variants: dict[str, dict[str, Any]] = {}
     for name in names:
-        slowest = [max(r["per_round"][name][i] for r in per_rank) for i in range(rounds)]
+        slowest = slowest_per_round(timings, name)
         sent = max(r["traffic"][name][0] for r in per_rank)
         received = max(r["traffic"][name][1] for r in per_rank)
         variants[name] = {
@@ -275,8 +276,7 @@ def run_benchmark(*, rounds: int = 5, world_size: int = 2, quick: bool = False,
         back to back): steadier than a ratio of medians when the machine's load drifts
         between rounds."""
         return paired_ratio(
-            [max(r["per_round"]["sharded"][i] for r in per_rank) for i in range(rounds)],
-            [max(r["per_round"][other][i] for r in per_rank) for i in range(rounds)])
+            slowest_per_round(timings, "sharded"), slowest_per_round(timings, other))
 
     ratios: dict[str, float] = {
         "sharded / overlap_ddp step time": paired("overlap_ddp"),
