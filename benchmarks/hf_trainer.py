@@ -11,7 +11,7 @@ backward and the gradients are not freed early (no memory saved); without clippi
 each gradient is freed once stepped. Every variant runs in fresh processes of its own
 per round (peak RSS is a process high-water mark, ``VmHWM``), rounds in a rotating
 order, glibc's mmap threshold pinned so freed tensors leave the RSS at once (see
-``overlapkit.cli.bench.optimizer_in_backward``). Step time: ``on_step_begin`` to
+``overlapkit.cli.memory``). Step time: ``on_step_begin`` to
 ``on_step_end`` of each optimizer step but the first (which allocates the optimizer
 state), median per rank, slowest rank; peak RSS: largest rank, also above a baseline
 taken after imports and the process group, before the model is built. Figures: medians
@@ -29,8 +29,7 @@ import tempfile
 import time
 from typing import Any
 
-from overlapkit.cli.bench.optimizer_in_backward import fix_mmap_threshold
-from overlapkit.cli.memory import peak_rss_mib
+from overlapkit.cli.memory import fix_mmap_threshold, peak_rss_mib
 from overlapkit.distributed import run_distributed
 
 #: variant -> (technique or None for the plain Trainer, max_grad_norm)

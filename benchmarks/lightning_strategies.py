@@ -56,8 +56,7 @@ def _rank(rank: int, world_size: int, variant: str, width: int, depth: int,
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
-    from overlapkit.cli.bench.optimizer_in_backward import fix_mmap_threshold
-    from overlapkit.cli.memory import peak_rss_mib
+    from overlapkit.cli.memory import fix_mmap_threshold, peak_rss_mib
 
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import resource
 
-__all__ = ["peak_rss_mib", "reset_peak_rss", "rss_mib"]
+__all__ = ["MMAP_THRESHOLD", "fix_mmap_threshold", "peak_rss_mib", "reset_peak_rss", "rss_mib"]
 
 
 def _status_mib(field: str) -> float | None:
@@ -52,3 +52,28 @@ def peak_rss_mib() -> float:
     if peak is not None:
         return peak
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+#: glibc ``mallopt`` parameter number of M_MMAP_THRESHOLD
+_M_MMAP_THRESHOLD = -3
+#: allocations from this size on are mmapped, and unmapped when freed
+MMAP_THRESHOLD = 128 * 1024
+
+
+def fix_mmap_threshold() -> bool:
+    """Pin glibc's mmap threshold at :data:`MMAP_THRESHOLD`, so that every tensor
+    buffer above it goes back to the OS when freed. Returns whether it could.
+
+    By default glibc raises the threshold (up to 32 MiB) each time a mapped chunk is
+    freed, after which same-sized tensors come from the heap and stay resident when
+    freed: peak RSS then measures the allocator's caching as much as live memory,
+    and differs between variants that allocate in a different order (docs/benchmarks.md
+    has figures both ways).
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    except (OSError, AttributeError):
+        return False

@@ -1,4 +1,5 @@
-"""Benchmarks, one module per technique, each with ``run_benchmark(...) -> dict``.
+"""Benchmarks, one module per technique, each with ``run_benchmark(...) -> dict``, and the
+harness they share.
 
 ``overlapkit bench`` (:mod:`overlapkit.cli.bench.runner`) runs them; the scripts in the
 repository's ``benchmarks/`` folder run one each. Every result is a JSON-serialisable
@@ -6,6 +7,33 @@ dict: ``{"benchmark", "command", "variants": {variant: {metric: value}}, "ratios
 "goals", "notes"}``. One spelling throughout: times ``step_ms`` (``load_s`` for a
 checkpoint load), memory in MiB (``peak_rss_mib``, ``..._mib``); each goal a record of
 :func:`goal`, which ``overlapkit bench`` shows with a met/missed column.
+
+The harness (a benchmark module fills in its variants, sizes and goals, and uses these):
+
+- :mod:`~overlapkit.cli.bench.timing`: the seeded MLP, interleaved timed rounds in a
+  rotating order (``timed_rounds``), and ``paired_ratio`` (ours / a peer, per round);
+- :mod:`~overlapkit.cli.bench.goals`: ``goal(...)`` and its verdict; a goal a
+  ``--quick`` run cannot measure is built with ``judged=not quick``;
+- :mod:`~overlapkit.cli.bench.tables`: ``format_result``, the table of a result;
+- :mod:`overlapkit.cli.memory`: peak RSS per rank, ``fix_mmap_threshold``;
+- :mod:`~overlapkit.cli.bench.runner`: the registry (``BENCHMARKS``), running them in
+  turn, the plot.
+
+A benchmark imports the harness and never another benchmark
+(``tests/test_bench_imports.py`` checks the import graph).
+
+Adding a benchmark (for example ``network_bound``):
+
+1. write ``overlapkit/cli/bench/network_bound.py`` with
+   ``run_benchmark(*, rounds, world_size=2, quick=False, **options) -> dict`` returning
+   the dict above (``quick``: small sizes; its goals built with ``judged=not quick``
+   unless a quick run measures them exactly);
+2. register it in one place: a line ``"network_bound": "overlapkit.cli.bench.network_bound"``
+   in :data:`~overlapkit.cli.bench.runner.BENCHMARKS` (and its name in ``GPU_BENCHMARKS``
+   if it runs with ``--device cuda``); ``--only``, ``--help``, ``--json`` and the tables
+   follow;
+3. add its expected variants to ``tests/test_bench_cli.py`` and a section to
+   ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -13,25 +41,10 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+
+from overlapkit.cli.bench.goals import goal
 
 __all__ = ["goal", "torchscript_warnings_silenced"]
-
-
-def goal(name: str, value: float | None, *, at_most: float | None = None,
-         at_least: float | None = None) -> dict[str, Any]:
-    """One goal of a benchmark and whether this run met it (``None``: not measured).
-
-    :param name: what is compared, e.g. ``"mlp: overlapkit / torch_fused step time"``.
-    :param at_most: the goal is ``value <= at_most``; ``at_least``: ``value >= at_least``.
-    """
-    if at_most is not None and at_least is None:
-        target, met = f"<= {at_most:g}", None if value is None else value <= at_most
-    elif at_least is not None and at_most is None:
-        target, met = f">= {at_least:g}", None if value is None else value >= at_least
-    else:
-        raise ValueError("give exactly one of at_most and at_least")
-    return {"goal": name, "value": value, "target": target, "met": met}
 
 
 @contextmanager

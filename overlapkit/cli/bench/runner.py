@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from overlapkit.cli.textui import format_table, parse_names, pyplot
+from overlapkit.cli.bench.tables import format_result
+from overlapkit.cli.textui import parse_names, pyplot
 from overlapkit.errors import ConfigurationError
 from overlapkit.launch import check_world_size
 
@@ -164,45 +165,6 @@ def run_benchmarks(names: Sequence[str], *, rounds: int, world_size: int | None,
         result["machine"] = machine_description()
         results.append(result)
     return results
-
-
-def _cell(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, list):
-        return "/".join(_cell(v) for v in value)
-    return str(value)
-
-
-def _met(met: bool | None) -> str:
-    return "not measured" if met is None else "met" if met else "MISSED"
-
-
-def format_result(result: dict[str, Any]) -> str:
-    """One benchmark's result as text: a row per variant, the ratios, then a table of
-    its goals with value, target and met/MISSED."""
-    if "error" in result:
-        return f"== {result['benchmark']}: FAILED: {result['error']}"
-    variants: dict[str, dict[str, Any]] = result.get("variants", {})
-    metrics: list[str] = []
-    for figures in variants.values():
-        metrics += [m for m in figures if m not in metrics and not isinstance(figures[m], dict)]
-    lines = [["variant", *metrics]]
-    lines += [[name, *(_cell(figures.get(m, "-")) for m in metrics)]
-              for name, figures in variants.items()]
-    text = [f"== {result.get('benchmark')} ({result.get('machine', '')})",
-            format_table(lines)]
-    for name, value in result.get("ratios", {}).items():
-        text.append(f"  {name}: {_cell(value)}")
-    goals = result.get("goals", [])
-    if goals:
-        rows = [["goal", "value", "target", "met"]]
-        rows += [[g["goal"], "-" if g["value"] is None else _cell(float(g["value"])),
-                  g["target"], _met(g["met"])] for g in goals]
-        text.append(format_table(rows))
-    if result.get("notes"):
-        text.append(f"  notes: {result['notes']}")
-    return "\n".join(text)
 
 
 def plot_results(results: list[dict[str, Any]], path: Path) -> None:

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["TrainsOneStep", "mlp", "rotated", "timed_rounds"]
+__all__ = ["TrainsOneStep", "mlp", "paired_ratio", "rotated", "slowest_per_round",
+           "timed_rounds"]
 
 
 def mlp(width: int, depth: int) -> nn.Module:
@@ -56,3 +57,17 @@ def timed_rounds(variants: Mapping[str, TrainsOneStep], names: Sequence[str], ro
                 times.append(time.perf_counter() - started)
             per_round[name].append(statistics.median(times))
     return per_round
+
+
+def paired_ratio(ours: list[float], other: list[float]) -> float:
+    """The median over rounds of ``ours / other`` within each round: the two ran seconds
+    apart, so load from other processes cancels better than in a ratio of medians."""
+    return statistics.median(a / b for a, b in zip(ours, other, strict=True))
+
+
+def slowest_per_round(per_rank: Sequence[Mapping[str, Sequence[float]]], name: str
+                      ) -> list[float]:
+    """The slowest rank's figure for ``name`` in each round, from what each rank's
+    :func:`timed_rounds` returned: a step is as slow as its slowest rank."""
+    rounds = len(per_rank[0][name])
+    return [max(r[name][i] for r in per_rank) for i in range(rounds)]
