@@ -136,6 +136,14 @@ class ModelAverager(abc.ABC):
         runs. Override it to change what averaging means (e.g. an outer optimizer)."""
         average_in_place(params, group)
 
+    def before_step(self, params: Iterable[torch.Tensor] | Iterable[Mapping[str, Any]]) -> None:
+        """Called by :class:`~overlapkit.PostLocalSGDOptimizer` before each local step,
+        with the same ``params`` as :meth:`average_parameters`. Nothing here; an
+        averager that needs the parameters as a round starts (DiLoCo's outer step,
+        whose first round starts before the first step) overrides it. Not a
+        collective."""
+        return None  # deliberately empty: most averagers only act after the step
+
     def average_parameters(
         self, params: Iterable[torch.Tensor] | Iterable[Mapping[str, Any]]
     ) -> bool:

@@ -120,6 +120,9 @@ class PostLocalSGDOptimizer(OptimizerWrapper):
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         """Step the local optimizer, then count a step on the averager (which averages
         all parameters on its averaging steps). Returns the closure's loss, if any."""
+        before_step = getattr(self.averager, "before_step", None)
+        if before_step is not None:
+            before_step(self.param_groups)
         loss = self.optim.step(closure) if closure is not None else self.optim.step()
         with lost_ranks_named("averaging parameters (post-local SGD)"):
             self.averager.average_parameters(self.param_groups)

@@ -139,16 +139,25 @@ def _averager_rank(rank: int, world_size: int, name: str, options: dict[str, Any
     import overlapkit
 
     failures = []
-    model = _model(seed=rank)  # different values on each rank
+    # As under DDP, the ranks hold the same parameters through warm-up, then each
+    # rank's local steps move them apart (an averager with rounds, DiLoCo's, starts
+    # its first round from the common parameters).
+    model = _model()
     names = [n for n, _ in model.named_parameters()]
-    expected = []
-    for p in model.parameters():
-        total = p.detach().clone()
-        dist.all_reduce(total)
-        expected.append(total / world_size)
     averager = overlapkit.create_averager(name, **options)
     for _ in range(int(getattr(averager, "warmup_steps", 0))):
         averager.average_parameters(model.parameters())
+    before_step = getattr(averager, "before_step", None)
+    if before_step is not None:
+        before_step(model.parameters())
+    expected = []
+    with torch.no_grad():
+        for index, p in enumerate(model.parameters()):
+            gen = torch.Generator().manual_seed(1000 * rank + index)
+            p.add_(torch.randn(p.shape, generator=gen), alpha=0.1)  # the local steps
+            total = p.detach().clone()
+            dist.all_reduce(total)
+            expected.append(total / world_size)
     averaged = False
     for _ in range(int(getattr(averager, "period", 1))):
         averaged = averager.average_parameters(model.parameters()) or averaged

@@ -25,19 +25,23 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen)
+
+
 def _train(rank: int, averager: str, steps: range, state: dict[str, Any] | None = None,
-           **options: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+           warmup: int = WARMUP, **options: Any) -> tuple[torch.Tensor, dict[str, Any]]:
     """Train ``steps``; return the parameters and a checkpoint (model and optimizer)."""
     model = _ddp()
     inner = torch.optim.AdamW(model.parameters(), lr=0.01)
-    opt = overlapkit.post_local_sgd(model, inner, period=PERIOD, warmup_steps=WARMUP,
+    opt = overlapkit.post_local_sgd(model, inner, period=PERIOD, warmup_steps=warmup,
                                     averager=averager, subgroup_size=1, **options)
     if state is not None:
         model.module.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
     for step in steps:
-        gen = torch.Generator().manual_seed(100 * rank + step)
-        x, y = torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen)
+        x, y = _batch(rank, step)
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -45,6 +49,57 @@ def _train(rank: int, averager: str, steps: range, state: dict[str, Any] | None 
     torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict()}, buffer)
     buffer.seek(0)
     return _flat(model), torch.load(buffer, weights_only=False)
+
+
+def _algorithm_1(rank: int, world_size: int, warmup: int, steps: int) -> torch.Tensor:
+    """DiLoCo as the paper writes it (arXiv 2311.08105, Algorithm 1), by hand: ``warmup``
+    steps of plain DDP, then rounds of ``PERIOD`` inner steps on each worker alone,
+    each followed by the outer step: Delta = mean over workers of (theta_start -
+    theta_i), theta = OuterOpt(theta_start, Delta) with Nesterov SGD (0.7, 0.9)."""
+    model = _ddp()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+    params = list(model.parameters())
+    start: list[torch.Tensor] = []
+    outer: torch.optim.Optimizer | None = None
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        if step < warmup:
+            torch.nn.functional.mse_loss(model(x), y).backward()  # DDP: gradients averaged
+        else:
+            if step == warmup:  # theta^(0): the model as the first round starts
+                start = [p.detach().clone() for p in params]
+                outer = torch.optim.SGD(start, lr=0.7, momentum=0.9, nesterov=True)
+            torch.nn.functional.mse_loss(model.module(x), y).backward()  # one worker alone
+        inner.step()
+        inner.zero_grad(set_to_none=True)
+        if step >= warmup and (step - warmup + 1) % PERIOD == 0:
+            assert outer is not None
+            with torch.no_grad():
+                deltas = torch.cat([(s - p).reshape(-1)
+                                    for s, p in zip(start, params, strict=True)])
+                deltas.div_(world_size)
+                dist.all_reduce(deltas)  # Delta: the workers' mean pseudo-gradient
+                offset = 0
+                for s in start:
+                    s.grad = deltas[offset:offset + s.numel()].view_as(s).clone()
+                    offset += s.numel()
+                outer.step()  # start becomes theta^(t)
+                for s, p in zip(start, params, strict=True):
+                    p.copy_(s)
+                    s.grad = None
+    return _flat(model)
+
+
+def _first_round_without_start(rank: int) -> str:
+    """An averager driven by hand with no warm-up and no before_step: refused."""
+    averager = DiLoCoAverager(2)
+    params = [torch.ones(3, requires_grad=True)]
+    averager.average_parameters(params)
+    try:
+        averager.average_parameters(params)
+    except overlapkit.ConfigurationError as error:
+        return str(error)
+    return "no error"
 
 
 def _nesterov_by_hand(rank: int, world_size: int) -> dict[str, Any]:
@@ -80,13 +135,15 @@ def _nesterov_by_hand(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def run_all(rank: int, world_size: int) -> dict[str, Any]:
-    periodic, _ = _train(rank, "periodic", range(STEPS))
-    unit, _ = _train(rank, "diloco", range(STEPS), outer_lr=1.0, outer_momentum=0.0)
     diloco, _ = _train(rank, "diloco", range(STEPS))
+    no_warmup, _ = _train(rank, "diloco", range(STEPS), warmup=0)
     _, state = _train(rank, "diloco", range(7))
     resumed, _ = _train(rank, "diloco", range(7, STEPS), state=state)
     results = {
-        "periodic": periodic, "diloco_unit": unit, "diloco": diloco, "resumed": resumed,
+        "diloco": diloco, "no_warmup": no_warmup, "resumed": resumed,
+        "paper": _algorithm_1(rank, world_size, WARMUP, STEPS),
+        "paper_no_warmup": _algorithm_1(rank, world_size, 0, STEPS),
+        "unstarted_error": _first_round_without_start(rank),
         "saved_averager": state["optimizer"]["averager"],
     }
     results.update(_nesterov_by_hand(rank, world_size))

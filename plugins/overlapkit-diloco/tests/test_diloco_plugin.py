@@ -14,7 +14,7 @@ from overlapkit_diloco import DiLoCoAverager
 
 def test_installed_plugin_is_listed_with_its_version() -> None:
     listed = installed_plugins()["diloco"]
-    assert (listed["distribution"], listed["version"]) == ("overlapkit-diloco", "0.1.0")
+    assert (listed["distribution"], listed["version"]) == ("overlapkit-diloco", "0.2.0")
     assert listed["provides"] == {"averagers": ["diloco"]}
 
 

@@ -4,20 +4,22 @@ DiLoCo (Douillard et al., 2023, arXiv 2311.08105) lets every worker take ``perio
 local (inner) optimizer steps, then treats the averaged change of the parameters over
 that round as a gradient for an *outer* optimizer, Nesterov SGD by default::
 
-    delta  = round_start - mean_over_ranks(params)     # the pseudo-gradient
+    delta  = mean_over_ranks(round_start - params)     # the pseudo-gradient
     params = round_start - outer_optimizer_step(delta)  # then the next round starts
 
-It communicates what periodic averaging communicates (one allreduce of the parameters
-per round) and converges better at long periods.
+Every rank computes its pseudo-gradient ``round_start - params``; one allreduce
+averages them (the paper's Delta, with periodic averaging's arithmetic: one flat buffer
+divided by the group size, then summed); the outer optimizer, a real ``torch.optim``
+optimizer over copies of the round start, steps with Delta as their gradient, and the
+parameters become its result. That is Algorithm 1 term for term, and torchft's
+``DiLoCo`` arithmetic. It communicates what periodic averaging communicates (one
+allreduce of the size of the parameters per round) and converges better at long periods.
 
-The outer optimizer is a real ``torch.optim`` optimizer, stepped on *displacement*
-tensors: each holds ``delta`` as its value and as its gradient, so after the outer
-step it holds ``delta - update`` and the new parameters are
-``mean(params) + (delta - update)``, which is ``round_start - update`` exactly as
-written above. Written this way, outer lr 1 without momentum gives ``update == delta``,
-a displacement of exactly zero, and parameters bitwise equal to periodic averaging.
-It also means the outer optimizer must not use weight decay (it would decay the
-displacement, not the parameters); that is refused.
+Outer lr 1 without momentum gives ``round_start - mean(round_start - params)``: the
+mean of the parameters up to rounding (1e-7 in float32), no longer bitwise periodic
+averaging as before 0.4 (which averaged the parameters, not the deltas). The outer
+optimizer must not use weight decay (not in the paper; decay the parameters in the
+inner optimizer); that is refused.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from overlapkit.plugin import (
     ConfigurationError,
     PeriodicAverager,
     average_in_place,
+    parameters_to_average,
 )
 
 __all__ = ["DiLoCoAverager", "nesterov_sgd"]
@@ -62,12 +65,21 @@ def nesterov_sgd(lr: float = 0.7, momentum: float = 0.9) -> OuterOptimizerFactor
 class DiLoCoAverager(PeriodicAverager):
     """Periodic averaging whose averaging step is an outer optimizer step (DiLoCo).
 
-    Same schedule as :class:`~overlapkit.local_sgd.averagers.PeriodicAverager` (first averaging at
-    step ``warmup_steps``, then every ``period`` steps). A round starts at the end of
-    warm-up; a run without warm-up starts its first round at its first averaging,
-    which is then a plain average.
+    The schedule is the paper's (Algorithm 1) from the first round: a round starts
+    when warm-up ends (at the first step when there is none), every worker takes
+    ``period`` inner steps, then the outer step runs: after steps ``warmup_steps +
+    period``, ``warmup_steps + 2 * period``, ... (counted from 1). Before 0.4 the first
+    outer step came after one inner step (with warm-up) or a plain average after the
+    first step started the first round (without): the paper's first round only came
+    one round late.
 
-    :param period: local steps between two outer steps (DiLoCo's H).
+    The round's start is taken by :meth:`before_step`, which
+    :class:`~overlapkit.PostLocalSGDOptimizer` calls before each local step; an
+    averager driven by hand with ``warmup_steps > 0`` also takes it at the last
+    warm-up step's :meth:`average_parameters`. Driven by hand without warm-up, call
+    :meth:`before_step` before the first inner step.
+
+    :param period: inner steps per round (DiLoCo's H).
     :param warmup_steps: steps of plain DDP before the first round.
     :param process_group: the group the rounds span (``None``: the default group).
     :param outer_lr: the outer Nesterov SGD's learning rate.
@@ -89,38 +101,53 @@ class DiLoCoAverager(PeriodicAverager):
         self.build_outer = outer_optimizer or nesterov_sgd(outer_lr, outer_momentum)
         super().__init__(period, warmup_steps, process_group)
         self.round_start: list[torch.Tensor] | None = None
-        self._displacements: list[torch.Tensor] = []
+        self._outer_params: list[torch.Tensor] = []
         self.outer: torch.optim.Optimizer | None = None
 
-    def average_parameters(self, params: Any) -> bool:
-        """Count a step and average on schedule; at the last warm-up step, remember the
+    def group_for_step(self, step: int) -> dist.ProcessGroup | None:
+        """The process group after the ``period``-th inner step of each round."""
+        if (step - self.warmup_steps + 1) % self.period == 0:
+            return self.process_group
+        return None
+
+    def before_step(self, params: Any) -> None:
+        """Before the first inner step (the step ``warmup_steps``), remember the
         parameters as the first round's start."""
+        if self.step == self.warmup_steps:
+            self._start_round(parameters_to_average(params))
+
+    def average_parameters(self, params: Any) -> bool:
+        """Count a step and take the outer step on schedule; at the last warm-up step,
+        remember the parameters as the first round's start."""
         averaged = super().average_parameters(params)
         if self.step == self.warmup_steps and self.warmup_steps > 0:
-            from overlapkit.plugin import parameters_to_average
-
             self._start_round(parameters_to_average(params))
         return averaged
 
     def average(self, params: list[torch.Tensor], group: dist.ProcessGroup) -> None:
         """Average the parameters, then take the outer step from the round's start."""
-        average_in_place(params, group)
         if self.round_start is None:
-            self._start_round(params)
-            return
+            raise ConfigurationError(
+                "the DiLoCo averager has no round start: without warm-up, call "
+                "averager.before_step(params) before the first inner step (as "
+                "overlapkit.post_local_sgd's optimizer does), or use warmup_steps >= 1."
+            )
         self._check_layout(params)
         self._follow_devices(params)
         assert self.outer is not None
         with torch.no_grad():
-            for param, start, displacement in zip(
-                params, self.round_start, self._displacements, strict=True
+            pseudo = [start - param
+                      for start, param in zip(self.round_start, params, strict=True)]
+            average_in_place(pseudo, group)  # Algorithm 1: the mean of the workers' deltas
+            for start, outer_param, delta in zip(
+                self.round_start, self._outer_params, pseudo, strict=True
             ):
-                displacement.copy_(start).sub_(param)
-                displacement.grad = displacement.detach().clone()
+                outer_param.copy_(start)
+                outer_param.grad = delta
             self.outer.step()
-            for param, displacement in zip(params, self._displacements, strict=True):
-                param.add_(displacement)
-                displacement.grad = None
+            for param, outer_param in zip(params, self._outer_params, strict=True):
+                param.copy_(outer_param)
+                outer_param.grad = None
         self._start_round(params)
 
     def _follow_devices(self, params: list[torch.Tensor]) -> None:
@@ -145,8 +172,8 @@ class DiLoCoAverager(PeriodicAverager):
                     start.copy_(param)
 
     def _make_outer(self, like: list[torch.Tensor]) -> None:
-        self._displacements = [torch.zeros_like(t) for t in like]
-        self.outer = self.build_outer(self._displacements)
+        self._outer_params = [torch.zeros_like(t) for t in like]
+        self.outer = self.build_outer(self._outer_params)
         if any(group.get("weight_decay", 0) for group in self.outer.param_groups):
             raise ConfigurationError(
                 "the DiLoCo outer optimizer must not use weight_decay (it would decay the "
@@ -178,7 +205,7 @@ class DiLoCoAverager(PeriodicAverager):
         """Restore the step, the round start and the outer optimizer's state."""
         super().load_state_dict(state_dict)
         if "round_start" not in state_dict:
-            self.round_start, self.outer, self._displacements = None, None, []
+            self.round_start, self.outer, self._outer_params = None, None, []
             return
         if "outer_optimizer" not in state_dict:
             raise CheckpointError(
