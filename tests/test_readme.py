@@ -97,7 +97,7 @@ def test_the_training_loop_example_resumes_bitwise(tmp_path: Path) -> None:
 def test_the_changelog_has_the_unreleased_and_the_releases_newest_first() -> None:
     changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
     headings = [line for line in changelog.splitlines() if line.startswith("## ")]
-    assert headings[:3] == ["## 0.3.0 (unreleased)", "## 0.2.0", "## 0.1.0"]
+    assert headings[:4] == ["## 0.4.0 (unreleased)", "## 0.3.0", "## 0.2.0", "## 0.1.0"]
     assert "CHANGELOG.md" in README
 
 
