@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 import overlapkit
 from overlapkit.distributed import run_distributed
 from overlapkit.errors import ConfigurationError, UnsupportedOptimizerError
-from tests.helpers import compare, rank_batches, values
+from helpers import compare, rank_batches, values
 
 STEPS = 4
 
