@@ -9,6 +9,15 @@ set -u
 out=${1:-gpu-results}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# A GPU host may be offline and lack overlapkit's pure-Python dependencies: install the
+# missing ones from a wheel folder carried along (pip download -d gpu-wheels ...).
+if [ -d "${GPU_WHEELS:-gpu-wheels}" ]; then
+  for pair in pluggy:pluggy attrs:attrs importlib_metadata:importlib-metadata zipp:zipp \
+              pytest:pytest pytest_timeout:pytest-timeout iniconfig:iniconfig; do
+    python3 -c "import ${pair%%:*}" 2>/dev/null || python3 -m pip install -q --no-index \
+        --find-links "${GPU_WHEELS:-gpu-wheels}" "${pair##*:}" 2>&1 | tail -2
+  done
+fi
 python3 - <<'PY' 2>&1 | tee "$out/gpu-env.txt"
 import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda,

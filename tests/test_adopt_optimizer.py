@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import compare, rank_batches, values
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import overlapkit
 from overlapkit.distributed import run_distributed
 from overlapkit.errors import ConfigurationError, UnsupportedOptimizerError
-from helpers import compare, rank_batches, values
 
 STEPS = 4
 

@@ -27,8 +27,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import attrs
-import importlib_metadata
 import pluggy
+
+try:  # the backport selects entry points the same way on every Python overlapkit supports
+    import importlib_metadata
+except ImportError:  # pragma: no cover - a bare machine (a GPU host) has the stdlib's
+    import importlib.metadata as importlib_metadata  # type: ignore[no-redef]
 
 from overlapkit.errors import PluginConflictError, PluginLoadError, PluginValidationError
 from overlapkit.plugin import hookspecs
