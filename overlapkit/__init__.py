@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from overlapkit.errors import (
     CheckpointError,
     ConfigurationError,
+    ExchangeFailedError,
     MissingDependencyError,
     OverlapkitError,
     PluginConflictError,
@@ -120,6 +121,7 @@ __all__ = [
     "CommHookRecord",
     "ConfigurationError",
     "DDPOverlapOptimizer",
+    "ExchangeFailedError",
     "LoadPlannerRecord",
     "MissingDependencyError",
     "OptimizerInBackward",

@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointError",
     "ConfigurationError",
+    "ExchangeFailedError",
     "MissingDependencyError",
     "OverlapkitError",
     "PluginConflictError",
@@ -117,3 +118,35 @@ class RanksLostError(OverlapkitError, RuntimeError):
 
 def _ranks_lost(message: str, lost: list[int], what: str) -> RanksLostError:
     return RanksLostError(message, lost=lost, what=what)
+
+
+class ExchangeFailedError(OverlapkitError, RuntimeError):
+    """A collective of an overlapped step failed while every rank is still there: a
+    gradient bucket's reduction (the DDP comm hook of ``overlap_ddp`` and
+    ``optimizer_in_backward``) or the parameter exchange of sharded optimizer state.
+
+    Another rank stopped taking part (it raised during backward and went on, or hangs)
+    and the process group gave up at its timeout, or a rank ended on an error of its
+    own. Raised on the waiting ranks instead of the transport's error (gloo: "Timed out
+    waiting 8000ms for recv operation to complete"), which names no rank; the original
+    error is its ``__cause__``. Ranks that are gone raise :class:`RanksLostError`
+    instead.
+
+    :ivar what: what overlapkit was doing, e.g. ``"reducing gradient bucket 2"``.
+    :ivar silent: the ranks that are alive but did not report this failure: the ones
+        that stopped taking part.
+
+    .. versionadded:: 0.4
+    """
+
+    def __init__(self, message: str, *, what: str, silent: list[int]) -> None:
+        super().__init__(message)
+        self.what = what
+        self.silent = silent
+
+    def __reduce__(self) -> tuple[object, ...]:  # picklable with its keyword arguments
+        return (_exchange_failed, (str(self), self.what, self.silent))
+
+
+def _exchange_failed(message: str, what: str, silent: list[int]) -> ExchangeFailedError:
+    return ExchangeFailedError(message, what=what, silent=silent)

@@ -57,6 +57,7 @@ PEER_LOSS_SIGNS = (
     "Connection closed by peer",
     "Broken pipe",
     "Timed out waiting",  # gloo, a peer that hangs: after the process group's timeout
+    "Application timeout caused pair closure",  # gloo, the same (a later op on the pair)
     "Socket Timeout",
     "NCCL communicator was aborted",
     "remote process exited",

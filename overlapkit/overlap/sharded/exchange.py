@@ -53,8 +53,9 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from overlapkit.errors import OverlapkitError
-from overlapkit.nodes.lost_ranks import is_peer_failure, name_lost_ranks, watch
+from overlapkit.errors import ExchangeFailedError
+from overlapkit.nodes.failed_collective import collective_failure, group_timeout
+from overlapkit.nodes.lost_ranks import watch
 from overlapkit.overlap.sharded.ownership import Ownership
 from overlapkit.overlap.side_stream import SideStream
 
@@ -64,15 +65,6 @@ __all__ = ["DIRECT_BYTES", "ExchangeFailedError", "ParameterExchange", "Traffic"
 #: parameters of at least this many bytes (and contiguous) are broadcast on their own,
 #: straight from and into the parameter; smaller ones are flattened together
 DIRECT_BYTES = 64 * 1024
-
-
-class ExchangeFailedError(OverlapkitError, RuntimeError):
-    """The parameter exchange of sharded optimizer state failed on this rank while every
-    rank is still there: another rank stopped sending (it raised mid-backward, or hangs)
-    and the exchange's process group timed out.
-
-    .. versionadded:: 0.4
-    """
 
 
 @attrs.frozen(eq=False)
@@ -185,6 +177,10 @@ class ParameterExchange:
         #: how many broadcasts had not arrived yet when :meth:`wait` last found any
         #: pending (what waiting was needed for)
         self.still_pending_at_last_wait = 0
+        #: the error of the first broadcast that failed (a peer stalled or is gone):
+        #: the parameters are no longer the owners', so every later wait raises it and
+        #: nothing more is sent
+        self.failure: BaseException | None = None
 
     def set_ownership(self, ownership: Ownership, exchanged: set[int]) -> None:
         """Use a new ownership (parameters added); plans are made again."""
@@ -199,7 +195,7 @@ class ParameterExchange:
     def launch_bucket(self, index: int, params: list[torch.Tensor]) -> None:
         """Broadcast the bucket's parameters (``params``, DDP's bucket order) from their
         owners. Called on every rank, in bucket order, right after the bucket's step."""
-        if not self.active:
+        if not self.active or self.failure is not None:
             return
         planned = self._bucket_plans.get(index)
         if planned is None or len(planned[0]) != len(params) \
@@ -216,7 +212,7 @@ class ParameterExchange:
         :param after_compute: the steps ran on the current stream (not the side stream):
             the side stream waits for it first.
         """
-        if not self.active:
+        if not self.active or self.failure is not None:
             return
         if self._all_plan is None:
             self._all_plan = transfers_of(self.ownership.params, self.ownership,
@@ -264,41 +260,51 @@ class ParameterExchange:
         return len(self._pending)
 
     def poll(self) -> None:
-        """Copy in every broadcast that has arrived, in order, without waiting."""
+        """Copy in every broadcast that has arrived, in order, without waiting. Never
+        raises (it runs inside DDP's comm hook, where an error would reach the caller as
+        a bare ``RuntimeError``): a failed broadcast is kept in :attr:`failure`, which
+        the stepper raises at the end of backward."""
         pending = self._pending
-        while pending and pending[0].work.is_completed():
-            self._land(pending.popleft())
+        try:
+            while pending and pending[0].work.is_completed():
+                self._land(pending.popleft())
+        except Exception:  # kept in self.failure by _land
+            pending.clear()
 
     def wait(self) -> None:
         """Wait for every broadcast issued and copy in what it brought: after this, every
         parameter holds its owner's last update (on an accelerator: once the compute
-        stream has waited for the side stream, which the caller does)."""
+        stream has waited for the side stream, which the caller does).
+
+        :raises RanksLostError: a broadcast failed because ranks are gone.
+        :raises ExchangeFailedError: a broadcast failed while every rank is there (one
+            stopped sending and the group timed out); raised again by every later wait.
+        """
+        if self.failure is not None:
+            self._pending.clear()
+            raise self.failure
         pending = self._pending
         if pending:
             self.still_pending_at_last_wait = sum(
                 1 for item in pending if not item.work.is_completed())
-        while pending:
-            self._land(pending.popleft())
+        try:
+            while pending:
+                self._land(pending.popleft())
+        except Exception:
+            pending.clear()
+            raise
 
     def _land(self, item: _Pending) -> None:
         with self._stream(item.transfer, after_compute=False):
             try:
                 item.work.wait()
-            except Exception as error:  # a lost node: named, as for the allreduces
-                named = name_lost_ranks(
+            except Exception as error:  # a peer stalled or is gone: named
+                failed = collective_failure(
                     error, "exchanging the updated parameters (sharded optimizer state)")
-                if named is not None:
-                    raise named from error
-                if not is_peer_failure(error):
+                self.failure = failed if failed is not None else error
+                if failed is None:
                     raise
-                raise ExchangeFailedError(
-                    "exchanging the updated parameters (sharded optimizer state) failed "
-                    f"on rank {self.ownership.rank}: another rank stopped sending them "
-                    "(it raised during backward or hangs; its own error says why) and "
-                    "the exchange's process group gave up after the DDP model's "
-                    f"process-group timeout. Transport error: {error}. Fix the failing "
-                    "rank and restart from the last checkpoint."
-                ) from error
+                raise failed from error
             received = item.received
             if received is None:
                 return
@@ -322,20 +328,6 @@ class ParameterExchange:
         """The traffic counted so far; the counters restart from zero."""
         counted, self.traffic = self.traffic, Traffic()
         return counted
-
-
-def group_timeout(group: Any) -> timedelta | None:
-    """The timeout of ``group``'s backend (what ``init_process_group(timeout=...)`` or
-    ``new_group(timeout=...)`` set), or None where torch does not tell."""
-    for device in ("cpu", "cuda"):
-        try:
-            backend = group._get_backend(torch.device(device))
-            timeout = backend.options._timeout
-        except Exception:  # no such backend, or one without options
-            continue
-        if isinstance(timeout, timedelta):
-            return timeout
-    return None
 
 
 #: the exchange groups made so far, by (ranks, timeout): one per set of ranks, shared by

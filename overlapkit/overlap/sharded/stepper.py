@@ -84,15 +84,30 @@ class ShardedBucketStepper(BucketStepper):
     def _step_bucket(self, bucket: dist.GradBucket,
                      future: torch.futures.Future[Any]) -> torch.Tensor:
         buffer = super()._step_bucket(bucket, future)
-        if self.per_bucket:
+        if self.per_bucket and self._comm_error is None:
             # On every rank, whether or not it owns anything here, and whether or not
             # the step raised (it is raised at the end of backward): the broadcasts
             # must match across ranks. On the steps' side stream, right after them.
+            # Not after a failed reduction: the ranks are out of step, and the error
+            # is raised at the end of backward.
             with self._on_side_stream(bucket):
                 if self.clipping.value is not None:
                     self._clamp_the_others(bucket, buffer, self.clipping.value)
                 self.exchange.launch_bucket(bucket.index(), bucket.parameters())
         return buffer
+
+    def _note_comm_error(self, error: BaseException, bucket: int | None) -> None:
+        """A failed reduction also fails the exchange: the parameters are not all their
+        owners' now, so every later wait for them (the next forward, ``step()``, the
+        state dicts) raises it too, instead of going on with them."""
+        super()._note_comm_error(error, bucket)
+        if self.exchange.failure is None:
+            self.exchange.failure = self._comm_error
+
+    def comm_failure(self) -> BaseException | None:
+        """The failed reduction of this backward, else a failed broadcast of the
+        exchange (kept by :meth:`ParameterExchange.poll`, which runs in the hook)."""
+        return super().comm_failure() or self.exchange.failure
 
     def _clamp_the_others(self, bucket: dist.GradBucket, buffer: torch.Tensor,
                           value: float) -> None:
