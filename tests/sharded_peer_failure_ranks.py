@@ -9,12 +9,16 @@ rank 1 fails (``FAILURE``):
 
 - ``raises``: raises mid-backward, goes on, and stays alive (the issue's probe);
 - ``stalls``: sleeps mid-backward for twice the timeout, then goes on with its backward;
-- ``killed``: kills itself (SIGKILL) mid-backward.
+- ``killed``: kills itself (SIGKILL) mid-backward;
+- ``skips_step``: (sharded) after a backward inside ``no_sync()`` on both ranks, raises
+  instead of calling ``step()``: rank 0's full step waits for rank 1's share in the
+  parameter exchange alone.
 
 Each rank writes what it saw to ``DIR/rank{R}.json`` (rank 1 not when killed): the
 error's type, message, ``silent`` / ``lost`` ranks, and how long the failing backward
-took; on rank 0 (sharded) also what the next forward raised. Each rank stays until the
-other has written its result: rank 0 keeps the store, and rank 1 stays alive.
+took; on rank 0 (sharded) also what the next forward and ``step()`` raised. Each rank
+stays until the other has written its result: rank 0 keeps the store, and rank 1 stays
+alive.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from overlapkit.nodes.failed_collective import group_timeout
 
 
 def _seen(error: BaseException, started: float) -> dict[str, Any]:
@@ -71,25 +77,39 @@ def main(rank: int, world_size: int, port: int, technique: str, failure: str,
 
     if rank == 1:  # mid-backward: the buckets of the last three layers are reduced
         ddp.module[2].register_full_backward_hook(fail)
-    result: dict[str, Any] = {"error": None, "next forward": None}
+    result: dict[str, Any] = {"error": None, "next forward": None, "next step": None}
     generator = torch.Generator().manual_seed(rank)
     for step in range(3):
         x = torch.randn(8, 32, generator=generator)
         armed[0] = step == 2
         started = time.monotonic()
         try:
-            ddp(x).square().mean().backward()
+            if step == 2 and failure == "skips_step":
+                with ddp.no_sync():
+                    ddp(x).square().mean().backward()
+                if rank == 1:
+                    raise RuntimeError("rank 1 fails before step()")
+            else:
+                ddp(x).square().mean().backward()
             opt.step()
             opt.zero_grad()
         except Exception as error:
             result["error"] = _seen(error, started)
             break
+    if technique == "sharded":  # the exchange's group has the model's group's timeout
+        exchange_timeout = group_timeout(opt._stepper.exchange.group)
+        result["exchange timeout"] = exchange_timeout and exchange_timeout.total_seconds()
     if rank == 0 and technique == "sharded" and result["error"] is not None:
         started = time.monotonic()
         try:  # the parameters are not the owners' any more: never silently used
             ddp(x)
         except Exception as error:
             result["next forward"] = _seen(error, started)
+        started = time.monotonic()
+        try:
+            opt.step()
+        except Exception as error:
+            result["next step"] = _seen(error, started)
     (directory / f"rank{rank}.tmp").write_text(json.dumps(result))
     (directory / f"rank{rank}.tmp").rename(directory / f"rank{rank}.json")
     # rank 0 keeps the store for rank 1's roll call; rank 1 stays alive (and beating)

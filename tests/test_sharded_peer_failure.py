@@ -76,6 +76,14 @@ def _overlapkit_error(seen: dict[str, Any] | None, rank: int, directory: Path) -
     assert CALLBACK not in seen["message"], seen["message"]
 
 
+def _raised_again(result: dict[str, Any], directory: Path) -> None:
+    """Sharded: the next forward and ``step()`` raise the same error at once."""
+    for then in ("next forward", "next step"):
+        _overlapkit_error(result[then], 0, directory)
+        assert result[then]["message"] == result["error"]["message"], (then, result)
+        assert result[then]["seconds"] < 1.0, (then, result[then])
+
+
 @pytest.mark.parametrize("technique", ["sharded", "unsharded"])
 @pytest.mark.parametrize("failure", ["raises", "stalls"])
 def test_a_rank_that_stops_taking_part_is_named_at_the_groups_timeout(
@@ -92,9 +100,24 @@ def test_a_rank_that_stops_taking_part_is_named_at_the_groups_timeout(
     # plain DDP raises at the timeout; the roll call then ends at rank 1's next beat
     assert TIMEOUT - 0.5 <= seen["seconds"] <= TIMEOUT + HEARTBEAT_SECONDS + SLACK, seen
     if technique == "sharded":  # the parameters are not all updated: never used
-        _overlapkit_error(results[0]["next forward"], 0, tmp_path)  # type: ignore[index]
+        _raised_again(results[0], tmp_path)  # type: ignore[arg-type]
     if failure == "stalls":  # the stalled rank, once it goes on, is told too
         _overlapkit_error(results[1] and results[1]["error"], 1, tmp_path)
+
+
+def test_a_rank_that_skips_a_full_step_is_named_at_the_exchange_s_timeout(
+        tmp_path: Path) -> None:
+    results = _launch("sharded", "skips_step", tmp_path)
+    assert results[0]["exchange timeout"] == TIMEOUT, results[0]  # type: ignore[index]
+    seen = results[0]["error"]  # type: ignore[index]
+    _overlapkit_error(seen, 0, tmp_path)
+    assert seen["type"] == "ExchangeFailedError" and seen["silent"] == [1], seen
+    message = seen["message"]
+    assert message.startswith("exchanging the updated parameters (sharded optimizer "
+                              "state) failed on rank 0: rank 1 is alive"), message
+    assert f"process group's timeout ({TIMEOUT:g} s)" in message, message
+    assert TIMEOUT - 0.5 <= seen["seconds"] <= TIMEOUT + HEARTBEAT_SECONDS + SLACK, seen
+    _raised_again(results[0], tmp_path)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("technique", ["sharded", "unsharded"])
@@ -109,7 +132,7 @@ def test_a_rank_killed_mid_backward_is_named_lost_within_the_roll_call(
     # gloo fails at once (the connection is reset); the roll call waits for rank 1
     assert seen["seconds"] <= ROLL_CALL_SECONDS + SLACK < TIMEOUT + ROLL_CALL_SECONDS, seen
     if technique == "sharded":
-        _overlapkit_error(results[0]["next forward"], 0, tmp_path)  # type: ignore[index]
+        _raised_again(results[0], tmp_path)  # type: ignore[arg-type]
 
 
 def test_torch_s_callback_wrapping_of_a_gloo_timeout_becomes_one_overlapkit_error() -> None:

@@ -6,7 +6,10 @@
 - :mod:`~overlapkit.nodes.roll_call`: the ranks still there, asked through the process
   group's store (answers, heartbeats, notes left at exit);
 - :mod:`~overlapkit.nodes.lost_ranks`: a collective of overlapkit's that fails because
-  ranks are gone raises :class:`~overlapkit.errors.RanksLostError` naming them.
+  ranks are gone raises :class:`~overlapkit.errors.RanksLostError` naming them;
+- :mod:`~overlapkit.nodes.failed_collective`: a failed collective of an overlapped
+  step (a bucket's reduction, the parameter exchange) as one overlapkit error, naming
+  the ranks that are gone or that stopped taking part.
 
 ``docs/nodes.rst`` ("Running on several machines") is the user's side of it. Imports
 no torch (the collectives import it when they run).

@@ -300,7 +300,8 @@ class ParameterExchange:
                 item.work.wait()
             except Exception as error:  # a peer stalled or is gone: named
                 failed = collective_failure(
-                    error, "exchanging the updated parameters (sharded optimizer state)")
+                    error, "exchanging the updated parameters (sharded optimizer state)",
+                    self.group)
                 self.failure = failed if failed is not None else error
                 if failed is None:
                     raise
