@@ -17,8 +17,8 @@ rank 1 fails (``FAILURE``):
 Each rank writes what it saw to ``DIR/rank{R}.json`` (rank 1 not when killed): the
 error's type, message, ``silent`` / ``lost`` ranks, and how long the failing backward
 took; on rank 0 (sharded) also what the next forward and ``step()`` raised. Each rank
-stays until the other has written its result: rank 0 keeps the store, and rank 1 stays
-alive.
+stays until the others have written their results: rank 0 keeps the store, and rank 1
+stays alive.
 """
 
 from __future__ import annotations
@@ -112,11 +112,12 @@ def main(rank: int, world_size: int, port: int, technique: str, failure: str,
             result["next step"] = _seen(error, started)
     (directory / f"rank{rank}.tmp").write_text(json.dumps(result))
     (directory / f"rank{rank}.tmp").rename(directory / f"rank{rank}.json")
-    # rank 0 keeps the store for rank 1's roll call; rank 1 stays alive (and beating)
-    # until rank 0 has seen the failure
-    other = directory / f"rank{1 - rank}.json"
+    # rank 0 keeps the store for the others' roll call; rank 1 stays alive (and
+    # beating) until the others have seen the failure
+    others = [directory / f"rank{other}.json" for other in range(world_size)
+              if not (failure == "killed" and other == 1)]
     deadline = time.monotonic() + 6 * timeout + 30
-    while failure != "killed" and not other.exists() and time.monotonic() < deadline:
+    while not all(map(Path.exists, others)) and time.monotonic() < deadline:
         time.sleep(0.1)
     os._exit(0)  # gloo may abort at exit with a broken group; the result is written
 

@@ -1,8 +1,8 @@
 """A rank that fails mid-backward under ``overlap_ddp`` (issue 31, case 4), on 2 gloo
-ranks, sharded and not: the other rank raises an overlapkit error that names it and says
-what to do, at about the DDP group's timeout (plain DDP raises gloo's bare timeout
-then), never a hang, never torch's "Got the following error when running the
-callback". A rank that raises and stays alive, or stalls past the timeout:
+ranks (and 3 once), sharded and not: the other ranks raise an overlapkit error that
+names it and says what to do, at about the DDP group's timeout (plain DDP raises gloo's
+bare timeout then), never a hang, never torch's "Got the following error when running
+the callback". A rank that raises and stays alive, or stalls past the timeout:
 ``ExchangeFailedError``; a rank killed: ``RanksLostError``.
 
 Each rank is a process of its own (tests/sharded_peer_failure_ranks.py): a rank killed
@@ -37,20 +37,21 @@ SLACK = 3.0
 CALLBACK = "Got the following error when running the callback"
 
 
-def _launch(technique: str, failure: str, directory: Path) -> list[dict[str, Any] | None]:
-    """Start both ranks, wait for them (killing what is left at the deadline), and
+def _launch(technique: str, failure: str, directory: Path,
+            world_size: int = 2) -> list[dict[str, Any] | None]:
+    """Start the ranks, wait for them (killing what is left at the deadline), and
     return each rank's result (None: it wrote none)."""
     package = Path(overlapkit.__file__).resolve().parents[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(package), os.environ.get("PYTHONPATH", "")])}
     port = free_port()
     procs = []
-    for rank in range(2):
+    for rank in range(world_size):
         with (directory / f"rank{rank}.log").open("wb") as log:
             procs.append(subprocess.Popen(
-                [sys.executable, str(RANKS), str(rank), "2", str(port), technique, failure,
-                 str(TIMEOUT), str(directory)], stdout=log, stderr=subprocess.STDOUT,
-                env=env))
+                [sys.executable, str(RANKS), str(rank), str(world_size), str(port),
+                 technique, failure, str(TIMEOUT), str(directory)],
+                stdout=log, stderr=subprocess.STDOUT, env=env))
     deadline = time.monotonic() + 150
     try:
         for proc in procs:
@@ -63,7 +64,7 @@ def _launch(technique: str, failure: str, directory: Path) -> list[dict[str, Any
                 proc.kill()
                 proc.wait()
     results = []
-    for rank in range(2):
+    for rank in range(world_size):
         path = directory / f"rank{rank}.json"
         results.append(json.loads(path.read_text()) if path.exists() else None)
     assert results[0] is not None, (directory / "rank0.log").read_text()[-4000:]
@@ -103,6 +104,16 @@ def test_a_rank_that_stops_taking_part_is_named_at_the_groups_timeout(
         _raised_again(results[0], tmp_path)  # type: ignore[arg-type]
     if failure == "stalls":  # the stalled rank, once it goes on, is told too
         _overlapkit_error(results[1] and results[1]["error"], 1, tmp_path)
+
+
+def test_at_three_ranks_every_survivor_names_the_rank_that_raised(tmp_path: Path) -> None:
+    results = _launch("sharded", "raises", tmp_path, world_size=3)
+    for rank in (0, 2):
+        seen = results[rank]["error"]  # type: ignore[index]
+        _overlapkit_error(seen, rank, tmp_path)
+        assert seen["type"] == "ExchangeFailedError" and seen["silent"] == [1], seen
+        assert f"failed on rank {rank}: rank 1 is alive" in seen["message"], seen
+        assert TIMEOUT - 0.5 <= seen["seconds"] <= TIMEOUT + HEARTBEAT_SECONDS + SLACK, seen
 
 
 def test_a_rank_that_skips_a_full_step_is_named_at_the_exchange_s_timeout(
