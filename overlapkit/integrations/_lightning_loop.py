@@ -105,6 +105,8 @@ class AutomaticOptimization:
         self.accumulate_with_no_step = accumulate_with_no_step
         self.optimizer: OverlappedOptimizerFacade | None = None
         self.writes: GradientWrites | None = None
+        #: every step taken at step(), the backwards deferred for the whole fit
+        self.plain_order = False
         #: the clipping the optimizer was built with (:func:`clipping_of` the Trainer)
         self.clipping: dict[str, float] = {}
         #: inside optimizer_step's call of Lightning's closure
@@ -135,13 +137,16 @@ class AutomaticOptimization:
         self._freeing_ddp_model: DistributedDataParallel | None = None
 
     def attach(self, optimizer: OverlappedOptimizerFacade, writes: GradientWrites | None,
-               clipping: dict[str, float]) -> None:
+               clipping: dict[str, float], plain_order: bool = False) -> None:
         """Drive ``optimizer``, built with ``clipping``: from now on, a stepping backward
         anywhere but in Lightning's backward, or a second one before the optimizer step,
-        is refused before anything steps in it."""
+        is refused before anything steps in it. ``plain_order``: every step of the fit
+        is taken at ``step()``, as the first one (the backwards stay deferred and keep
+        their gradients until the next ``zero_grad``, as in the plain loop)."""
         self.optimizer = optimizer
         self.writes = writes
         self.clipping = clipping
+        self.plain_order = plain_order
         self._stepped = 0
         self._probed = False
         self._probe_backwards = 0
@@ -185,12 +190,15 @@ class AutomaticOptimization:
         return output
 
     def detach(self) -> None:
-        """The fit is over: the parameters keep the optimizer's step hooks (a plain
-        module's; a DDP model is dropped by Lightning), so any later backward through
-        them is refused, never stepped by this fit's optimizer."""
+        """The fit is over: the optimizer is released (a plain module's step hooks
+        removed, the parameters unclaimed), so a later fit sets a technique up again
+        and a backward by hand afterwards is a plain one; a backward through the DDP
+        model Lightning drops, were it kept, is refused, never stepped by this fit's
+        optimizer."""
         self._deferred.close()  # a fit that ended before its first step
         if self.optimizer is not None:
             self.optimizer.gate_backwards(self._after_fit)
+            self.optimizer.release()
             self.optimizer = None
         for handle in self._grad_hooks:
             handle.remove()
@@ -269,7 +277,8 @@ class AutomaticOptimization:
             call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
             call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
         if probing:
-            self._deferred.close()  # from now on the backwards step
+            if not self.plain_order:
+                self._deferred.close()  # from now on the backwards step
             self._probed = True
         optimizer.step(**kwargs)  # a no-op after a stepping backward; the probe's full step
         self._stepped = 0

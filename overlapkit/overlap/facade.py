@@ -27,12 +27,13 @@ from overlapkit.overlap.amp_scaler import (
 )
 from overlapkit.overlap.engine import OverlapEngine
 from overlapkit.overlap.global_step import GlobalStep, model_order
-from overlapkit.overlap.late_clipping import watch
+from overlapkit.overlap.late_clipping import unwatch, watch
 from overlapkit.overlap.setup import (
     check_unclaimed,
     claim_params,
     flatten_params,
     materialise_params,
+    unclaim_params,
 )
 from overlapkit.overlap.window import FirstWindow, plain_order_warning
 
@@ -273,6 +274,20 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         Backwards that step nothing (``no_sync()`` / ``no_step()``) do not ask it.
         """
         self._steps.backward_gate = gate
+
+    def release(self) -> None:
+        """Stop stepping during backward, for a framework whose fit has ended
+        (Lightning's strategy teardown): the step hooks of a plain module's parameters
+        are removed (a DDP model's comm hook stays on that model, which the framework
+        drops), and the parameters are no longer claimed nor guarded against torch's
+        clipping, so a later fit (``Tuner.lr_find`` then ``fit``, ``fit`` twice) may set
+        a technique up on them again. Idempotent."""
+        params = self._engine.parameters()
+        remove = getattr(self._steps, "remove", None)
+        if remove is not None:
+            remove()
+        unclaim_params(params)
+        unwatch(params)
 
     def clip_in_order(self, params: Iterable[torch.Tensor]) -> None:
         """Compute the total norm of ``clip_grad_norm=`` over the gradients in the order of

@@ -53,7 +53,7 @@ from overlapkit.overlap.window import state
 
 __all__ = ["FreedGradientNormWarning", "guarded_clip_grad_norm_", "guarded_clip_grad_value_",
            "install", "late_clip_error", "unguarded_clip_grad_norm_",
-           "unguarded_clip_grad_value_", "watch"]
+           "unguarded_clip_grad_value_", "watch", "unwatch"]
 
 #: torch's own functions, which overlapkit's clipping calls (never the guarded ones)
 unguarded_clip_grad_norm_ = torch_clip_grad.clip_grad_norm_
@@ -81,6 +81,13 @@ def watch(params: Iterable[torch.Tensor], stepper: Any) -> None:
     ref = weakref.ref(stepper)
     for param in params:
         _STEPPERS[param] = ref
+
+
+def unwatch(params: Iterable[torch.Tensor]) -> None:
+    """Forget the stepper of ``params`` (its optimizer was released): torch's clipping
+    functions treat them as plain parameters again."""
+    for param in params:
+        _STEPPERS.pop(param, None)
 
 
 def install() -> None:
