@@ -13,14 +13,15 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from accelerate_window_runs import CASES, compare_case, run
+from accelerate_window_runs import CASES, compare_case, run, second_backward
 
 from overlapkit.distributed import run_distributed
 
 pytestmark = pytest.mark.trainers
 
 NAMED = {"manual accumulation": "2 backwards ran before one optimizer.step()",
-         "gradient noise": "were changed", "gradient masking": "were changed"}
+         "gradient noise": "were changed", "gradient masking": "were changed",
+         "gradient norms logged": "were read"}
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +67,25 @@ def test_two_ranks_a_loop_using_the_window_is_bitwise_the_plain_run_with_one_war
         two_ranks: list[dict[str, Any]], case: str, technique: str) -> None:
     for rank_results in two_ranks:
         _check(rank_results[case][technique], NAMED[case])
+
+
+def _refused_second_backward(result: dict[str, Any]) -> None:
+    error = result["error"]
+    assert error is not None and error["type"] == "ConfigurationError", error
+    assert "backward() ran again before optimizer.step()" in error["message"]
+    assert "Nothing was stepped in this backward" in error["message"]
+    assert "accelerator.accumulate" in error["message"], error["message"]
+    assert result["unchanged"], result["unchanged"]
+
+
+def test_one_process_a_second_backward_in_a_later_step_is_refused_stepping_nothing() -> None:
+    """After the first step has shown the loop calls step(), a second backward before
+    step() (an auxiliary loss) is refused, naming what to do; it steps nothing."""
+    _refused_second_backward(second_backward("optimizer_in_backward"))
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+def test_two_ranks_a_second_backward_in_a_later_step_is_refused_stepping_nothing(
+        two_ranks: list[dict[str, Any]], technique: str) -> None:
+    for rank_results in two_ranks:
+        _refused_second_backward(rank_results["second backward"][technique])
