@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("lightning", reason="the `trainers` tox environment installs lightning")
 
-from lightning_parity_ranks import CASES, READS_GRADS, REFUSALS, run
+from lightning_parity_ranks import CASES, READS_GRADS, REFUSALS, WARNED, run
 from lightning_tuning_ranks import CASES as TUNING
 from lightning_tuning_ranks import ONE_DEVICE_ONLY
 
@@ -58,7 +58,7 @@ def test_a_callback_reading_grads_after_the_step_is_warned_only_where_they_would
         if technique == "overlap_ddp":
             assert warned == []
         else:
-            assert len(warned) == 1 and "ReadsGrads.on_train_batch_end" in warned[0], warned
+            assert len(warned) == 1 and WARNED[case] in warned[0], warned
 
 
 @pytest.mark.parametrize("case", [c for c in [*TUNING, "fit twice"] if c not in ONE_DEVICE_ONLY])
@@ -70,6 +70,14 @@ def test_a_fit_after_the_tuners_or_another_fit_trains_bitwise_as_strategy_ddp(
     trained parameters are the plain run's, on every rank."""
     for rank, rank_results in enumerate(results):
         assert rank_results["tuning"][f"{technique} | {case}"], rank
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c not in READS_GRADS])
+@pytest.mark.parametrize("technique", TECHNIQUES)
+def test_a_fit_reading_no_gradients_keeps_the_overlap_without_a_warning(
+        results: list[dict[str, Any]], technique: str, case: str) -> None:
+    for rank_results in results:
+        assert rank_results["parity"][f"{technique} | {case} | warnings"] == []
 
 
 def test_gradient_norms_logged_in_on_before_optimizer_step_are_the_plain_runs(

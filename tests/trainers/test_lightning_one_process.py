@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("lightning", reason="the `trainers` tox environment installs lightning")
 
-from lightning_parity_ranks import CASES, ONE_PROCESS_REFUSALS, READS_GRADS, run
+from lightning_parity_ranks import CASES, ONE_PROCESS_REFUSALS, READS_GRADS, WARNED, run
 from lightning_tuning_ranks import CASES as TUNING
 from lightning_tuning_ranks import ONE_DEVICE_ONLY
 
@@ -99,7 +99,7 @@ def test_a_callback_reading_grads_after_the_step_is_warned_only_where_they_would
     if strategy == "overlap_ddp":
         assert warned == []
     else:
-        assert len(warned) == 1 and "ReadsGrads.on_train_batch_end" in warned[0], warned
+        assert len(warned) == 1 and WARNED[case] in warned[0], warned
 
 
 @pytest.mark.parametrize("case", TUNING_CASES)
@@ -118,3 +118,10 @@ def test_a_backward_by_hand_after_the_fit_is_a_plain_one(results: dict[str, Any]
     result = results["tuning"]["one device | a backward by hand after the fit"]
     assert result["error"] is None and result["grads"], result
     assert result["unchanged"], result["unchanged"]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c not in READS_GRADS])
+@pytest.mark.parametrize("strategy", ["overlap_ddp", "optimizer_in_backward", "one device"])
+def test_a_fit_reading_no_gradients_keeps_the_overlap_without_a_warning(
+        results: dict[str, Any], strategy: str, case: str) -> None:
+    assert results["parity"][f"{strategy} | {case} | warnings"] == []
