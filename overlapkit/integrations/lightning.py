@@ -106,10 +106,11 @@ class _StepsInBackward(pl.strategies.Strategy):
         check_fit(module, self.precision_plugin, name, self._technique)
         if module in _SET_UP:
             raise ConfigurationError(
-                f"this {type(module).__name__} was already trained by an overlapkit "
-                "strategy in this process, and its parameters carry that fit's step hooks. "
-                "Build a new LightningModule for each fit (load the weights with "
-                "new.load_state_dict(old.state_dict()), or resume with ckpt_path=)."
+                f"this {type(module).__name__} is set up by another overlapkit fit that "
+                "has not been torn down (its parameters carry that fit's step hooks until "
+                "its teardown releases them). Let that fit end (or fail) before fitting "
+                "the module again, or build a new LightningModule (load the weights with "
+                "new.load_state_dict(old.state_dict()))."
             )
         check_gradient_readers(gradient_readers(trainer, module), self._technique,
                                clipping_of(trainer), name)

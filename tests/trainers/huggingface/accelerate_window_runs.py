@@ -12,6 +12,7 @@ import warnings
 from typing import Any
 
 from hf_models import Tokens, gpt2, parameters, quiet
+from trainer_helpers import prepared
 
 CASES = ("manual accumulation", "gradient noise", "gradient masking",
          "gradient norms logged")
@@ -25,18 +26,12 @@ def loop(case: str, technique: str | None) -> dict[str, Any]:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    from overlapkit.integrations.accelerate import prepare
-
     quiet()
     AcceleratorState._reset_state(True)  # the settings of an earlier Accelerator
     accelerator = Accelerator(cpu=True)
     model = gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    if technique is None:
-        model, optimizer = accelerator.prepare(model, optimizer)
-    else:
-        model, optimizer = prepare(accelerator, model, optimizer, technique=technique,
-                                   clip_grad_norm=MAX_NORM)
+    model, optimizer = prepared(accelerator, model, optimizer, technique, MAX_NORM)
     data = accelerator.prepare(torch.utils.data.DataLoader(Tokens("gpt2"), batch_size=2))
     every = 2 if case == "manual accumulation" else 1
     norms: list[Any] = []
@@ -98,14 +93,13 @@ def second_backward(technique: str) -> dict[str, Any]:
     from accelerate.state import AcceleratorState
     from helpers import compare, error_of
 
-    from overlapkit.integrations.accelerate import prepare
-
     quiet()
     AcceleratorState._reset_state(True)
     accelerator = Accelerator(cpu=True)
     model = gpt2()
-    model, optimizer = prepare(accelerator, model, torch.optim.AdamW(model.parameters(), lr=LR),
-                               technique=technique, clip_grad_norm=MAX_NORM)
+    model, optimizer = prepared(accelerator, model,
+                                torch.optim.AdamW(model.parameters(), lr=LR), technique,
+                                MAX_NORM)
     data = accelerator.prepare(torch.utils.data.DataLoader(Tokens("gpt2"), batch_size=2))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from accelerate_window_runs import CASES, compare_case, run, second_backward
+from trainer_helpers import check_plain_order
 
 from overlapkit.distributed import run_distributed
 
@@ -42,23 +43,16 @@ def one_launched_process() -> dict[str, Any]:
     return result
 
 
-def _check(result: tuple[bool, str, list[str]], named: str) -> None:
-    same, differences, warned = result
-    assert same, differences
-    assert len(warned) == 1, warned
-    assert named in warned[0] and "To keep the overlap" in warned[0]
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_one_process_a_loop_using_the_window_is_bitwise_the_plain_run_with_one_warning(
         one_process: dict[str, Any], case: str) -> None:
-    _check(one_process[case]["optimizer_in_backward"], NAMED[case])
+    check_plain_order(one_process[case]["optimizer_in_backward"], NAMED[case])
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_one_launched_process_overlap_ddp_using_the_window_is_bitwise_the_plain_run(
         one_launched_process: dict[str, Any], case: str) -> None:
-    _check(one_launched_process[case]["overlap_ddp"], NAMED[case])
+    check_plain_order(one_launched_process[case]["overlap_ddp"], NAMED[case])
 
 
 @pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
@@ -66,7 +60,7 @@ def test_one_launched_process_overlap_ddp_using_the_window_is_bitwise_the_plain_
 def test_two_ranks_a_loop_using_the_window_is_bitwise_the_plain_run_with_one_warning(
         two_ranks: list[dict[str, Any]], case: str, technique: str) -> None:
     for rank_results in two_ranks:
-        _check(rank_results[case][technique], NAMED[case])
+        check_plain_order(rank_results[case][technique], NAMED[case])
 
 
 def _refused_second_backward(result: dict[str, Any]) -> None:
