@@ -5,7 +5,7 @@ forms a quorum of replica groups, a ``Manager`` per replica group reconfigures t
 process group over the quorum and recovers a restarted group live from a peer.
 overlapkit adds its averagers on top:
 
-- :mod:`~overlapkit.ft.local_sgd`: :func:`local_sgd`, post-local SGD and DiLoCo over
+- :mod:`~overlapkit.ft.optimizer`: :func:`local_sgd`, post-local SGD and DiLoCo over
   the quorum (:class:`FaultTolerantLocalSGD`);
 - :mod:`~overlapkit.ft.replicas`: :class:`ManagedReplicas`, the quorum as an averaging
   group;
@@ -24,7 +24,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from overlapkit.ft.local_sgd import STATE_DICT_KEY, FaultTolerantLocalSGD, local_sgd
+    from overlapkit.ft.optimizer import STATE_DICT_KEY, FaultTolerantLocalSGD, local_sgd
     from overlapkit.ft.replicas import ManagedReplicas
 
 __all__ = ["STATE_DICT_KEY", "FaultTolerantLocalSGD", "ManagedReplicas", "local_sgd"]
@@ -32,9 +32,9 @@ __all__ = ["STATE_DICT_KEY", "FaultTolerantLocalSGD", "ManagedReplicas", "local_
 # Lazy: overlapkit.local_sgd and overlapkit.overlap import this package's refusals, and
 # its local_sgd module imports overlapkit.local_sgd; loading on first use keeps the
 # module graph free of circles.
-_HOMES = {"STATE_DICT_KEY": "overlapkit.ft.local_sgd",
-          "FaultTolerantLocalSGD": "overlapkit.ft.local_sgd",
-          "local_sgd": "overlapkit.ft.local_sgd",
+_HOMES = {"STATE_DICT_KEY": "overlapkit.ft.optimizer",
+          "FaultTolerantLocalSGD": "overlapkit.ft.optimizer",
+          "local_sgd": "overlapkit.ft.optimizer",
           "ManagedReplicas": "overlapkit.ft.replicas"}
 
 

@@ -1,6 +1,10 @@
 """Fault-tolerance runs for tests/ft and benchmarks/ft.py: a Lighthouse in this process,
 one process per replica group (tests/ft/replica.py), a kill by SIGKILL and a restart.
 
+The replica processes are forked from a multiprocessing fork server that imported
+torch, torchft and overlapkit once: importing them costs about 2.5 s of CPU per
+process (measured), which 30 processes on 2 cores would pay one after another.
+
 A scenario returns each replica's result (final parameters, step and averaging times)
 under a label: ``"0"`` and ``"1"`` for the two replica groups, ``"1b"`` for replica 1
 restarted after its kill. Every wait has a timeout, so a broken run fails, never hangs.
@@ -8,9 +12,10 @@ restarted after its kill. Every wait has a timeout, so a broken run fails, never
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.context
 import os
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,7 +24,6 @@ from typing import Any
 import attrs
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
 REPLICA = Path(__file__).with_name("replica.py")
 PERIOD, SYNCS = 3, 6
 #: the survivor's wait for a dead replica's heartbeat to expire (torchft's default is 5 s)
@@ -53,11 +57,22 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _env() -> dict[str, str]:
-    paths = [str(REPO), str(REPO / "plugins" / "overlapkit-diloco" / "src")]
-    old = os.environ.get("PYTHONPATH")
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths + ([old] if old else [])),
-                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+def _replica_process(argv: list[str], log: str) -> None:
+    """A replica group's process: its output to ``log``, then tests/ft/replica.py."""
+    with open(log, "ab", buffering=0) as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+    import replica
+
+    replica.main(argv)
+    sys.stdout.flush()
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torchft.manager", "torchft.local_sgd",
+                                    "overlapkit", "overlapkit.ft.optimizer", "replica"])
+    return context
 
 
 def run(scenario: Scenario, workdir: Path, timeout: float = 150.0) -> dict[str, Any]:
@@ -69,7 +84,10 @@ def run(scenario: Scenario, workdir: Path, timeout: float = 150.0) -> dict[str, 
     """
     workdir.mkdir(parents=True, exist_ok=True)
     lighthouse = None
-    common = [sys.executable, str(REPLICA), "--impl", scenario.impl, "--averager",
+    if str(REPLICA.parent) not in sys.path:  # the fork server imports replica.py
+        sys.path.insert(0, str(REPLICA.parent))
+    context = _context()
+    common = ["--impl", scenario.impl, "--averager",
               scenario.averager, "--period", str(scenario.period), "--syncs",
               str(scenario.syncs)]
     if scenario.impl == "plain":
@@ -81,15 +99,16 @@ def run(scenario: Scenario, workdir: Path, timeout: float = 150.0) -> dict[str, 
                                       heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
         common += ["--lighthouse", lighthouse.address()]
     ready = [str(workdir / f"ready{r}") for r in (0, 1)]
-    processes: dict[str, subprocess.Popen[bytes]] = {}
+    processes: dict[str, Any] = {}
     logs: dict[str, Path] = {}
 
     def start(label: str, replica: int, extra: list[str]) -> None:
         logs[label] = workdir / f"replica{label}.log"
-        with logs[label].open("wb") as log:
-            processes[label] = subprocess.Popen(
-                [*common, "--replica", str(replica), "--out", str(workdir / f"{label}.pt"),
-                 *extra], env=_env(), stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        argv = [*common, "--replica", str(replica), "--out", str(workdir / f"{label}.pt"),
+                *extra]
+        processes[label] = context.Process(target=_replica_process,
+                                           args=(argv, str(logs[label])))
+        processes[label].start()
 
     deadline = time.monotonic() + timeout
     try:
@@ -111,9 +130,9 @@ def run(scenario: Scenario, workdir: Path, timeout: float = 150.0) -> dict[str, 
                   expect_killed=label == "1" and scenario.failure is not None)
     finally:
         for process in processes.values():
-            if process.poll() is None:
+            if process.is_alive():
                 process.kill()
-                process.wait()
+                process.join()
         if lighthouse is not None:
             lighthouse.shutdown()
     results: dict[str, Any] = {label: torch.load(workdir / f"{label}.pt")
@@ -124,15 +143,13 @@ def run(scenario: Scenario, workdir: Path, timeout: float = 150.0) -> dict[str, 
     return results
 
 
-def _wait(process: subprocess.Popen[bytes], deadline: float, log: Path,
-          expect_killed: bool) -> None:
-    try:
-        code = process.wait(timeout=max(deadline - time.monotonic(), 1.0))
-    except subprocess.TimeoutExpired:
+def _wait(process: Any, deadline: float, log: Path, expect_killed: bool) -> None:
+    process.join(timeout=max(deadline - time.monotonic(), 1.0))
+    if process.is_alive():
         process.kill()
-        process.wait()
+        process.join()
         raise RuntimeError(f"replica timed out; end of {log.name}:\n"
-                           + log.read_text(errors="replace")[-3000:]) from None
-    if code != (-9 if expect_killed else 0):
-        raise RuntimeError(f"replica exited with {code}; end of {log.name}:\n"
+                           + log.read_text(errors="replace")[-3000:])
+    if process.exitcode != (-9 if expect_killed else 0):
+        raise RuntimeError(f"replica exited with {process.exitcode}; end of {log.name}:\n"
                            + log.read_text(errors="replace")[-3000:])

@@ -1,8 +1,9 @@
-"""One replica group of a fault-tolerance run (1 process), started by tests/ft and
-benchmarks/ft.py: trains a small MLP with overlapkit's averagers under a torchft
-Manager (``--impl overlapkit``), with torchft's own LocalSGD / DiLoCo (``torchft``),
-or over a plain gloo process group without torchft (``plain``). Writes the final
-parameters and its timings to ``--out``.
+"""One replica group of a fault-tolerance run (1 process): trains a small MLP with
+overlapkit's averagers under a torchft Manager (``--impl overlapkit``), with torchft's
+own LocalSGD / DiLoCo (``torchft``), or over a plain gloo process group without torchft
+(``plain``), and writes the final parameters and its timings to ``--out``. Forked by
+tests/ft/ft_scenarios.py (for tests/ft and benchmarks/ft.py) from a server that
+imported torch and torchft once.
 
 Each step's batch depends only on (replica, averagings committed so far, step within
 the round), so every implementation sees the same data under the same failures.
@@ -202,7 +203,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--impl", choices=["overlapkit", "torchft", "plain"], required=True)
     parser.add_argument("--averager", choices=["periodic", "diloco"], default="periodic")
@@ -221,7 +222,7 @@ def main() -> None:
     parser.add_argument("--ready", default=None, help="file written once the manager is up")
     parser.add_argument("--barrier", nargs="*", help="files to wait for before training")
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     result = train(args)
     torch.save(result, args.out)
 

@@ -16,8 +16,8 @@ import pytest
 
 pytest.importorskip("torchft")
 
-from ft_scenarios import HEARTBEAT_TIMEOUT_MS, PERIOD, SYNCS, Scenario, run  # noqa: E402
-from helpers import compare  # noqa: E402
+from ft_scenarios import HEARTBEAT_TIMEOUT_MS, PERIOD, SYNCS, Scenario, run
+from helpers import compare
 
 pytestmark = pytest.mark.timeout(240)
 
