@@ -28,6 +28,14 @@ REPLICA = Path(__file__).with_name("replica.py")
 PERIOD, SYNCS = 3, 6
 #: the survivor's wait for a dead replica's heartbeat to expire (torchft's default is 5 s)
 HEARTBEAT_TIMEOUT_MS = 1000
+#: the "kill" scenario's victim dies after its step 7: in the third round
+KILLED_IN_ROUND = 3
+
+
+def next_averaging(result: dict[str, Any], round_: int) -> float:
+    """When ``result``'s replica finished the averaging that ends round ``round_``."""
+    return next(ended for committed, _, ended in result["timings"]["syncs"]
+                if committed == round_)
 
 
 @attrs.frozen(kw_only=True)
@@ -117,7 +125,7 @@ def run(scenario: Scenario, workdir: Path, timeout: float = 150.0) -> dict[str, 
         victim = list(barrier)
         if scenario.failure == "kill":
             survivor += ["--wait-at", "4"]
-            victim += ["--kill-after", "7"]
+            victim += ["--kill-after", str(PERIOD * (KILLED_IN_ROUND - 1) + 1)]
         elif scenario.failure == "kill-in-averaging":
             victim += ["--kill-in-quorum", "3"]
         start("0", 0, ["--ready", ready[0], *survivor])
