@@ -53,10 +53,13 @@ class Scenario:
     failure: str | None = None
     period: int = PERIOD
     syncs: int = SYNCS
+    #: Streaming DiLoCo's fragments (1 or 2: the MLP's two Linear layers)
+    fragments: int = 1
 
     @property
     def name(self) -> str:
-        return f"{self.impl}-{self.averager}-{self.failure or 'none'}"
+        streaming = f"-{self.fragments}fragments" if self.fragments > 1 else ""
+        return f"{self.impl}-{self.averager}{streaming}-{self.failure or 'none'}"
 
 
 def _free_port() -> int:
@@ -97,7 +100,7 @@ def run(scenario: Scenario, workdir: Path, timeout: float = 150.0) -> dict[str, 
     context = _context()
     common = ["--impl", scenario.impl, "--averager",
               scenario.averager, "--period", str(scenario.period), "--syncs",
-              str(scenario.syncs)]
+              str(scenario.syncs), "--fragments", str(scenario.fragments)]
     if scenario.impl == "plain":
         common += ["--init-method", f"tcp://127.0.0.1:{_free_port()}"]
     else:

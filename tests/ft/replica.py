@@ -41,6 +41,12 @@ def inner_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.o
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
+def diloco_options(args: argparse.Namespace) -> dict[str, Any]:
+    if args.averager != "diloco":
+        return {}
+    return {"outer_lr": 0.7, "outer_momentum": 0.9, "fragments": args.fragments}
+
+
 def wait_for(path: str, what: str, limit: float = 60.0) -> None:
     deadline = time.monotonic() + limit
     while not os.path.exists(path):
@@ -134,11 +140,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         dist.init_process_group("gloo", init_method=args.init_method, rank=args.replica,
                                 world_size=args.replicas, timeout=timedelta(seconds=30))
         warmup = 0 if args.averager == "diloco" else args.period - 1
-        options = {"outer_lr": 0.7, "outer_momentum": 0.9} if args.averager == "diloco" else {}
+        options = diloco_options(args)
         averager = overlapkit.create_averager(args.averager, period=args.period,
                                               warmup_steps=warmup, **options)
         opt: Any = PostLocalSGDOptimizer(inner, averager)
-        committed = lambda: averager.step // args.period  # noqa: E731
+        sync_every = args.period // (args.fragments if args.averager == "diloco" else 1)
+        committed = lambda: averager.step // sync_every  # noqa: E731
         manager = None
     else:
         register = args.impl == "torchft"
@@ -148,7 +155,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             import overlapkit.ft
 
             warmup = 0 if args.averager == "diloco" else args.period - 1
-            options = {"outer_lr": 0.7, "outer_momentum": 0.9} if args.averager == "diloco" else {}
+            options = diloco_options(args)
             opt = overlapkit.ft.local_sgd(manager, model, inner, period=args.period,
                                           warmup_steps=warmup, averager=args.averager,
                                           **options)
@@ -157,10 +164,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
             opt = inner
             if args.averager == "diloco":
-                outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9,
-                                        nesterov=True)
-                wrapper: Any = DiLoCo(manager, [model], inner, outer, sync_every=args.period,
-                                      pin_memory=False)
+                # fragments: the first Linear, the second (the MLP's two halves), an
+                # outer optimizer each (one over the whole model would also step the
+                # other fragment's parameters with their inner gradients)
+                fragments = [model] if args.fragments == 1 else [model[0], model[2]]
+                outer = [torch.optim.SGD(f.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+                         for f in fragments]
+                wrapper: Any = DiLoCo(manager, fragments, inner, outer,
+                                      sync_every=args.period, pin_memory=False)
             else:
                 wrapper = LocalSGD(manager, model, inner, sync_every=args.period)
             wrapper.__enter__()
@@ -211,6 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lighthouse", default=None)
     parser.add_argument("--init-method", default=None)
     parser.add_argument("--period", type=int, default=3)
+    parser.add_argument("--fragments", type=int, choices=[1, 2], default=1,
+                        help="Streaming DiLoCo's fragments")
     parser.add_argument("--syncs", type=int, default=6)
     parser.add_argument("--kill-after", type=int, default=None, help="SIGKILL after step N")
     parser.add_argument("--kill-in-quorum", type=int, default=None,

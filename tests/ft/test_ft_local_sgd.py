@@ -39,6 +39,8 @@ SCENARIOS = [
     Scenario(impl="overlapkit", failure="kill-in-averaging"),
     Scenario(impl="torchft", failure="kill-in-averaging"),
     Scenario(impl="overlapkit", averager="diloco", failure="kill-in-averaging"),
+    *(Scenario(impl=impl, averager="diloco", fragments=2, period=4, syncs=8)
+      for impl in ("overlapkit", "torchft", "plain")),
 ]
 
 
@@ -126,3 +128,15 @@ def test_diloco_keeps_the_inner_steps_of_a_round_whose_averaging_failed(
     survivor = runs["overlapkit-diloco-kill-in-averaging"]["0"]
     assert survivor["failed_commits"] == 1 and survivor["committed"] == SYNCS
     assert len(survivor["timings"]["steps"]) == (SYNCS + 1) * PERIOD
+
+
+@pytest.mark.parametrize("other", ["torchft", "plain"])
+def test_streaming_diloco_fragments_are_bitwise_torchfts_and_the_run_without_torchft(
+    runs: dict[str, dict[str, Any]], other: str
+) -> None:
+    # two fragments (the MLP's two Linear layers), period 4: one fragment's outer step
+    # every 2 steps, in turn; torchft's DiLoCo(model_fragments, fragment_sync_delay=0)
+    for replica in ("0", "1"):
+        assert compare(_params(runs, f"{other}-diloco-2fragments-none", replica),
+                       _params(runs, "overlapkit-diloco-2fragments-none", replica))
+    assert runs["overlapkit-diloco-2fragments-none"]["0"]["committed"] == 8
