@@ -32,6 +32,7 @@ from overlapkit.errors import (
     ConfigurationError,
     MissingDependencyError,
     OverlapkitError,
+    QuorumError,
     UnsupportedModelError,
     UnsupportedOptimizerError,
 )
@@ -52,6 +53,7 @@ class FaultTolerantLocalSGD(PostLocalSGDOptimizer):
     torchft ``Manager``: a quorum, the averaging over it, then the commit decision.
     Build it with :func:`local_sgd`.
 
+    :raises QuorumError: from :meth:`step`, when the quorum cannot be formed.
     :ivar commits: averaging steps committed by this replica group.
     :ivar failed_commits: averaging steps rolled back (a replica failed during them).
     """
@@ -93,7 +95,17 @@ class FaultTolerantLocalSGD(PostLocalSGDOptimizer):
         return loss
 
     def _average_over_quorum(self) -> None:
-        self.manager.start_quorum()  # a replica group that is behind recovers here
+        try:
+            self.manager.start_quorum()  # a replica group that is behind recovers here
+        except Exception as failed:  # torchft's (a Rust RuntimeError, a timeout, ...)
+            raise QuorumError(
+                f"the torchft quorum of averaging step {self.averager.step} failed: "
+                f"{failed}. Check that the Lighthouse (the manager's lighthouse_addr, or "
+                "TORCHFT_LIGHTHOUSE) is up, that at least its min_replicas replica groups "
+                "reach it within the manager's quorum_timeout, and raise quorum_timeout "
+                "above the time of `period` steps. This step's local update was applied, "
+                "its averaging was not; the next step() averages again."
+            ) from failed
         if not self._averages_now():
             raise OverlapkitError(
                 f"after recovering from a peer this replica group is at step "

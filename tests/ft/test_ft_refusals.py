@@ -131,3 +131,33 @@ def test_a_second_local_sgd_optimizer_on_one_manager_is_refused(make_manager: An
     with pytest.raises(ConfigurationError, match="one Manager per optimizer"):
         overlapkit.ft.local_sgd(manager, model, torch.optim.SGD(model.parameters(), lr=0.1),
                                 period=2)
+
+
+def test_a_quorum_that_cannot_form_is_a_quorum_error_and_the_step_is_not_counted() -> None:
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.coordination import LighthouseServer
+
+    from overlapkit.errors import QuorumError
+
+    # a quorum of at least 2 replica groups, and only this one: it never forms
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(), min_replica_size=1, use_async_quorum=False,
+        load_state_dict=None, state_dict=None, store_addr="127.0.0.1",
+        store_port=store.port, rank=0, world_size=1, lighthouse_addr=lighthouse.address(),
+        replica_id="gone", timeout=timedelta(seconds=2),
+        quorum_timeout=timedelta(seconds=2), connect_timeout=timedelta(seconds=2),
+    )
+    try:
+        model = torch.nn.Linear(4, 2)
+        optim = overlapkit.ft.local_sgd(manager, model,
+                                        torch.optim.SGD(model.parameters(), lr=0.1), period=2)
+        model(torch.ones(1, 4)).sum().backward()
+        with pytest.raises(QuorumError, match="Lighthouse"):
+            optim.step()  # step 0 averages (torch's schedule)
+        assert optim.averager.step == 0 and optim.commits == 0
+    finally:
+        manager.shutdown(wait=False)
+        lighthouse.shutdown()
