@@ -117,3 +117,14 @@ class RanksLostError(OverlapkitError, RuntimeError):
 
 def _ranks_lost(message: str, lost: list[int], what: str) -> RanksLostError:
     return RanksLostError(message, lost=lost, what=what)
+
+
+class QuorumError(OverlapkitError, RuntimeError):
+    """A torchft quorum could not be formed at an averaging step of
+    :func:`overlapkit.ft.local_sgd` (the Lighthouse unreachable, or fewer replica
+    groups than its ``min_replicas`` within the quorum timeout); torchft's own error is
+    its ``__cause__``. The step's local update was applied, its averaging was not, and
+    the step is not counted: the next ``step()`` averages again.
+
+    .. versionadded:: 0.4
+    """
