@@ -150,3 +150,14 @@ class ExchangeFailedError(OverlapkitError, RuntimeError):
 
 def _exchange_failed(message: str, what: str, silent: list[int]) -> ExchangeFailedError:
     return ExchangeFailedError(message, what=what, silent=silent)
+
+
+class QuorumError(OverlapkitError, RuntimeError):
+    """A torchft quorum could not be formed at an averaging step of
+    :func:`overlapkit.ft.local_sgd` (the Lighthouse unreachable, or fewer replica
+    groups than its ``min_replicas`` within the quorum timeout); torchft's own error is
+    its ``__cause__``. The step's local update was applied, its averaging was not, and
+    the step is not counted: the next ``step()`` averages again.
+
+    .. versionadded:: 0.4
+    """

@@ -19,7 +19,7 @@ def test_the_top_level_has_at_most_eight_modules() -> None:
 
 
 def test_the_subpackages_are_the_concepts() -> None:
-    assert SUBPACKAGES == ["checkpoint", "cli", "integrations", "local_sgd", "nodes",
+    assert SUBPACKAGES == ["checkpoint", "cli", "ft", "integrations", "local_sgd", "nodes",
                            "overlap", "plugin"]
 
 

@@ -16,6 +16,7 @@ Private to :mod:`overlapkit.integrations.lightning`.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
@@ -28,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from overlapkit.errors import ConfigurationError, OverlapkitError
 from overlapkit.integrations._lightning_setup import clipping_of
 from overlapkit.overlap.facade import OverlappedOptimizerFacade
+from overlapkit.overlap.window import FirstWindow
 
 __all__ = ["AutomaticOptimization", "GradientWrites"]
 
@@ -105,6 +107,8 @@ class AutomaticOptimization:
         self.accumulate_with_no_step = accumulate_with_no_step
         self.optimizer: OverlappedOptimizerFacade | None = None
         self.writes: GradientWrites | None = None
+        #: every step taken at step(), the backwards deferred for the whole fit
+        self.plain_order = False
         #: the clipping the optimizer was built with (:func:`clipping_of` the Trainer)
         self.clipping: dict[str, float] = {}
         #: inside optimizer_step's call of Lightning's closure
@@ -133,15 +137,21 @@ class AutomaticOptimization:
         self._in_training_step = False
         #: the DDP model whose parameters optimizer_in_backward frees early, until detach
         self._freeing_ddp_model: DistributedDataParallel | None = None
+        #: optimizer_in_backward: the gradients the first optimizer step kept, watched
+        #: for reads until the next training_step (:meth:`_after_first_step`)
+        self._reads: tuple[FirstWindow, list[torch.Tensor]] | None = None
 
     def attach(self, optimizer: OverlappedOptimizerFacade, writes: GradientWrites | None,
-               clipping: dict[str, float]) -> None:
+               clipping: dict[str, float], plain_order: bool = False) -> None:
         """Drive ``optimizer``, built with ``clipping``: from now on, a stepping backward
         anywhere but in Lightning's backward, or a second one before the optimizer step,
-        is refused before anything steps in it."""
+        is refused before anything steps in it. ``plain_order``: every step of the fit
+        is taken at ``step()``, as the first one (the backwards stay deferred and keep
+        their gradients until the next ``zero_grad``, as in the plain loop)."""
         self.optimizer = optimizer
         self.writes = writes
         self.clipping = clipping
+        self.plain_order = plain_order
         self._stepped = 0
         self._probed = False
         self._probe_backwards = 0
@@ -168,6 +178,7 @@ class AutomaticOptimization:
     def training_step(self, step: Callable[[], Any]) -> Any:
         """``Strategy.training_step``, refused after it ran a backward that
         :meth:`watch_training_step` saw (before Lightning's backward: nothing stepped)."""
+        self._after_first_step()
         self._in_training_step = True
         try:
             output = step()
@@ -185,12 +196,19 @@ class AutomaticOptimization:
         return output
 
     def detach(self) -> None:
-        """The fit is over: the parameters keep the optimizer's step hooks (a plain
-        module's; a DDP model is dropped by Lightning), so any later backward through
-        them is refused, never stepped by this fit's optimizer."""
+        """The fit is over: the optimizer is released (a plain module's step hooks
+        removed, the parameters unclaimed), so a later fit sets a technique up again
+        and a backward by hand afterwards is a plain one; a backward through the DDP
+        model Lightning drops, were it kept, is refused, never stepped by this fit's
+        optimizer."""
         self._deferred.close()  # a fit that ended before its first step
+        if self._reads is not None:
+            window, params = self._reads
+            window.unwatch(params)
+            self._reads = None
         if self.optimizer is not None:
             self.optimizer.gate_backwards(self._after_fit)
+            self.optimizer.release()
             self.optimizer = None
         for handle in self._grad_hooks:
             handle.remove()
@@ -269,11 +287,45 @@ class AutomaticOptimization:
             call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
             call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
         if probing:
-            self._deferred.close()  # from now on the backwards step
+            if not self.plain_order:
+                self._deferred.close()  # from now on the backwards step
             self._probed = True
         optimizer.step(**kwargs)  # a no-op after a stepping backward; the probe's full step
         self._stepped = 0
+        if probing and not self.plain_order and self.technique == "optimizer_in_backward":
+            # the probe kept the gradients, as the plain loop does until the next
+            # zero_grad: a hook reading them before then is seen (on_train_batch_end's
+            # overrides were seen at set-up)
+            named = list(model.named_parameters())
+            window = FirstWindow(watching={id(p): n for n, p in named})
+            params = [p for _, p in named]
+            window.mark(params)
+            self._reads = (window, params)
         return closure_result  # what a torch optimizer's step(closure) returns
+
+    def _after_first_step(self) -> None:
+        """Before the training_step that follows the first optimizer step: when a hook
+        read the gradients that step kept (which optimizer_in_backward frees from the
+        second step on), every later step is taken at ``step()`` in the plain order,
+        its backwards deferred: bitwise, with one warning."""
+        if self._reads is None:
+            return
+        (window, params), self._reads = self._reads, None
+        window.unwatch(params)
+        if window.read and self.optimizer is not None:
+            self.plain_order = True
+            self._deferred.enter_context(self.optimizer.defer_steps())
+            shown = ", ".join(window.read[:3]) + (" and others" if len(window.read) > 3
+                                                   else "")
+            warnings.warn(
+                f"{self.strategy_name} (optimizer_in_backward) takes every step of this fit "
+                "from the second on at optimizer.step(), in the plain order, without "
+                f"overlap: the gradients of {shown} were read after the first optimizer "
+                "step (by a hook), where the plain loop keeps them until the next "
+                "zero_grad and optimizer_in_backward would have freed them. The run is "
+                "the plain Trainer's, bitwise. To keep the overlap: read gradients in no "
+                "hook, or use OverlapDDPStrategy(technique='overlap_ddp') (it keeps them).",
+                UserWarning, stacklevel=2)
 
     # -- the gate ---------------------------------------------------------------------
 

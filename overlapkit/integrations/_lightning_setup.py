@@ -23,8 +23,10 @@ from overlapkit.errors import ConfigurationError
 from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.overlap.facade import OverlappedOptimizerFacade
 
-__all__ = ["GRADIENT_HOOKS", "TECHNIQUES", "WRITING_HOOKS", "check_fit", "clipping_of",
-           "gradient_readers", "overlapped_like", "plain_optimizer", "rebind_schedulers"]
+__all__ = ["AFTER_STEP_HOOKS", "GRADIENT_HOOKS", "TECHNIQUES", "WRITING_HOOKS",
+           "after_step_readers", "check_fit", "clipping_of", "gradient_readers",
+           "overlapped_like", "plain_order_warning", "plain_optimizer",
+           "rebind_schedulers"]
 
 #: what the strategies step with
 TECHNIQUES = ("overlap_ddp", "optimizer_in_backward")
@@ -35,6 +37,10 @@ GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step", "on_before_ze
 #: those whose changes to ``.grad`` the plain loop's step would use (zero_grad follows
 #: the third)
 WRITING_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+#: the hooks that run after the optimizer step, where the plain loop still holds that
+#: step's gradients (until the next step's ``zero_grad``) and ``optimizer_in_backward``
+#: has freed them
+AFTER_STEP_HOOKS = ("on_train_batch_end",)
 #: the precisions whose optimizer step is the plain ``optimizer.step(closure)``, tested
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed")
 
@@ -144,6 +150,43 @@ def gradient_readers(trainer: pl.Trainer, module: pl.LightningModule
         found += [(type(callback).__name__, hook) for hook in GRADIENT_HOOKS
                   if is_overridden(hook, callback, Callback)]
     return found
+
+
+def _users(hook: Any) -> bool:
+    """Whether ``hook`` (a bound method, or a function a ``LambdaCallback`` holds) is
+    user code, not one of Lightning's own callbacks (progress bars, ``ModelCheckpoint``,
+    the tuner's: they read no gradients)."""
+    return not getattr(hook, "__module__", "").startswith("lightning.")
+
+
+def after_step_readers(trainer: pl.Trainer, module: pl.LightningModule
+                       ) -> list[tuple[str, str]]:
+    """``(owner, hook)`` of each of :data:`AFTER_STEP_HOOKS` that user code overrides:
+    the module's, or a callback's that is not one of Lightning's own."""
+    found = [(type(module).__name__, hook) for hook in AFTER_STEP_HOOKS
+             if is_overridden(hook, module)]
+    callbacks: list[Callback] = getattr(trainer, "callbacks", [])
+    for callback in callbacks:
+        found += [(type(callback).__name__, hook) for hook in AFTER_STEP_HOOKS
+                  if is_overridden(hook, callback, Callback)
+                  and _users(getattr(callback, hook))]
+    return found
+
+
+def plain_order_warning(readers: list[tuple[str, str]], strategy: str) -> str:
+    """The one warning of a fit whose every step is taken at ``step()`` because of
+    ``readers`` (:func:`after_step_readers`)."""
+    hooks = ", ".join(f"{owner}.{hook}" for owner, hook in readers)
+    return (
+        f"{strategy} (optimizer_in_backward) takes every step of this fit at "
+        f"optimizer.step(), in the plain order, without overlap: {hooks} run"
+        f"{'s' if len(readers) == 1 else ''} after the step and may read .grad, which "
+        "the plain loop keeps until the next zero_grad and optimizer_in_backward would "
+        "free during backward. The run is the plain Trainer's, bitwise. To keep the "
+        f"overlap: pass {strategy}(..., reads_grads_after_step=False) if these hooks "
+        "read no gradients, or OverlapDDPStrategy(technique='overlap_ddp') (it keeps "
+        "the gradients)."
+    )
 
 
 def check_gradient_readers(readers: list[tuple[str, str]], technique: str,

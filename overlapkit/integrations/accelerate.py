@@ -49,6 +49,7 @@ from overlapkit.integrations.requirements import require
 
 require("accelerate", "accelerate", "1.15.0")
 
+import functools  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
 from contextlib import AbstractContextManager, contextmanager  # noqa: E402
 from typing import Any  # noqa: E402
@@ -281,5 +282,28 @@ def prepare(accelerator: Accelerator, model: torch.nn.Module,
                               **options)
     # Accelerate's loops call optimizer.step(): the first one shows what the loop does
     # between backward and step (overlapkit.overlap.window), before anything steps
-    facade.learn_first_step(prepared)
+    facade.learn_first_step(
+        prepared, accumulate="inside `with accelerator.accumulate(model):` (or "
+        "`with accelerator.no_sync(model):`)")
+    _refuse_backward_through_stepped(accelerator, facade)
     return prepared, accelerator.prepare(facade)
+
+
+def _refuse_backward_through_stepped(accelerator: Accelerator,
+                                     facade: OverlappedOptimizerFacade) -> None:
+    """Make ``accelerator.backward`` raise the facade's ConfigurationError, naming what to
+    do, where autograd refuses a second backward before ``step()`` through a kept graph
+    whose parameters the first backward stepped (a raw RuntimeError otherwise)."""
+    backward = accelerator.backward
+
+    @functools.wraps(backward)
+    def refusing(loss: Any, **kwargs: Any) -> Any:
+        try:
+            return backward(loss, **kwargs)
+        except RuntimeError as error:
+            refusal = facade.second_backward_refusal(error)
+            if refusal is None:
+                raise
+            raise refusal from error
+
+    accelerator.backward = refusing

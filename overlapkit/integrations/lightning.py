@@ -33,6 +33,7 @@ is tested with).
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -48,19 +49,22 @@ from overlapkit.integrations._lightning_available import TESTED_LIGHTNING, pl
 from overlapkit.integrations._lightning_loop import AutomaticOptimization, GradientWrites
 from overlapkit.integrations._lightning_setup import (
     TECHNIQUES,
+    after_step_readers,
     check_fit,
     check_gradient_readers,
     clipping_of,
     gradient_readers,
     overlapped_like,
     plain_optimizer,
+    plain_order_warning,
     rebind_schedulers,
 )
 
 __all__ = ["TESTED_LIGHTNING", "TECHNIQUES", "OverlapDDPStrategy",
            "OverlapSingleDeviceStrategy"]
 
-# LightningModules an overlapkit strategy has set up: their parameters carry its hooks
+# LightningModules an overlapkit strategy has set up and not torn down yet: their
+# parameters carry its hooks
 _SET_UP: weakref.WeakSet[pl.LightningModule] = weakref.WeakSet()
 
 #: DDPStrategy options that put a comm hook or averaging of their own on the model
@@ -79,6 +83,9 @@ class _StepsInBackward(pl.strategies.Strategy):
 
     _technique: str
     _automatic: AutomaticOptimization
+    #: None: a user's on_train_batch_end may read .grad (optimizer_in_backward then
+    #: steps in the plain order); False: the user said it reads none
+    _reads_grads_after_step: bool | None = None
 
     @property
     def technique(self) -> str:
@@ -99,10 +106,11 @@ class _StepsInBackward(pl.strategies.Strategy):
         check_fit(module, self.precision_plugin, name, self._technique)
         if module in _SET_UP:
             raise ConfigurationError(
-                f"this {type(module).__name__} was already trained by an overlapkit "
-                "strategy in this process, and its parameters carry that fit's step hooks. "
-                "Build a new LightningModule for each fit (load the weights with "
-                "new.load_state_dict(old.state_dict()), or resume with ckpt_path=)."
+                f"this {type(module).__name__} is set up by another overlapkit fit that "
+                "has not been torn down (its parameters carry that fit's step hooks until "
+                "its teardown releases them). Let that fit end (or fail) before fitting "
+                "the module again, or build a new LightningModule (load the weights with "
+                "new.load_state_dict(old.state_dict()))."
             )
         check_gradient_readers(gradient_readers(trainer, module), self._technique,
                                clipping_of(trainer), name)
@@ -122,7 +130,13 @@ class _StepsInBackward(pl.strategies.Strategy):
         rebind_schedulers(self.lr_scheduler_configs, plain, overlapped)
         writes = (GradientWrites(list(module.named_parameters()), self._technique, watched)
                   if watched else None)
-        self._automatic.attach(overlapped, writes, clipping)
+        readers = (after_step_readers(trainer, module)
+                   if self._technique == "optimizer_in_backward"
+                   and self._reads_grads_after_step is not False else [])
+        if readers:
+            warnings.warn(plain_order_warning(readers, type(self).__name__), UserWarning,
+                          stacklevel=2)
+        self._automatic.attach(overlapped, writes, clipping, plain_order=bool(readers))
         if self._technique == "optimizer_in_backward" and isinstance(
                 model, DistributedDataParallel):
             self._automatic.watch_training_step(model, list(module.parameters()))
@@ -141,7 +155,13 @@ class _StepsInBackward(pl.strategies.Strategy):
         return self._automatic.optimizer_step(self, optimizer, closure, model, **kwargs)
 
     def teardown(self) -> None:
+        """The fit is over: the optimizer is released (its hooks removed, its parameters
+        unclaimed: ``Tuner.lr_find`` / ``scale_batch_size`` then ``fit``, or ``fit``
+        twice, set the technique up again), then Lightning's teardown."""
         self._automatic.detach()
+        module = self.lightning_module
+        if module is not None:
+            _SET_UP.discard(module)
         super().teardown()
 
 
@@ -165,6 +185,13 @@ class OverlapDDPStrategy(_StepsInBackward, pl.strategies.DDPStrategy):
         (``overlapkit plugins`` lists them).
     :param comm_hook_options: keyword options for the comm hook's builder.
     :param step_thread: ``overlap_ddp`` only: see :func:`~overlapkit.overlap_ddp`.
+    :param reads_grads_after_step: ``optimizer_in_backward`` only. By default, when the
+        module or a callback of the user's overrides ``on_train_batch_end``, which may
+        read ``.grad`` after the step (the plain loop keeps the gradients until the
+        next ``zero_grad``; ``optimizer_in_backward`` frees them during backward),
+        every step of the fit is taken at ``optimizer.step()`` in the plain order,
+        bitwise, with one warning. ``False``: those hooks read no gradients; keep the
+        overlap.
     :param ddp_options: :class:`~lightning.pytorch.strategies.DDPStrategy`'s own
         arguments (``find_unused_parameters``, ``static_graph``, ``timeout``,
         ``start_method``, ...), but those that put a comm hook of their own on the
@@ -176,7 +203,8 @@ class OverlapDDPStrategy(_StepsInBackward, pl.strategies.DDPStrategy):
 
     def __init__(self, technique: str = "overlap_ddp", *, comm_hook: str = "allreduce",
                  comm_hook_options: Mapping[str, Any] | None = None,
-                 step_thread: str = "backward", **ddp_options: Any) -> None:
+                 step_thread: str = "backward", reads_grads_after_step: bool | None = None,
+                 **ddp_options: Any) -> None:
         if technique not in TECHNIQUES:
             raise ConfigurationError(
                 f"technique must be one of {', '.join(map(repr, TECHNIQUES))}, got "
@@ -199,6 +227,7 @@ class OverlapDDPStrategy(_StepsInBackward, pl.strategies.DDPStrategy):
                 "step_thread applies to technique='overlap_ddp' only; leave it out.")
         super().__init__(**ddp_options)
         self._technique = technique
+        self._reads_grads_after_step = reads_grads_after_step
         self._overlap_options = options
         self._automatic = AutomaticOptimization(technique, type(self).__name__,
                                                 accumulate_with_no_step=False)
@@ -229,12 +258,15 @@ class OverlapSingleDeviceStrategy(_StepsInBackward, pl.strategies.SingleDeviceSt
 
     :param device: the device, as for ``SingleDeviceStrategy`` (``"cpu"``,
         ``"cuda:0"``, ...).
+    :param reads_grads_after_step: see :class:`OverlapDDPStrategy`.
     :param options: ``SingleDeviceStrategy``'s other arguments.
     """
 
-    def __init__(self, device: Any = "cpu", **options: Any) -> None:
+    def __init__(self, device: Any = "cpu", *, reads_grads_after_step: bool | None = None,
+                 **options: Any) -> None:
         super().__init__(device=device, **options)
         self._technique = "optimizer_in_backward"
+        self._reads_grads_after_step = reads_grads_after_step
         self._automatic = AutomaticOptimization(
             "optimizer_in_backward", type(self).__name__, accumulate_with_no_step=True)
 

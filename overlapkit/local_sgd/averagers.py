@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from overlapkit.errors import CheckpointError, ConfigurationError
-from overlapkit.local_sgd.averaging import average_in_place, parameters_to_average
+from overlapkit.local_sgd.averaging import ReplicaGroup, average_in_place, parameters_to_average
 from overlapkit.local_sgd.hierarchy import check_plan_follows_nodes
 from overlapkit.nodes import node_layout
 
@@ -45,6 +45,7 @@ __all__ = [
     "HierarchicalAverager",
     "ModelAverager",
     "PeriodicAverager",
+    "ReplicaGroup",
     "average_in_place",
     "parameters_to_average",
     "validate_period_group_sizes",
@@ -110,14 +111,15 @@ class ModelAverager(abc.ABC):
     warmup_steps: int
 
     def __init__(
-        self, *, warmup_steps: int = 0, process_group: dist.ProcessGroup | None = None
+        self, *, warmup_steps: int = 0,
+        process_group: dist.ProcessGroup | ReplicaGroup | None = None,
     ) -> None:
         self.warmup_steps = check_warmup_steps(warmup_steps)
         self._process_group = process_group
         self.step = 0
 
     @property
-    def process_group(self) -> dist.ProcessGroup:
+    def process_group(self) -> dist.ProcessGroup | ReplicaGroup:
         """The top-level group (the default group when none was given)."""
         if self._process_group is not None:
             return self._process_group
@@ -127,11 +129,13 @@ class ModelAverager(abc.ABC):
         return group
 
     @abc.abstractmethod
-    def group_for_step(self, step: int) -> dist.ProcessGroup | None:
+    def group_for_step(self, step: int) -> dist.ProcessGroup | ReplicaGroup | None:
         """The group to average over after optimizer step ``step`` (counted from 0),
         or ``None`` for no averaging. Only called once warm-up is over."""
 
-    def average(self, params: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    def average(
+        self, params: list[torch.Tensor], group: dist.ProcessGroup | ReplicaGroup
+    ) -> None:
         """Average ``params`` over ``group`` in place; the one collective an averager
         runs. Override it to change what averaging means (e.g. an outer optimizer)."""
         average_in_place(params, group)
@@ -206,7 +210,7 @@ class PeriodicAverager(ModelAverager):
         self,
         period: int,
         warmup_steps: int = 0,
-        process_group: dist.ProcessGroup | None = None,
+        process_group: dist.ProcessGroup | ReplicaGroup | None = None,
     ) -> None:
         self.period = check_period(period)
         super().__init__(warmup_steps=warmup_steps, process_group=process_group)
@@ -217,7 +221,7 @@ class PeriodicAverager(ModelAverager):
                 "period > 1.", UserWarning, stacklevel=2,
             )
 
-    def group_for_step(self, step: int) -> dist.ProcessGroup | None:
+    def group_for_step(self, step: int) -> dist.ProcessGroup | ReplicaGroup | None:
         """The process group every ``period`` steps from ``warmup_steps`` on."""
         if (step - self.warmup_steps) % self.period == 0:
             return self.process_group
@@ -319,6 +323,12 @@ class HierarchicalAverager(ModelAverager):
         validate_period_group_sizes(period_group_size_dict, None)
         _require_initialized("HierarchicalAverager")
         top = self.process_group
+        if isinstance(top, ReplicaGroup):
+            raise ConfigurationError(
+                "HierarchicalAverager needs a torch.distributed process group, got "
+                f"{type(top).__name__}; average torchft replica groups with the "
+                "'periodic' or 'diloco' averager."
+            )
         overall = dist.get_world_size(top)
         self.period_group_size_dict = validate_period_group_sizes(period_group_size_dict, overall)
         # every level's groups within a node or of whole nodes (a collective, as the

@@ -8,6 +8,7 @@ results are bitwise torch's.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -16,12 +17,31 @@ import torch.distributed as dist
 
 from overlapkit.errors import ConfigurationError
 
-__all__ = ["average_in_place", "parameters_to_average"]
+__all__ = ["ReplicaGroup", "average_in_place", "parameters_to_average"]
+
+
+class ReplicaGroup(abc.ABC):
+    """Replicas that average through something other than a ``torch.distributed``
+    process group; an averager given one as its ``process_group`` averages over it.
+
+    :class:`overlapkit.ft.ManagedReplicas` is one: the replica groups of a torchft
+    ``Manager``'s current quorum, whose membership changes as replicas fail and
+    rejoin. :func:`average_in_place` divides by :meth:`size` then sums with
+    :meth:`all_reduce`, the arithmetic it uses on a process group.
+    """
+
+    @abc.abstractmethod
+    def size(self) -> int:
+        """How many replicas take part in the averaging now."""
+
+    @abc.abstractmethod
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> None:
+        """Reduce ``tensor`` in place over the replicas (``SUM`` or ``MAX``)."""
 
 
 def parameters_to_average(
     params: Iterable[torch.Tensor] | Iterable[Mapping[str, Any]],
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | ReplicaGroup | None = None,
 ) -> list[torch.Tensor]:
     """The tensors of ``params`` (parameters, or an optimizer's ``param_groups``) that
     are averaged, once each, in order: those torch's ``get_params_to_average`` picks,
@@ -66,15 +86,23 @@ def parameters_to_average(
                 seen.add(id(tensor))
                 candidates.append(tensor)
     has_grad = [t.grad is not None for t in candidates]
-    if group is not None and candidates and not dist._rank_not_in_group(group) \
-            and dist.get_world_size(group) > 1:
+    if group is not None and candidates and _several(group):
         flags = torch.tensor(has_grad, dtype=torch.int32, device=candidates[0].device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        if isinstance(group, ReplicaGroup):
+            group.all_reduce(flags, dist.ReduceOp.MAX)
+        else:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
         has_grad = [bool(flag) for flag in flags.tolist()]
     with_grad = [t for t, grad in zip(candidates, has_grad, strict=True) if grad]
     if with_grad:
         return with_grad
     return [t for t in candidates if _learns(t)]
+
+
+def _several(group: dist.ProcessGroup | ReplicaGroup) -> bool:
+    if isinstance(group, ReplicaGroup):
+        return group.size() > 1
+    return not dist._rank_not_in_group(group) and dist.get_world_size(group) > 1
 
 
 def _floating(tensor: torch.Tensor) -> bool:
@@ -85,7 +113,9 @@ def _learns(tensor: torch.Tensor) -> bool:
     return tensor.requires_grad or not isinstance(tensor, torch.nn.Parameter)
 
 
-def average_in_place(params: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+def average_in_place(
+    params: list[torch.Tensor], group: dist.ProcessGroup | ReplicaGroup
+) -> None:
     """Replace each tensor in ``params`` by its mean over ``group``, in place.
 
     Tensors are flattened into one buffer per device (of the promoted dtype when the
@@ -96,9 +126,12 @@ def average_in_place(params: list[torch.Tensor], group: dist.ProcessGroup) -> No
     that holds a parameter's storage (fused optimizers, bucket views) keeps seeing it.
     Ranks outside ``group`` and groups of one rank do nothing.
     """
-    if dist._rank_not_in_group(group):
+    if isinstance(group, ReplicaGroup):
+        size = group.size()
+    elif dist._rank_not_in_group(group):
         return
-    size = dist.get_world_size(group)
+    else:
+        size = dist.get_world_size(group)
     if size == 1 or not params:
         return
     by_device: dict[torch.device, list[torch.Tensor]] = {}
@@ -108,7 +141,10 @@ def average_in_place(params: list[torch.Tensor], group: dist.ProcessGroup) -> No
         # torch.cat promotes mixed dtypes (bf16 and fp32 -> fp32) as torch's does
         flat = torch.cat([p.detach().reshape(-1) for p in tensors])
         flat.div_(size)
-        dist.all_reduce(flat, group=group)
+        if isinstance(group, ReplicaGroup):
+            group.all_reduce(flat, dist.ReduceOp.SUM)
+        else:
+            dist.all_reduce(flat, group=group)
         offset = 0
         with torch.no_grad():
             for p in tensors:

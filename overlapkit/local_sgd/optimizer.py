@@ -24,7 +24,9 @@ from overlapkit.errors import (
     UnsupportedModelError,
     UnsupportedOptimizerError,
 )
+from overlapkit.ft.refusals import refuse_torchft_ddp
 from overlapkit.local_sgd.averagers import ModelAverager, check_period, check_warmup_steps
+from overlapkit.local_sgd.averaging import ReplicaGroup
 from overlapkit.local_sgd.comm_hook import (
     PostLocalSGDHookState,
     agreed_default_subgroup_size,
@@ -153,6 +155,8 @@ class PostLocalSGDOptimizer(OptimizerWrapper):
         if not dist.is_available() or not dist.is_initialized():
             return None
         group = getattr(self.averager, "process_group", None)
+        if isinstance(group, ReplicaGroup):
+            return None  # a torchft quorum: its size changes as replicas fail and rejoin
         return int(dist.get_world_size(group))
 
     def _check_world_size(self, state_dict: Mapping[str, Any]) -> None:
@@ -299,6 +303,7 @@ def post_local_sgd(
         option, or a comm hook already registered on the model.
     :raises UnknownNameError: no plugin provides the averager.
     """
+    refuse_torchft_ddp(ddp_model, "post_local_sgd")
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise UnsupportedModelError(
             f"post_local_sgd needs a DistributedDataParallel model, got "

@@ -18,6 +18,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.errors import ConfigurationError
+from overlapkit.ft.refusals import refuse_torchft_ddp
 from overlapkit.overlap.adopt import class_or_adopted
 from overlapkit.overlap.bucket_stepper import STEP_THREADS, BucketStepper
 from overlapkit.overlap.clipping import GradClipping
@@ -148,6 +149,7 @@ def overlap_ddp(
         whose step couples parameters (state not per parameter, values written into its
         param groups).
     """
+    refuse_torchft_ddp(ddp_model, "overlap_ddp")  # torchft commits after backward
     optim_cls, params = class_or_adopted(optim_cls, args, optim_kwargs, params, TECHNIQUE)
     model = check_ddp_model(ddp_model, TECHNIQUE)
     overlapped_cls = resolve_overlapped_cls(optim_cls)

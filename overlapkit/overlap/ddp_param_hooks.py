@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.weak import WeakIdKeyDictionary
 
 from overlapkit.errors import ConfigurationError
 
@@ -34,6 +35,15 @@ def refuse_unfrozen(frozen: list[tuple[str, torch.Tensor]], technique: str) -> N
                 "the model: build a new DistributedDataParallel after unfreezing and call "
                 f"{technique} on it (load the optimizer's state_dict() into the new one)."
             )
+
+
+# parameters whose AccumulateGrad node carries the freeing hook of an earlier set-up (a
+# released optimizer, a DDP model dropped since: Lightning's tuner then fit). Python hooks
+# on a node run together, at the place of the first one registered, so a hook added for
+# a later DDP model would run before that model's reducer copies the gradient into its
+# bucket: the reduced gradients were all zero (measured on torch 2.13, a second
+# Lightning fit). Those parameters' local gradients are freed at their bucket's step.
+_HOOKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def free_local_grads_once_bucketed(model: DistributedDataParallel,
@@ -58,6 +68,9 @@ def free_local_grads_once_bucketed(model: DistributedDataParallel,
         return free_after_ddp_copied
 
     for param in params:
+        if param in _HOOKED:
+            continue
+        _HOOKED[param] = True
         # the node autograd accumulates into, the one DDP's reducer holds
         view_node = param.view_as(param).grad_fn
         assert view_node is not None  # DDP manages only parameters that need grad

@@ -11,7 +11,6 @@ backward that already stepped, so existing training loops keep working.
 from __future__ import annotations
 
 import sys
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
@@ -27,14 +26,20 @@ from overlapkit.overlap.amp_scaler import (
 )
 from overlapkit.overlap.engine import OverlapEngine
 from overlapkit.overlap.global_step import GlobalStep, model_order
-from overlapkit.overlap.late_clipping import watch
+from overlapkit.overlap.late_clipping import unwatch, watch
 from overlapkit.overlap.setup import (
     check_unclaimed,
     claim_params,
     flatten_params,
     materialise_params,
+    unclaim_params,
 )
-from overlapkit.overlap.window import FirstWindow, plain_order_warning
+from overlapkit.overlap.window import (
+    FirstWindow,
+    end_first_window,
+    refuse_changed_gradients,
+    second_backward_refusal,
+)
 
 __all__ = ["BackwardSteps", "OverlappedOptimizerFacade"]
 
@@ -75,6 +80,15 @@ class BackwardSteps(Protocol):
 
     #: the loop has called step() right after a stepping backward
     calls_step: bool
+
+    #: how to accumulate with this model, for messages
+    accumulate: str
+
+    #: a backward has stepped since the last step()
+    stepped_since_step: bool
+
+    #: the function that built it, for messages
+    technique: str
 
     #: the gradients the last stepping backward left, to check at step(), or None
     stepped_marks: FirstWindow | None
@@ -197,7 +211,8 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
             steps.deferring = False
             steps.deferred()
 
-    def learn_first_step(self, model: torch.nn.Module | None = None) -> None:
+    def learn_first_step(self, model: torch.nn.Module | None = None,
+                         accumulate: str | None = None) -> None:
         """Defer the first optimizer step, to see what the loop does between backward and
         ``step()`` before anything steps (:mod:`~overlapkit.overlap.window`), then step
         during backward from the second step on — or, when the loop used that window
@@ -205,62 +220,37 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         step at ``step()`` in the plain order, with one warning.
 
         For an integration whose loops call ``step()`` (Accelerate's): a loop that never
-        does would step nothing. ``model`` names the parameters in the warning.
+        does would step nothing. ``model`` names the parameters in the warning;
+        ``accumulate`` says, in the refusal of a later second backward before
+        ``step()``, how that framework accumulates (``"inside `with ...`"``).
         """
         steps = self._steps
-        steps.first_window = FirstWindow()
-        steps.deferring = True
+        if accumulate is not None:
+            steps.accumulate = accumulate
         self._names = {} if model is None else {
             id(p): name for name, p in model.named_parameters()}
+        # a gradient read in the window is the plain loop's only while the technique
+        # keeps it unclipped (overlap_ddp without clipping or a loss scaler)
+        reads_matter = self._technique == "optimizer_in_backward" or steps.full_step is not None
+        steps.first_window = FirstWindow(watching=dict(self._names) if reads_matter else None)
+        steps.deferring = True
 
     def _end_first_window(self) -> bool:
-        """At ``step()`` while :meth:`learn_first_step` defers: decide whether the loop
-        keeps the plain order (warned once), and whether it clipped the kept gradients
-        itself (the full step then does not clip again); returns the latter."""
-        steps = self._steps
-        window = steps.first_window
-        assert window is not None
-        clipped = window.clipped
-        if not window.plain_order:
-            used = []
-            if window.backwards > 1:
-                used.append(f"{window.backwards} backwards ran before one optimizer.step() "
-                            "(gradient accumulation outside accelerator.accumulate)")
-            edited = window.edited(getattr(self, "_names", {}), self._engine.parameters())
-            if edited:
-                shown = ", ".join(edited[:3]) + (" and others" if len(edited) > 3 else "")
-                used.append(f"the gradients of {shown} were changed")
-            if used:
-                window.plain_order = True
-                warnings.warn(plain_order_warning(self._technique, "; ".join(used)),
-                              UserWarning, stacklevel=3)
-        if window.plain_order:
-            window.reset()
-        else:  # from now on every step is taken during backward
-            steps.first_window = None
-            steps.deferring = False
-            steps.deferred()
-            steps.calls_step = True
-        return clipped
+        """At ``step()`` while :meth:`learn_first_step` defers
+        (:func:`~overlapkit.overlap.window.end_first_window`)."""
+        return end_first_window(self._steps, getattr(self, "_names", {}),
+                                self._engine.parameters(), self._technique)
 
     def _refuse_changed_gradients(self, marks: FirstWindow) -> None:
-        """:raises ConfigurationError: the loop changed (or set) a gradient after the
-        backward that stepped it, before this ``step()``: the change missed that step."""
-        edited = marks.edited(getattr(self, "_names", {}), self._engine.parameters())
-        if not edited:
-            return
-        shown = ", ".join(edited[:3]) + (" and others" if len(edited) > 3 else "")
-        raise ConfigurationError(
-            f"the gradients of {shown} were changed between backward() and "
-            f"optimizer.step(), after {self._technique} had already stepped the parameters "
-            "with them during backward, so the change missed this step. The parameters "
-            "have taken it: restart from the last checkpoint after fixing the loop. To "
-            "change gradients, change them before they are reduced (a gradient hook on "
-            "the parameter, a DDP comm hook), or do it from the first step on under an "
-            "integration (overlapkit.integrations: the first step shows the loop uses "
-            "that window, and every step is then taken at optimizer.step(), in the plain "
-            "order)."
-        )
+        refuse_changed_gradients(marks, getattr(self, "_names", {}),
+                                 self._engine.parameters(), self._technique)
+
+    def second_backward_refusal(self, error: BaseException) -> OverlapkitError | None:
+        """The ConfigurationError naming what to do for autograd's ``error`` from a second
+        backward before ``step()`` through a kept graph this optimizer has stepped, or
+        None (:func:`~overlapkit.overlap.window.second_backward_refusal`): for an
+        integration that runs the loop's backward (Accelerate's)."""
+        return second_backward_refusal(self._steps, error)
 
     def gate_backwards(self, gate: Callable[[], OverlapkitError | None] | None) -> None:
         """Have ``gate`` asked each time a backward that would step starts (None: stop).
@@ -273,6 +263,20 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         Backwards that step nothing (``no_sync()`` / ``no_step()``) do not ask it.
         """
         self._steps.backward_gate = gate
+
+    def release(self) -> None:
+        """Stop stepping during backward, for a framework whose fit has ended
+        (Lightning's strategy teardown): the step hooks of a plain module's parameters
+        are removed (a DDP model's comm hook stays on that model, which the framework
+        drops), and the parameters are no longer claimed nor guarded against torch's
+        clipping, so a later fit (``Tuner.lr_find`` then ``fit``, ``fit`` twice) may set
+        a technique up on them again. Idempotent."""
+        params = self._engine.parameters()
+        remove = getattr(self._steps, "remove", None)
+        if remove is not None:
+            remove()
+        unclaim_params(params)
+        unwatch(params)
 
     def clip_in_order(self, params: Iterable[torch.Tensor]) -> None:
         """Compute the total norm of ``clip_grad_norm=`` over the gradients in the order of

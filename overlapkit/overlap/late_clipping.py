@@ -49,11 +49,11 @@ import torch.nn.utils.clip_grad as torch_clip_grad
 from torch.utils.weak import WeakIdKeyDictionary
 
 from overlapkit.errors import ConfigurationError
-from overlapkit.overlap.window import state
+from overlapkit.overlap.window import quiet_reads, state
 
 __all__ = ["FreedGradientNormWarning", "guarded_clip_grad_norm_", "guarded_clip_grad_value_",
            "install", "late_clip_error", "unguarded_clip_grad_norm_",
-           "unguarded_clip_grad_value_", "watch"]
+           "unguarded_clip_grad_value_", "watch", "unwatch"]
 
 #: torch's own functions, which overlapkit's clipping calls (never the guarded ones)
 unguarded_clip_grad_norm_ = torch_clip_grad.clip_grad_norm_
@@ -81,6 +81,13 @@ def watch(params: Iterable[torch.Tensor], stepper: Any) -> None:
     ref = weakref.ref(stepper)
     for param in params:
         _STEPPERS[param] = ref
+
+
+def unwatch(params: Iterable[torch.Tensor]) -> None:
+    """Forget the stepper of ``params`` (its optimizer was released): torch's clipping
+    functions treat them as plain parameters again."""
+    for param in params:
+        _STEPPERS.pop(param, None)
 
 
 def install() -> None:
@@ -235,8 +242,9 @@ def guarded_clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float =
         given = (p for p in params) if is_generator else params
         _refuse_other_clip_in_window(params, float(max_norm), norm_type)
         before = [state(p) for p in params]
-        total = unguarded_clip_grad_norm_(given, max_norm, norm_type, error_if_nonfinite,
-                                          foreach)
+        with quiet_reads():  # the loop's clip, honoured as such: not a read of its own
+            total = unguarded_clip_grad_norm_(given, max_norm, norm_type,
+                                              error_if_nonfinite, foreach)
         _clipped_in_window(params, before)
         return total
     max_norm = float(max_norm)
@@ -286,7 +294,8 @@ def guarded_clip_grad_value_(parameters: Any, clip_value: float,
     steppers = _stepped(params) if params else []
     if not steppers:
         before = [state(p) for p in params]
-        unguarded_clip_grad_value_(params, clip_value, foreach)
+        with quiet_reads():
+            unguarded_clip_grad_value_(params, clip_value, foreach)
         _clipped_in_window(params, before, by_norm=False)  # clamping again changes nothing
         return
     if len(steppers) == 1 and steppers[0].clipping.value == float(clip_value) and all(

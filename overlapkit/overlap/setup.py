@@ -24,7 +24,8 @@ from overlapkit.overlap.engine import OverlapEngine
 from overlapkit.plugin.manager import get_plugin_manager
 
 __all__ = ["build_engine", "check_unclaimed", "claim_params", "flatten_params",
-           "materialise_params", "optimizer_probe", "resolve_overlapped_cls"]
+           "materialise_params", "optimizer_probe", "resolve_overlapped_cls",
+           "unclaim_params"]
 
 # parameter -> the technique stepping it during backward. Weak keys: a parameter's
 # claim dies with it (and is never pickled with it, unlike a tensor attribute).
@@ -233,3 +234,10 @@ def claim_params(params: Iterable[torch.Tensor], technique: str) -> None:
     """Record that ``technique`` steps ``params`` during backward from now on."""
     for param in params:
         _CLAIMS[param] = technique
+
+
+def unclaim_params(params: Iterable[torch.Tensor]) -> None:
+    """Lift the claim of :func:`claim_params`: nothing steps ``params`` during backward
+    any more (the optimizer was released)."""
+    for param in params:
+        _CLAIMS.pop(param, None)

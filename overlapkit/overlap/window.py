@@ -26,18 +26,73 @@ the plain run, bitwise. Any other loop steps during backward from its second ste
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import threading
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
 
 import attrs
 import torch
+from torch.utils._pytree import tree_flatten
 
-__all__ = ["FirstWindow", "plain_order_warning", "state"]
+from overlapkit.errors import ConfigurationError
+
+__all__ = ["FirstWindow", "end_first_window", "plain_order_warning", "quiet_reads",
+           "refuse_changed_gradients", "second_backward_refusal", "state"]
 
 
 def state(param: torch.Tensor) -> tuple[int, int]:
     """What tells that ``param``'s gradient changed: its identity and version counter."""
     grad = param.grad
     return (0, 0) if grad is None else (id(grad), grad._version)
+
+
+#: property reads of a gradient that read no values (``.shape``, ``.dtype``, ...)
+_VALUE_PROPERTIES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
+#: methods of a gradient that read no values
+_METADATA = frozenset({"size", "dim", "numel", "stride", "element_size", "is_contiguous",
+                       "is_floating_point", "is_complex", "data_ptr", "storage_offset",
+                       "__len__", "__hash__", "ndimension", "nelement", "get_device"})
+_QUIET = threading.local()
+
+
+@contextmanager
+def quiet_reads() -> Iterator[None]:
+    """overlapkit's own reads of watched gradients (the loop's clip answered, the step)
+    are not the loop's."""
+    before = getattr(_QUIET, "on", False)
+    _QUIET.on = True
+    try:
+        yield
+    finally:
+        _QUIET.on = before
+
+
+def _reads_values(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":  # a property: Tensor.shape.__get__, ...
+        return getattr(getattr(func, "__self__", None), "__name__", "") in _VALUE_PROPERTIES
+    return name not in _METADATA
+
+
+class _WatchedGrad(torch.Tensor):
+    """A gradient kept in the first window (the same storage and version counter): a
+    torch operation reading its values notes the read in its :class:`FirstWindow`."""
+
+    _window: FirstWindow
+    _name: str
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not getattr(_QUIET, "on", False) and _reads_values(func):
+            for arg in tree_flatten((args, kwargs))[0]:
+                if isinstance(arg, _WatchedGrad):
+                    arg._window.note_read(arg._name)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
 
 
 @attrs.define
@@ -53,12 +108,38 @@ class FirstWindow:
     clipped: bool = False
     #: the loop has been found to use the window: every step stays in the plain order
     plain_order: bool = False
+    #: ``id(param)`` -> name, when the loop reading a gradient uses the window too (the
+    #: technique frees it, or clips it during backward): the kept gradients are then
+    #: watched (:class:`_WatchedGrad`) until ``step()``; None: reads are not watched
+    watching: dict[int, str] | None = None
+    #: the names of the gradients the loop read
+    read: list[str] = attrs.field(factory=list)
 
     def mark(self, params: Iterable[torch.Tensor]) -> None:
         """Record the gradients of ``params`` as they are now (end of a backward, or
-        right after the loop's own clip)."""
+        right after the loop's own clip); watch their reads where asked."""
         for param in params:
+            grad = param.grad
+            if (self.watching is not None and grad is not None
+                    and not isinstance(grad, _WatchedGrad)):
+                watched = grad.as_subclass(_WatchedGrad)
+                watched._window = self
+                watched._name = self.watching.get(
+                    id(param), f"a parameter of shape {tuple(param.shape)}")
+                param.grad = watched
             self.marks[id(param)] = state(param)
+
+    def note_read(self, name: str) -> None:
+        if name not in self.read:
+            self.read.append(name)
+
+    def unwatch(self, params: Iterable[torch.Tensor]) -> None:
+        """Put the plain gradients back (before the step reads them); stop watching."""
+        self.watching = None
+        for param in params:
+            grad = param.grad
+            if isinstance(grad, _WatchedGrad):
+                param.grad = grad.as_subclass(torch.Tensor)
 
     def clipped_by_loop(self, param: torch.Tensor, before: tuple[int, int]) -> None:
         """The loop's clip rewrote ``param``'s gradient (in place), which was ``before``
@@ -90,4 +171,92 @@ def plain_order_warning(technique: str, used: str) -> str:
         "the model's no_sync()), and change gradients before they are reduced (a DDP "
         "comm hook, a gradient hook on the parameter) instead of between backward and "
         "step()."
+    )
+
+
+def end_first_window(steps: Any, names: Mapping[int, str], params: list[torch.Tensor],
+                     technique: str) -> bool:
+    """At ``step()`` while the facade's ``learn_first_step`` defers: decide whether the
+    loop keeps the plain order (warned once), and whether it clipped the kept gradients
+    itself (the full step then does not clip again); returns the latter.
+
+    :param steps: the facade's :class:`~overlapkit.overlap.facade.BackwardSteps`.
+    """
+    window = steps.first_window
+    assert window is not None
+    clipped = window.clipped
+    if not window.plain_order:
+        used = []
+        if window.backwards > 1:
+            used.append(f"{window.backwards} backwards ran before one optimizer.step() "
+                        "(gradient accumulation outside accelerator.accumulate)")
+        edited = window.edited(dict(names), params)
+        if edited:
+            shown = ", ".join(edited[:3]) + (" and others" if len(edited) > 3 else "")
+            used.append(f"the gradients of {shown} were changed")
+        read = [name for name in window.read if name not in edited]
+        if read:
+            shown = ", ".join(read[:3]) + (" and others" if len(read) > 3 else "")
+            freed = ("frees them once stepped" if technique == "optimizer_in_backward"
+                     else "clips them during backward")
+            used.append(f"the gradients of {shown} were read (from the second step on "
+                        f"they would not be the plain loop's: {technique} {freed})")
+        if used:
+            window.plain_order = True
+            warnings.warn(plain_order_warning(technique, "; ".join(used)),
+                          UserWarning, stacklevel=4)
+    window.unwatch(params)  # after edited(), which compares the watched gradients
+    if window.plain_order:
+        window.reset()
+    else:  # from now on every step is taken during backward
+        steps.first_window = None
+        steps.deferring = False
+        steps.deferred()
+        steps.calls_step = True
+    return clipped
+
+
+def refuse_changed_gradients(marks: FirstWindow, names: Mapping[int, str],
+                             params: list[torch.Tensor], technique: str) -> None:
+    """:raises ConfigurationError: the loop changed (or set) a gradient after the
+    backward that stepped it, before this ``step()``: the change missed that step."""
+    edited = marks.edited(dict(names), params)
+    if not edited:
+        return
+    shown = ", ".join(edited[:3]) + (" and others" if len(edited) > 3 else "")
+    raise ConfigurationError(
+        f"the gradients of {shown} were changed between backward() and "
+        f"optimizer.step(), after {technique} had already stepped the parameters "
+        "with them during backward, so the change missed this step. The parameters "
+        "have taken it: restart from the last checkpoint after fixing the loop. To "
+        "change gradients, change them before they are reduced (a gradient hook on "
+        "the parameter, a DDP comm hook), or do it from the first step on under an "
+        "integration (overlapkit.integrations: the first step shows the loop uses "
+        "that window, and every step is then taken at optimizer.step(), in the plain "
+        "order)."
+    )
+
+
+def second_backward_refusal(steps: Any, error: BaseException) -> ConfigurationError | None:
+    """The error for autograd's ``error`` from a backward through a graph kept with
+    ``retain_graph=True`` whose saved parameters the previous backward's step changed in
+    place (a second backward before ``step()``: an auxiliary loss, adversarial
+    training), or None when it is something else. Autograd raises before any of the
+    technique's hooks see that backward (measured on torch 2.13: the parameters are
+    unchanged by it), so the step-accounting refusal of a second backward never runs.
+
+    :param steps: the facade's :class:`~overlapkit.overlap.facade.BackwardSteps`.
+    """
+    if not (isinstance(error, RuntimeError) and steps.stepped_since_step
+            and "modified by an inplace operation" in str(error)):
+        return None
+    return ConfigurationError(
+        f"backward() ran again before optimizer.step(), through a graph kept with "
+        f"retain_graph=True, after the previous backward had stepped the parameters "
+        f"that graph saved: {steps.technique} steps during backward, so every backward is "
+        "one optimizer step, and autograd refused the second (its saved parameters were "
+        "changed in place). Nothing was stepped in this backward; the parameters have "
+        "taken the first one's step. Sum the losses into one backward "
+        f"(loss + aux_loss), or run all but the last backward {steps.accumulate}; "
+        "restart from the last checkpoint after fixing the loop."
     )

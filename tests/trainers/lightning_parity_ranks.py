@@ -5,6 +5,7 @@ overlapkit.distributed.run_distributed started (Lightning finds their process gr
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from helpers import Comparison, compare, error_of
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning_models import LogsGradNorms, Regression, data, quiet, trainer, values
+from lightning_tuning_ranks import tuning
 
 from overlapkit.integrations.lightning import OverlapDDPStrategy, OverlapSingleDeviceStrategy
 
@@ -25,7 +27,17 @@ CASES: dict[str, dict[str, Any]] = {
     "GradientAccumulationScheduler": {"gradient_clip_val": 0.05},
     "checkpoint, ckpt_path= resume": {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2},
     "self.optimizer kept, lr lowered by hand": {},
+    "a callback reads .grad in on_train_batch_end": {},
+    "a callback reads .grad in on_train_batch_end, clip norm, accumulate 2": {
+        "gradient_clip_val": 0.05, "accumulate_grad_batches": 2},
+    "a callback reads .grad in on_train_batch_start": {},
 }
+#: the cases whose fits record what a callback read between optimizer steps
+READS_GRADS = [case for case in CASES if ".grad in" in case]
+#: what optimizer_in_backward's warning names in each: the hook, seen at set-up, or the
+#: gradients read after the first step
+WARNED = {case: ("ReadsGrads.on_train_batch_end" if "batch_end" in case
+                 else "were read after the first optimizer step") for case in READS_GRADS}
 #: overlapkit's strategy -> the plain one it is compared with, by world size
 PAIRS = {
     2: {"overlap_ddp": "ddp", "optimizer_in_backward": "ddp"},
@@ -57,6 +69,32 @@ class LowersItsLr(Regression):
         return super().training_step(batch, batch_idx)
 
 
+class ReadsGrads(Callback):
+    """Reads every gradient after each optimizer step (and after accumulating
+    micro-batches), as a callback logging gradient statistics does; -1 for None."""
+
+    def __init__(self) -> None:
+        self.read: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.read.extend(torch.tensor([-1.0]) if p.grad is None else p.grad.detach().clone()
+                         for p in module.parameters())
+
+
+class ReadsGradsAtStart(Callback):
+    """The same, at the start of the next batch (the plain loop's gradients are still
+    there: zero_grad runs in the closure): not a hook seen at set-up."""
+
+    def __init__(self) -> None:
+        self.read: list[torch.Tensor] = []
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any,
+                             batch_idx: int) -> None:
+        ReadsGrads.on_train_batch_end(self, trainer, module, None, batch,  # type: ignore[arg-type]
+                                      batch_idx)
+
+
 #: the parity cases whose module is not Regression
 MODULES: dict[str, type[Regression]] = {"self.optimizer kept, lr lowered by hand": LowersItsLr}
 
@@ -76,6 +114,9 @@ def _options(case: str) -> dict[str, Any]:
     options = dict(CASES[case])
     if case == "GradientAccumulationScheduler":
         options["callbacks"] = [GradientAccumulationScheduler({0: 1, 1: 2})]
+    if case in READS_GRADS:
+        options["callbacks"] = [ReadsGradsAtStart() if "batch_start" in case
+                                else ReadsGrads()]
     return options
 
 
@@ -87,8 +128,14 @@ def fit(label: str, case: str, world_size: int, root: Path,
     options = {**_options(case), "accelerator": accelerator}
     if case != "checkpoint, ckpt_path= resume":
         module = MODULES.get(case, Regression)()
-        trainer(strategy(label, accelerator), world_size, root, **options).fit(module, data())
-        out: dict[str, Any] = {"values": values(module)}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer(strategy(label, accelerator), world_size, root, **options).fit(
+                module, data())
+        out: dict[str, Any] = {"values": values(module), "warnings": [
+            str(w.message) for w in caught if "overlap" in str(w.message)]}
+        if case in READS_GRADS:
+            out["state"] = options["callbacks"][0].read
         if isinstance(module, LowersItsLr):  # the learning rates seen, and the last ones
             out["state"] = [torch.tensor(module.lrs + [
                 g["lr"] for g in module.optimizer.param_groups], dtype=torch.float64)]
@@ -124,6 +171,7 @@ def parity(rank: int, world_size: int, root: str,
                 result = Comparison(result.differences + compare(
                     expected["state"], got["state"]).differences)
             out[f"{label} | {case}"] = result
+            out[f"{label} | {case} | warnings"] = got.get("warnings", [])
     if world_size > 1 and accelerator == "cpu":
         out["overlap_ddp | gradient norms logged"] = _grad_norms(world_size, base)
         out["optimizer_in_backward | then strategy='ddp' on the same module"] = (
@@ -272,35 +320,15 @@ def refusals(rank: int, world_size: int, root: str) -> dict[str, dict[str, Any]]
                       **options)
         error = error_of(lambda: run.fit(module, data()))  # noqa: B023
         out[case] = {"error": error, "unchanged": compare(initial, values(module))}
-    if world_size == 1:
-        out.update(_after_the_fit(Path(root) / "after"))
     return out
-
-
-def _after_the_fit(root: Path) -> dict[str, dict[str, Any]]:
-    """A module trained by OverlapSingleDeviceStrategy keeps its parameters' step hooks:
-    a second fit, and a backward by hand afterwards, are refused, stepping nothing."""
-    module = Regression()
-    trainer(OverlapSingleDeviceStrategy(), 1, root, max_steps=2).fit(module, data())
-    trained = values(module)
-    again = trainer(OverlapSingleDeviceStrategy(), 1, root, max_steps=2)
-    second_fit = error_of(lambda: again.fit(module, data()))
-    unchanged_by_fit = compare(trained, values(module))
-    x, y = next(iter(data()))
-    by_hand = error_of(lambda: torch.nn.functional.mse_loss(module.net(x), y).backward())
-    return {
-        "one device, a second fit of the same module": {
-            "error": second_fit, "unchanged": unchanged_by_fit},
-        "one device, a backward after the fit": {
-            "error": by_hand, "unchanged": compare(trained, values(module))},
-    }
 
 
 def run(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """Everything the 2-rank tests read, in one start of the ranks (Lightning's import
     is the slow part)."""
     return {"parity": parity(rank, world_size, root),
-            "refusals": refusals(rank, world_size, root)}
+            "refusals": refusals(rank, world_size, root),
+            "tuning": tuning(rank, world_size, root)}
 
 
 def gpu_run(rank: int, world_size: int, root: str) -> dict[str, Any]:

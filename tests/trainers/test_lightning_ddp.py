@@ -23,7 +23,9 @@ import pytest
 
 pytest.importorskip("lightning", reason="the `trainers` tox environment installs lightning")
 
-from lightning_parity_ranks import CASES, REFUSALS, run
+from lightning_parity_ranks import CASES, READS_GRADS, REFUSALS, WARNED, run
+from lightning_tuning_ranks import CASES as TUNING
+from lightning_tuning_ranks import ONE_DEVICE_ONLY
 
 from overlapkit.distributed import run_distributed
 
@@ -42,6 +44,40 @@ def test_the_trainer_trains_bitwise_as_with_strategy_ddp_and_plain_adamw(
         results: list[dict[str, Any]], technique: str, case: str) -> None:
     for rank, rank_results in enumerate(results):
         assert rank_results["parity"][f"{technique} | {case}"], rank
+
+
+@pytest.mark.parametrize("case", READS_GRADS)
+@pytest.mark.parametrize("technique", TECHNIQUES)
+def test_a_callback_reading_grads_after_the_step_is_warned_only_where_they_would_be_freed(
+        results: list[dict[str, Any]], technique: str, case: str) -> None:
+    """optimizer_in_backward takes that fit's steps in the plain order (what the callback
+    read is the plain run's, in the parity test), saying which hook turned the overlap
+    off; overlap_ddp keeps the gradients and its overlap."""
+    for rank_results in results:
+        warned = rank_results["parity"][f"{technique} | {case} | warnings"]
+        if technique == "overlap_ddp":
+            assert warned == []
+        else:
+            assert len(warned) == 1 and WARNED[case] in warned[0], warned
+
+
+@pytest.mark.parametrize("case", [c for c in [*TUNING, "fit twice"] if c not in ONE_DEVICE_ONLY])
+@pytest.mark.parametrize("technique", TECHNIQUES)
+def test_a_fit_after_the_tuners_or_another_fit_trains_bitwise_as_strategy_ddp(
+        results: list[dict[str, Any]], technique: str, case: str) -> None:
+    """The tuner's own fit (and a first fit) releases the optimizer at teardown, so the
+    next fit of the same module sets the technique up again: the tuner's results and the
+    trained parameters are the plain run's, on every rank."""
+    for rank, rank_results in enumerate(results):
+        assert rank_results["tuning"][f"{technique} | {case}"], rank
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c not in READS_GRADS])
+@pytest.mark.parametrize("technique", TECHNIQUES)
+def test_a_fit_reading_no_gradients_keeps_the_overlap_without_a_warning(
+        results: list[dict[str, Any]], technique: str, case: str) -> None:
+    for rank_results in results:
+        assert rank_results["parity"][f"{technique} | {case} | warnings"] == []
 
 
 def test_gradient_norms_logged_in_on_before_optimizer_step_are_the_plain_runs(

@@ -17,10 +17,14 @@ import pytest
 
 pytest.importorskip("lightning", reason="the `trainers` tox environment installs lightning")
 
-from lightning_parity_ranks import CASES, ONE_PROCESS_REFUSALS, run
+from lightning_parity_ranks import CASES, ONE_PROCESS_REFUSALS, READS_GRADS, WARNED, run
+from lightning_tuning_ranks import CASES as TUNING
+from lightning_tuning_ranks import ONE_DEVICE_ONLY
 
 import overlapkit
 from overlapkit.distributed import run_distributed
+
+TUNING_CASES = [*TUNING, "fit twice"]
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +45,10 @@ MESSAGES = {
     "one device, backward in training_step": "a backward ran outside Lightning's backward",
     "one device, manual optimization": "automatic_optimization = False",
     "the default strategy, an overlapkit optimizer returned": "OverlapSingleDeviceStrategy()",
-    "one device, a second fit of the same module": "already trained by an overlapkit strategy",
-    "one device, a backward after the fit": "in a fit that has ended",
 }
 
 
-@pytest.mark.parametrize("case", [*ONE_PROCESS_REFUSALS, "one device, a second fit of the "
-                                  "same module", "one device, a backward after the fit"])
+@pytest.mark.parametrize("case", list(ONE_PROCESS_REFUSALS))
 def test_what_cannot_be_honoured_on_one_device_is_refused_stepping_nothing(
         results: dict[str, Any], case: str) -> None:
     result = results["refusals"][case]
@@ -86,3 +87,41 @@ def test_without_lightning_the_import_names_the_extra(monkeypatch: pytest.Monkey
     monkeypatch.setitem(sys.modules, "lightning.pytorch", None)
     with pytest.raises(overlapkit.MissingDependencyError, match=r"overlapkit\[lightning\]"):
         importlib.import_module("overlapkit.integrations.lightning")
+
+
+@pytest.mark.parametrize("case", READS_GRADS)
+@pytest.mark.parametrize("strategy", ["overlap_ddp", "optimizer_in_backward", "one device"])
+def test_a_callback_reading_grads_after_the_step_is_warned_only_where_they_would_be_freed(
+        results: dict[str, Any], strategy: str, case: str) -> None:
+    """optimizer_in_backward takes that fit's steps in the plain order, saying which hook
+    turned the overlap off; overlap_ddp keeps the gradients and its overlap."""
+    warned = results["parity"][f"{strategy} | {case} | warnings"]
+    if strategy == "overlap_ddp":
+        assert warned == []
+    else:
+        assert len(warned) == 1 and WARNED[case] in warned[0], warned
+
+
+@pytest.mark.parametrize("case", TUNING_CASES)
+@pytest.mark.parametrize("strategy", ["overlap_ddp", "optimizer_in_backward", "one device"])
+def test_a_fit_after_the_tuners_or_another_fit_trains_bitwise_as_the_plain_strategy(
+        results: dict[str, Any], strategy: str, case: str) -> None:
+    """The tuner's own fit (and a first fit) releases the optimizer at teardown, so the
+    next fit of the same module sets the technique up again: the tuner's results, what it
+    set on the module, and the trained parameters are the plain run's."""
+    if case in ONE_DEVICE_ONLY and strategy != "one device":
+        pytest.skip("Lightning tunes the batch size on one device only")
+    assert results["tuning"][f"{strategy} | {case}"]
+
+
+def test_a_backward_by_hand_after_the_fit_is_a_plain_one(results: dict[str, Any]) -> None:
+    result = results["tuning"]["one device | a backward by hand after the fit"]
+    assert result["error"] is None and result["grads"], result
+    assert result["unchanged"], result["unchanged"]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c not in READS_GRADS])
+@pytest.mark.parametrize("strategy", ["overlap_ddp", "optimizer_in_backward", "one device"])
+def test_a_fit_reading_no_gradients_keeps_the_overlap_without_a_warning(
+        results: dict[str, Any], strategy: str, case: str) -> None:
+    assert results["parity"][f"{strategy} | {case} | warnings"] == []

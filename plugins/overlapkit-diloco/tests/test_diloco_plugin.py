@@ -36,7 +36,9 @@ def test_registered_by_hand_in_a_test(overlapkit_plugin_manager: OverlapkitPlugi
     ("options", "message"),
     [({"outer_lr": 0.0}, "outer_lr must be > 0"),
      ({"outer_momentum": 1.0}, "outer_momentum must be in"),
-     ({"period": 0}, "period must be an integer >= 1")],
+     ({"period": 0}, "period must be an integer >= 1"),
+     ({"fragments": 3}, "fragments must be an integer >= 1 dividing period 4"),
+     ({"fragments": 0}, "fragments must be an integer >= 1")],
 )
 def test_bad_options_are_clear_errors(
     overlapkit_plugin_manager: OverlapkitPluginManager, options: dict[str, float], message: str
@@ -52,3 +54,10 @@ def test_outer_weight_decay_is_refused() -> None:
     with pytest.raises(overlapkit.ConfigurationError, match="must not use weight_decay"):
         averager.load_state_dict({"step": 3, "round_start": [torch.zeros(2)],
                                   "outer_optimizer": {}})
+
+
+def test_fragments_take_their_outer_steps_in_turn_every_period_over_fragments() -> None:
+    averager = DiLoCoAverager(4, fragments=2)
+    steps = [s for s in range(12) if (s + 1) % averager.sync_every == 0]
+    assert averager.sync_every == 2 and steps == [1, 3, 5, 7, 9, 11]
+    assert [averager.fragment_at(s) for s in steps] == [0, 1, 0, 1, 0, 1]

@@ -11,6 +11,7 @@ from typing import Any
 
 from helpers import compare
 from hf_models import MODELS, Tokens, parameters, quiet
+from trainer_helpers import prepared
 
 STEPS, SAVE_AT, ACCUMULATE, MAX_NORM, LR = 6, 3, 2, 1.0, 1e-2
 #: Accelerator(cpu=...): the CUDA test sets it to False
@@ -26,18 +27,12 @@ def loop(technique: str | None, kind: str, *, save: str | None = None,
     from accelerate import Accelerator
     from transformers import get_scheduler
 
-    from overlapkit.integrations.accelerate import prepare
-
     quiet()
     accelerator = Accelerator(cpu=CPU, mixed_precision="bf16",
                               gradient_accumulation_steps=ACCUMULATE)
     model = MODELS[kind]()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    if technique is None:
-        model, optimizer = accelerator.prepare(model, optimizer)
-    else:
-        model, optimizer = prepare(accelerator, model, optimizer, technique=technique,
-                                   clip_grad_norm=MAX_NORM)
+    model, optimizer = prepared(accelerator, model, optimizer, technique, MAX_NORM)
     scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=2,
                               num_training_steps=STEPS)
     data = torch.utils.data.DataLoader(Tokens(kind), batch_size=4)

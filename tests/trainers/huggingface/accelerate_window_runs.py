@@ -1,7 +1,8 @@
 """Accelerate loops that work in the window between backward and ``optimizer.step()``
 (issue 30, cases 5 and 6): the manual accumulation of Accelerate's guide (``loss / 2``,
 backward every micro-batch, step every second, no ``accelerator.accumulate``), gradient
-noise and gradient masking between backward and step. Each run with the plain
+noise and gradient masking between backward and step, and per-parameter gradient norms
+read there (before the clip). Each run with the plain
 ``accelerator.prepare`` and with ``overlapkit.integrations.accelerate.prepare``, in the
 test process or on gloo ranks (``run``)."""
 
@@ -11,8 +12,10 @@ import warnings
 from typing import Any
 
 from hf_models import Tokens, gpt2, parameters, quiet
+from trainer_helpers import prepared
 
-CASES = ("manual accumulation", "gradient noise", "gradient masking")
+CASES = ("manual accumulation", "gradient noise", "gradient masking",
+         "gradient norms logged")
 STEPS, MAX_NORM, LR = 4, 1.0, 1e-2
 
 
@@ -23,21 +26,16 @@ def loop(case: str, technique: str | None) -> dict[str, Any]:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    from overlapkit.integrations.accelerate import prepare
-
     quiet()
     AcceleratorState._reset_state(True)  # the settings of an earlier Accelerator
     accelerator = Accelerator(cpu=True)
     model = gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    if technique is None:
-        model, optimizer = accelerator.prepare(model, optimizer)
-    else:
-        model, optimizer = prepare(accelerator, model, optimizer, technique=technique,
-                                   clip_grad_norm=MAX_NORM)
+    model, optimizer = prepared(accelerator, model, optimizer, technique, MAX_NORM)
     data = accelerator.prepare(torch.utils.data.DataLoader(Tokens("gpt2"), batch_size=2))
     every = 2 if case == "manual accumulation" else 1
     norms: list[Any] = []
+    logged: list[Any] = []
     steps = 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -52,6 +50,8 @@ def loop(case: str, technique: str | None) -> dict[str, Any]:
                     param.grad.add_(torch.randn(param.grad.shape, generator=noise), alpha=1e-3)
                 elif case == "gradient masking" and param.grad.dim() == 2:
                     param.grad[:4] = 0
+                elif case == "gradient norms logged":  # read only, before the clip
+                    logged.append(torch.linalg.vector_norm(param.grad))
             norms.append(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM))
             optimizer.step()
             optimizer.zero_grad()
@@ -59,7 +59,7 @@ def loop(case: str, technique: str | None) -> dict[str, Any]:
             if steps == STEPS:
                 break
     inner = optimizer.optimizer
-    return {"params": parameters(accelerator.unwrap_model(model)), "norms": norms,
+    return {"params": parameters(accelerator.unwrap_model(model)), "norms": norms + logged,
             "state": [t for s in inner.state.values() for t in s.values()
                       if isinstance(t, torch.Tensor)],
             "warnings": [str(w.message) for w in caught if "plain order" in str(w.message)]}
@@ -84,6 +84,42 @@ def compare_case(case: str, techniques: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+def second_backward(technique: str) -> dict[str, Any]:
+    """A loop whose third step runs a second backward (an auxiliary loss through the
+    kept graph) before ``optimizer.step()``, after the first step has shown it calls
+    step(): the error, and whether that backward left the parameters unchanged."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from helpers import compare, error_of
+
+    quiet()
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True)
+    model = gpt2()
+    model, optimizer = prepared(accelerator, model,
+                                torch.optim.AdamW(model.parameters(), lr=LR), technique,
+                                MAX_NORM)
+    data = accelerator.prepare(torch.utils.data.DataLoader(Tokens("gpt2"), batch_size=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step, batch in enumerate(data):
+            loss = model(**batch).loss
+            accelerator.backward(loss, retain_graph=step == 2)
+            if step == 2:
+                before = [p.detach().clone() for p in model.parameters()]
+                error = error_of(lambda: accelerator.backward(0.5 * loss))  # noqa: B023
+                return {"error": error, "unchanged": compare(
+                    before, [p.detach().clone() for p in model.parameters()])}
+            accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+            optimizer.step()
+            optimizer.zero_grad()
+    raise AssertionError("the loop ended before its third step")
+
+
 def run(rank: int, world_size: int) -> dict[str, Any]:
-    return {case: compare_case(case, ("overlap_ddp", "optimizer_in_backward"))
-            for case in CASES}
+    out: dict[str, Any] = {case: compare_case(case, ("overlap_ddp", "optimizer_in_backward"))
+                           for case in CASES}
+    out["second backward"] = {t: second_backward(t)
+                              for t in ("overlap_ddp", "optimizer_in_backward")}
+    return out

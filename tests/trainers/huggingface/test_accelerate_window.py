@@ -13,14 +13,16 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from accelerate_window_runs import CASES, compare_case, run
+from accelerate_window_runs import CASES, compare_case, run, second_backward
+from trainer_helpers import check_plain_order
 
 from overlapkit.distributed import run_distributed
 
 pytestmark = pytest.mark.trainers
 
 NAMED = {"manual accumulation": "2 backwards ran before one optimizer.step()",
-         "gradient noise": "were changed", "gradient masking": "were changed"}
+         "gradient noise": "were changed", "gradient masking": "were changed",
+         "gradient norms logged": "were read"}
 
 
 @pytest.fixture(scope="module")
@@ -41,23 +43,16 @@ def one_launched_process() -> dict[str, Any]:
     return result
 
 
-def _check(result: tuple[bool, str, list[str]], named: str) -> None:
-    same, differences, warned = result
-    assert same, differences
-    assert len(warned) == 1, warned
-    assert named in warned[0] and "To keep the overlap" in warned[0]
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_one_process_a_loop_using_the_window_is_bitwise_the_plain_run_with_one_warning(
         one_process: dict[str, Any], case: str) -> None:
-    _check(one_process[case]["optimizer_in_backward"], NAMED[case])
+    check_plain_order(one_process[case]["optimizer_in_backward"], NAMED[case])
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_one_launched_process_overlap_ddp_using_the_window_is_bitwise_the_plain_run(
         one_launched_process: dict[str, Any], case: str) -> None:
-    _check(one_launched_process[case]["overlap_ddp"], NAMED[case])
+    check_plain_order(one_launched_process[case]["overlap_ddp"], NAMED[case])
 
 
 @pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
@@ -65,4 +60,26 @@ def test_one_launched_process_overlap_ddp_using_the_window_is_bitwise_the_plain_
 def test_two_ranks_a_loop_using_the_window_is_bitwise_the_plain_run_with_one_warning(
         two_ranks: list[dict[str, Any]], case: str, technique: str) -> None:
     for rank_results in two_ranks:
-        _check(rank_results[case][technique], NAMED[case])
+        check_plain_order(rank_results[case][technique], NAMED[case])
+
+
+def _refused_second_backward(result: dict[str, Any]) -> None:
+    error = result["error"]
+    assert error is not None and error["type"] == "ConfigurationError", error
+    assert "backward() ran again before optimizer.step()" in error["message"]
+    assert "Nothing was stepped in this backward" in error["message"]
+    assert "accelerator.accumulate" in error["message"], error["message"]
+    assert result["unchanged"], result["unchanged"]
+
+
+def test_one_process_a_second_backward_in_a_later_step_is_refused_stepping_nothing() -> None:
+    """After the first step has shown the loop calls step(), a second backward before
+    step() (an auxiliary loss) is refused, naming what to do; it steps nothing."""
+    _refused_second_backward(second_backward("optimizer_in_backward"))
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+def test_two_ranks_a_second_backward_in_a_later_step_is_refused_stepping_nothing(
+        two_ranks: list[dict[str, Any]], technique: str) -> None:
+    for rank_results in two_ranks:
+        _refused_second_backward(rank_results["second backward"][technique])

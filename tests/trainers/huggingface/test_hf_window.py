@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from trainer_helpers import check_plain_order
 from window_runs import CASES, compare_case, run
 
 from overlapkit.distributed import run_distributed
@@ -42,13 +43,6 @@ def one_launched_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     return result
 
 
-def _check(result: tuple[bool, str, list[str]], named: str) -> None:
-    same, differences, warned = result
-    assert same, differences
-    assert len(warned) == 1, warned
-    assert named in warned[0] and "To keep the overlap" in warned[0]
-
-
 NAMED = {"callback zeroes rows": "ZeroOldRows.on_pre_optimizer_step",
          "callback logs norms": "LogNorms.on_pre_optimizer_step",
          "create_optimizer": "CustomOptimizer.create_optimizer",
@@ -58,13 +52,13 @@ NAMED = {"callback zeroes rows": "ZeroOldRows.on_pre_optimizer_step",
 @pytest.mark.parametrize("case", CASES)
 def test_one_process_a_run_using_the_window_is_bitwise_the_plain_trainer_with_one_warning(
         one_process: dict[str, Any], case: str) -> None:
-    _check(one_process[case]["optimizer_in_backward"], NAMED[case])
+    check_plain_order(one_process[case]["optimizer_in_backward"], NAMED[case])
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_one_launched_process_overlap_ddp_using_the_window_is_bitwise_the_plain_trainer(
         one_launched_process: dict[str, Any], case: str) -> None:
-    _check(one_launched_process[case]["overlap_ddp"], NAMED[case])
+    check_plain_order(one_launched_process[case]["overlap_ddp"], NAMED[case])
     same, differences = one_launched_process["max_grad_norm 0"]["overlap_ddp"]
     assert same, differences
 
@@ -74,7 +68,7 @@ def test_one_launched_process_overlap_ddp_using_the_window_is_bitwise_the_plain_
 def test_two_ranks_a_run_using_the_window_is_bitwise_the_plain_trainer_with_one_warning(
         two_ranks: list[dict[str, Any]], case: str, technique: str) -> None:
     for rank_results in two_ranks:
-        _check(rank_results[case][technique], NAMED[case])
+        check_plain_order(rank_results[case][technique], NAMED[case])
 
 
 @pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])

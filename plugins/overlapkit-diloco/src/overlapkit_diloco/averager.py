@@ -86,6 +86,14 @@ class DiLoCoAverager(PeriodicAverager):
     :param outer_momentum: its momentum (0: plain SGD).
     :param outer_optimizer: instead of the two above, a function building any outer
         optimizer over a list of tensors (no weight decay).
+    :param fragments: Streaming DiLoCo's fragments (arXiv 2501.18512): the parameters
+        are cut into this many contiguous runs of tensors (in order, the first runs one
+        tensor longer when they do not divide evenly), and every ``period //
+        fragments`` steps one fragment, in turn, takes its outer step over its own
+        round: torchft's ``DiLoCo(model_fragments=..., fragment_sync_delay=0)``
+        schedule. Each synchronisation sends ``1 / fragments`` of the parameters. The
+        sync is not overlapped with the inner steps (torchft's
+        ``fragment_sync_delay > 0``).
     """
 
     def __init__(
@@ -97,18 +105,45 @@ class DiLoCoAverager(PeriodicAverager):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         outer_optimizer: OuterOptimizerFactory | None = None,
+        fragments: int = 1,
     ) -> None:
         self.build_outer = outer_optimizer or nesterov_sgd(outer_lr, outer_momentum)
         super().__init__(period, warmup_steps, process_group)
+        if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1 \
+                or period % fragments:
+            raise ConfigurationError(
+                f"fragments must be an integer >= 1 dividing period {period}, got "
+                f"{fragments!r}; pass e.g. fragments=2 with period=4 (one fragment "
+                "synchronised every 2 steps)."
+            )
+        self.fragments = fragments
         self.round_start: list[torch.Tensor] | None = None
         self._outer_params: list[torch.Tensor] = []
         self.outer: torch.optim.Optimizer | None = None
 
-    def group_for_step(self, step: int) -> dist.ProcessGroup | None:
-        """The process group after the ``period``-th inner step of each round."""
-        if (step - self.warmup_steps + 1) % self.period == 0:
+    @property
+    def sync_every(self) -> int:
+        """Steps between two outer steps (of one fragment each with ``fragments``)."""
+        return self.period // self.fragments
+
+    def group_for_step(self, step: int) -> Any:
+        """The process group after the ``period``-th inner step of each round (with
+        fragments, after every ``period // fragments``-th)."""
+        if (step - self.warmup_steps + 1) % self.sync_every == 0:
             return self.process_group
         return None
+
+    def fragment_at(self, step: int) -> int:
+        """Which fragment takes its outer step after step ``step`` (0 without
+        fragments): in turn, from the first."""
+        return ((step - self.warmup_steps + 1) // self.sync_every - 1) % self.fragments
+
+    def _fragment(self, count: int) -> range:
+        """The indices of the current fragment's tensors among ``count``."""
+        index = self.fragment_at(self.step)
+        size, extra = divmod(count, self.fragments)
+        start = index * size + min(index, extra)
+        return range(start, start + size + (index < extra))
 
     def before_step(self, params: Any) -> None:
         """Before the first inner step (the step ``warmup_steps``), remember the
@@ -124,8 +159,9 @@ class DiLoCoAverager(PeriodicAverager):
             self._start_round(parameters_to_average(params))
         return averaged
 
-    def average(self, params: list[torch.Tensor], group: dist.ProcessGroup) -> None:
-        """Average the parameters, then take the outer step from the round's start."""
+    def average(self, params: list[torch.Tensor], group: Any) -> None:
+        """Average the pseudo-gradients, then take the outer step from the round's
+        start (with fragments: of the current fragment only)."""
         if self.round_start is None:
             raise ConfigurationError(
                 "the DiLoCo averager has no round start: without warm-up, call "
@@ -135,20 +171,22 @@ class DiLoCoAverager(PeriodicAverager):
         self._check_layout(params)
         self._follow_devices(params)
         assert self.outer is not None
+        chosen = self._fragment(len(params))
+        starts = [self.round_start[i] for i in chosen]
+        outer_params = [self._outer_params[i] for i in chosen]
+        fragment = [params[i] for i in chosen]
         with torch.no_grad():
-            pseudo = [start - param
-                      for start, param in zip(self.round_start, params, strict=True)]
+            pseudo = [start - param for start, param in zip(starts, fragment, strict=True)]
             average_in_place(pseudo, group)  # Algorithm 1: the mean of the workers' deltas
-            for start, outer_param, delta in zip(
-                self.round_start, self._outer_params, pseudo, strict=True
-            ):
+            for start, outer_param, delta in zip(starts, outer_params, pseudo, strict=True):
                 outer_param.copy_(start)
                 outer_param.grad = delta
-            self.outer.step()
-            for param, outer_param in zip(params, self._outer_params, strict=True):
+            self.outer.step()  # tensors without a gradient (other fragments) are skipped
+            for param, outer_param, start in zip(fragment, outer_params, starts,
+                                                 strict=True):
                 param.copy_(outer_param)
+                start.copy_(param)  # the fragment's next round starts here
                 outer_param.grad = None
-        self._start_round(params)
 
     def _follow_devices(self, params: list[torch.Tensor]) -> None:
         """Move the round start and displacements to the parameters' devices: a state
@@ -220,4 +258,5 @@ class DiLoCoAverager(PeriodicAverager):
 
     def __repr__(self) -> str:
         return (f"DiLoCoAverager(period={self.period}, warmup_steps={self.warmup_steps}, "
+                f"fragments={self.fragments}, "
                 f"step={self.step}, outer={type(self.outer).__name__ if self.outer else None})")

@@ -8,7 +8,7 @@ Found by overlapkit through this package's entry point::
 
 from __future__ import annotations
 
-import torch.distributed as dist
+from typing import Any
 
 import overlapkit
 from overlapkit_diloco.averager import DiLoCoAverager
@@ -18,13 +18,15 @@ def build_diloco(
     *,
     period: int,
     warmup_steps: int = 0,
-    process_group: dist.ProcessGroup | None = None,
+    process_group: Any = None,
     outer_lr: float = 0.7,
     outer_momentum: float = 0.9,
+    fragments: int = 1,
 ) -> DiLoCoAverager:
-    """A :class:`DiLoCoAverager`: ``post_local_sgd(..., averager="diloco", outer_lr=...)``."""
-    return DiLoCoAverager(period, warmup_steps, process_group,
-                          outer_lr=outer_lr, outer_momentum=outer_momentum)
+    """A :class:`DiLoCoAverager`: ``post_local_sgd(..., averager="diloco", outer_lr=...)``;
+    ``fragments=N`` for Streaming DiLoCo's fragments."""
+    return DiLoCoAverager(period, warmup_steps, process_group, outer_lr=outer_lr,
+                          outer_momentum=outer_momentum, fragments=fragments)
 
 
 @overlapkit.hookimpl
