@@ -18,19 +18,12 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.errors import ConfigurationError
-from overlapkit.overlap.adopt import class_or_adopted
 from overlapkit.overlap.bucket_stepper import STEP_THREADS, BucketStepper
 from overlapkit.overlap.clipping import GradClipping
-from overlapkit.overlap.ddp_setup import (
-    check_ddp_model,
-    check_params_in_ddp_model,
-    set_up_on_ddp,
-)
+from overlapkit.overlap.ddp_setup import check_on_ddp, resolve_on_ddp, set_up_on_ddp
 from overlapkit.overlap.engine import OverlapEngine
 from overlapkit.overlap.facade import OverlappedOptimizerFacade
-from overlapkit.overlap.setup import (
-    resolve_overlapped_cls,
-)
+from overlapkit.overlap.resolved import ModelFacts
 from overlapkit.overlap.sharded.optimizer import ShardedOverlapOptimizer
 from overlapkit.overlap.sharded.setup import resolve_policy, shard_on_ddp
 
@@ -54,12 +47,11 @@ class DDPOverlapOptimizer(OverlappedOptimizerFacade):
         self,
         engine: OverlapEngine,
         stepper: BucketStepper,
-        model: DistributedDataParallel,
+        model: ModelFacts,
     ) -> None:
-        super().__init__(engine, stepper, TECHNIQUE,
-                         lambda groups: check_params_in_ddp_model(model, groups))
+        super().__init__(engine, stepper, TECHNIQUE, model.check_params_now)
         self._stepper = stepper
-        self._model = model
+        self._model = model.model
 
     def last_buckets(self) -> list[list[torch.Tensor]]:
         """The owned parameters stepped together in each bucket of the last
@@ -148,9 +140,6 @@ def overlap_ddp(
         whose step couples parameters (state not per parameter, values written into its
         param groups).
     """
-    optim_cls, params = class_or_adopted(optim_cls, args, optim_kwargs, params, TECHNIQUE)
-    model = check_ddp_model(ddp_model, TECHNIQUE)
-    overlapped_cls = resolve_overlapped_cls(optim_cls)
     if step_thread not in STEP_THREADS:
         raise ConfigurationError(
             f"step_thread must be one of {', '.join(map(repr, STEP_THREADS))}, got "
@@ -158,14 +147,12 @@ def overlap_ddp(
         )
     clipping = GradClipping(value=clip_grad_value, norm=clip_grad_norm,
                             norm_type=clip_norm_type, scope=clip_grad_norm_scope)
-    policy = resolve_policy(shard_optimizer_state)
-    if policy is not None:
-        return shard_on_ddp(model, overlapped_cls, optim_cls, args, optim_kwargs, params,
-                            comm_hook, comm_hook_options, clipping, policy=policy,
-                            step_thread=step_thread, grad_scaler=grad_scaler)
-    engine, stepper = set_up_on_ddp(
-        model, overlapped_cls, optim_cls, args, optim_kwargs, params, comm_hook,
-        comm_hook_options, clipping, TECHNIQUE, step_thread=step_thread,
-        with_side_stream=True, grad_scaler=grad_scaler,
-    )
-    return DDPOverlapOptimizer(engine, stepper, model)
+    setup = resolve_on_ddp(
+        ddp_model, optim_cls, args, optim_kwargs, params, TECHNIQUE, comm_hook=comm_hook,
+        comm_hook_options=comm_hook_options, clipping=clipping, grad_scaler=grad_scaler,
+        step_thread=step_thread, policy=resolve_policy(shard_optimizer_state))
+    check_on_ddp(setup)
+    if setup.policy is not None:
+        return shard_on_ddp(setup)
+    engine, stepper = set_up_on_ddp(setup)
+    return DDPOverlapOptimizer(engine, stepper, setup.model)

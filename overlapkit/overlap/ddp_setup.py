@@ -1,8 +1,11 @@
-"""The DDP set-up shared by ``overlap_ddp`` and ``optimizer_in_backward``: checks of
-the model, its parameters and the clipping options, then the registration of one
-:class:`~overlapkit.overlap.bucket_stepper.BucketStepper` comm hook.
+"""The DDP set-up shared by ``overlap_ddp`` and ``optimizer_in_backward``, in the set-up
+pass's three steps (:mod:`overlapkit.overlap.resolved`): resolve the DDP model and the
+comm hook (:func:`resolve_on_ddp`), check what only a DDP model asks
+(:func:`check_on_ddp`), then register one
+:class:`~overlapkit.overlap.bucket_stepper.BucketStepper` comm hook
+(:func:`set_up_on_ddp`).
 
-Everything here runs once, at set-up, before any state changes.
+Everything here runs once, at set-up, and every check before the one change.
 """
 
 from __future__ import annotations
@@ -10,60 +13,23 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.errors import ConfigurationError, UnsupportedModelError
 from overlapkit.overlap.bucket_stepper import BucketStepper, overlapped_comm_hook
 from overlapkit.overlap.clipping import GradClipping
 from overlapkit.overlap.engine import OverlapEngine
-from overlapkit.overlap.global_step import check_grad_scaler, model_order, step_rules
-from overlapkit.overlap.setup import (
-    build_engine,
-    check_params_belong,
-    check_unclaimed,
-    claim_params,
-    materialise_params,
-    optimizer_probe,
-)
+from overlapkit.overlap.global_step import step_rules
+from overlapkit.overlap.resolved import ModelFacts, ResolvedSetup, resolve_setup
+from overlapkit.overlap.setup import check_unclaimed, claim_params
 from overlapkit.overlap.side_stream import SideStream
 from overlapkit.plugin.manager import get_plugin_manager
-from overlapkit.plugin.records import CommHookRecord
 
 __all__ = ["check_clipping_for_model", "check_comm_hook_options", "check_ddp_model",
-           "check_params_in_ddp_model", "ddp_params", "register_bucket_stepper",
-           "set_up_on_ddp"]
+           "check_on_ddp", "resolve_on_ddp", "set_up_on_ddp"]
 
 # set on a DDP model to the technique whose comm hook it carries
 _MARKER = "_overlapkit_comm_hook_technique"
-
-
-def ddp_params(model: DistributedDataParallel) -> list[torch.nn.Parameter]:
-    """The parameters DDP reduces (requires_grad, not in its parameters to ignore)."""
-    return [p for p in DistributedDataParallel._get_data_parallel_params(model.module)
-            if p.requires_grad]
-
-
-def check_params_in_ddp_model(model: DistributedDataParallel, params: Iterable[Any]) -> None:
-    """:raises ConfigurationError: an item of ``params`` is not a parameter of the model,
-    or a trainable one DDP does not reduce. Frozen parameters (``requires_grad=False``)
-    are accepted, as torch's optimizers accept them: they never get a gradient, so they
-    are never stepped and have no state."""
-    managed = {id(p) for p in ddp_params(model)}
-    in_model = {id(p): name for name, p in model.module.named_parameters()}
-    for param in check_params_belong(
-        params, in_model, owner="the DDP model", example="ddp_model.parameters()",
-        unknown="so no bucket ever holds its gradient; pass only the model's parameters "
-        "(ddp_model.parameters()), and step others with a plain optimizer.",
-    ):
-        if id(param) not in managed and param.requires_grad:
-            raise ConfigurationError(
-                f"parameter {in_model[id(param)]!r} in params is trainable but not "
-                "reduced by DDP (in DDP's parameters to ignore, or frozen when "
-                "DistributedDataParallel was built and unfrozen since), so no bucket ever "
-                "holds its gradient and it would never be stepped; leave it out of params "
-                "(step it with a plain optimizer), or unfreeze it before building DDP."
-            )
 
 
 def check_ddp_model(ddp_model: Any, technique: str) -> DistributedDataParallel:
@@ -128,27 +94,60 @@ def check_comm_hook_options(options: Any) -> dict[str, Any]:
     return dict(options or {})
 
 
-def register_bucket_stepper(
-    model: DistributedDataParallel,
-    engine: OverlapEngine,
-    hook_spec: CommHookRecord,
-    hook_options: dict[str, Any],
-    technique: str,
+def resolve_on_ddp(
+    ddp_model: Any, optim: Any, args: tuple[Any, ...], optim_kwargs: dict[str, Any],
+    params: Iterable[Any] | None, technique: str, *, comm_hook: str,
+    comm_hook_options: Any, clipping: GradClipping, grad_scaler: Any | None,
+    step_thread: str = "backward", policy: Any = None,
+) -> ResolvedSetup:
+    """Resolve a set-up on a DDP model: the model (:func:`check_ddp_model`), the comm
+    hook by name and its options, then the optimizer side
+    (:func:`~overlapkit.overlap.resolved.resolve_setup`)."""
+    model = check_ddp_model(ddp_model, technique)
+    facts = ModelFacts.of(model, "ddp", technique, inner=model.module)
+    hook = get_plugin_manager().registry.comm_hook(comm_hook)
+    return resolve_setup(facts, optim, args, optim_kwargs, params, clipping=clipping,
+                         grad_scaler=grad_scaler, comm_hook=hook,
+                         comm_hook_options=check_comm_hook_options(comm_hook_options),
+                         step_thread=step_thread, policy=policy)
+
+
+def check_on_ddp(setup: ResolvedSetup) -> None:
+    """What only a set-up on a DDP model refuses, checked once: the clipping scope for
+    the model (:func:`check_clipping_for_model`) and parameters another technique
+    steps already."""
+    model = setup.model.model
+    assert isinstance(model, DistributedDataParallel)
+    check_clipping_for_model(model, setup.clipping, setup.model.technique)
+    check_unclaimed(setup.stepped, setup.model.technique)
+
+
+def set_up_on_ddp(
+    setup: ResolvedSetup,
+    *,
     stepper_cls: type[BucketStepper] = BucketStepper,
     **stepper_options: Any,
-) -> BucketStepper:
-    """Build the comm hook of ``hook_spec`` and register a :class:`BucketStepper`
-    (``stepper_cls``: a subclass, for sharded optimizer state) running it, then stepping
-    ``engine``, on ``model``. ``stepper_options`` are :class:`BucketStepper`'s keyword
-    arguments but ``track_usage`` and ``grads_are_bucket_views``, which are read from
-    the model."""
-    inner_state, inner_hook = hook_spec.create(process_group=model.process_group,
-                                              **hook_options)
+) -> tuple[OverlapEngine, BucketStepper]:
+    """Build what ``setup`` resolved on a DDP model (checked by :func:`check_on_ddp`):
+    the engine, a side stream on the parameters' device, the rules of the step
+    (clipping, a GradScaler), then the one change, the comm hook's registration running
+    a ``stepper_cls`` (a :class:`~overlapkit.overlap.bucket_stepper.BucketStepper`,
+    with ``stepper_options``); the parameters are claimed last."""
+    model = setup.model.model
+    assert isinstance(model, DistributedDataParallel) and setup.comm_hook is not None
+    engine = setup.overlapped_cls(setup.optimizer)
+    owned = engine.parameters()
+    global_step, full_step = step_rules(setup.clipping, setup.grad_scaler,
+                                        order=setup.model.order)
+    inner_state, inner_hook = setup.comm_hook.create(process_group=model.process_group,
+                                                     **setup.comm_hook_options)
     track_usage = bool(model.find_unused_parameters or model.static_graph)
     stepper = stepper_cls(
         engine, inner_state, inner_hook, track_usage=track_usage,
-        grads_are_bucket_views=bool(model.gradient_as_bucket_view), technique=technique,
-        **stepper_options,
+        grads_are_bucket_views=bool(model.gradient_as_bucket_view),
+        technique=setup.model.technique, step_thread=setup.step_thread,
+        clipping=setup.clipping, side_stream=SideStream(owned), global_step=global_step,
+        full_step=full_step, **stepper_options,
     )
     try:
         model.register_comm_hook(stepper, overlapped_comm_hook)
@@ -158,65 +157,20 @@ def register_bucket_stepper(
             "registered one (or a builtin one) yourself, remove it and pass its name as "
             "comm_hook=."
         ) from exc
-    setattr(model, _MARKER, technique)
+    setattr(model, _MARKER, setup.model.technique)
     stepper.model_before_rebuild = model
     # DDP lays its buckets out again after the first backward, except where it tracks
     # parameter usage; checkpoints record that second layout (checkpoint.ddp_buckets)
-    stepper.recording_layout = not (model.find_unused_parameters or model.static_graph)
+    stepper.recording_layout = not track_usage
     # Only now that the comm hook is in: hooks left on the parameters after a refused
     # registration would keep freeing gradients nobody steps.
     if stepper.free_grads and not model.gradient_as_bucket_view:
         stepper.free_after_copy_model = model
-    stepper.register(engine.parameters())
-    managed = {id(p) for p in ddp_params(model)}
-    names = {id(p): name for name, p in model.module.named_parameters()}
-    stepper.frozen = [(names[id(p)], p) for p in engine.parameters()
-                      if id(p) not in managed]
-    return stepper
-
-
-def set_up_on_ddp(
-    model: DistributedDataParallel,
-    overlapped_cls: type[OverlapEngine],
-    optim_cls: type[torch.optim.Optimizer],
-    args: tuple[Any, ...],
-    optim_kwargs: dict[str, Any],
-    params: Iterable[Any] | None,
-    comm_hook: str,
-    comm_hook_options: Mapping[str, Any] | None,
-    clipping: GradClipping,
-    technique: str,
-    *,
-    with_side_stream: bool = False,
-    grad_scaler: Any | None = None,
-    **stepper_options: Any,
-) -> tuple[OverlapEngine, BucketStepper]:
-    """The DDP set-up of ``overlap_ddp`` and ``optimizer_in_backward``, in one order:
-    every check (comm hook name and options, clipping, params, optimizer arguments,
-    parameters claimed by another technique) before the one change, the comm hook's
-    registration; then the parameters are claimed. ``stepper_options`` go to
-    :class:`~overlapkit.overlap.bucket_stepper.BucketStepper`; ``with_side_stream``
-    gives it a side stream on the parameters' device."""
-    hook_spec = get_plugin_manager().registry.comm_hook(comm_hook)
-    hook_options = check_comm_hook_options(comm_hook_options)
-    check_grad_scaler(grad_scaler)
-    check_clipping_for_model(model, clipping, technique)
-    if params is None:
-        params = ddp_params(model)
-    else:
-        params = materialise_params(params, optimizer_probe(optim_cls, args, optim_kwargs))
-        check_params_in_ddp_model(model, params)
-    engine = build_engine(overlapped_cls, optim_cls, params, args, optim_kwargs, technique)
-    owned = engine.parameters()
-    check_unclaimed(owned, technique)
-    if with_side_stream:
-        stepper_options["side_stream"] = SideStream(owned)
-    stepper_options["global_step"], stepper_options["full_step"] = step_rules(
-        clipping, grad_scaler, order=model_order(model.module.parameters()))
-    stepper = register_bucket_stepper(model, engine, hook_spec, hook_options, technique,
-                                      clipping=clipping, **stepper_options)
+    stepper.register(owned)
+    names = setup.model.names
+    stepper.frozen = [(names[id(p)], p) for p in owned if id(p) not in setup.model.reduced]
     if ((stepper.side_stream is not None and stepper.side_stream.active)
             or not stepper.free_grads or stepper.frozen):
         model.register_forward_pre_hook(lambda module, args: stepper.before_forward())
-    claim_params(owned, technique)
+    claim_params(owned, setup.model.technique)
     return engine, stepper

@@ -25,34 +25,19 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.errors import ConfigurationError, UnsupportedModelError
-from overlapkit.overlap.adopt import class_or_adopted
 from overlapkit.overlap.clipping import GradClipping
-from overlapkit.overlap.ddp_setup import (
-    check_ddp_model,
-    check_params_in_ddp_model,
-    set_up_on_ddp,
-)
+from overlapkit.overlap.ddp_setup import check_on_ddp, resolve_on_ddp, set_up_on_ddp
 from overlapkit.overlap.engine import OverlapEngine
 from overlapkit.overlap.facade import BackwardSteps, OverlappedOptimizerFacade
-from overlapkit.overlap.global_step import check_grad_scaler, model_order, step_rules
+from overlapkit.overlap.global_step import step_rules
 from overlapkit.overlap.param_stepper import ParamStepper
-from overlapkit.overlap.setup import (
-    build_engine,
-    check_params_belong,
-    check_unclaimed,
-    claim_params,
-    flatten_params,
-    materialise_params,
-    optimizer_probe,
-    resolve_overlapped_cls,
-)
+from overlapkit.overlap.resolved import MODEL_KINDS, ModelFacts, ResolvedSetup, resolve_setup
+from overlapkit.overlap.setup import check_unclaimed, claim_params
 from overlapkit.overlap.side_stream import SideStream
 
 __all__ = ["MODEL_KINDS", "OptimizerInBackward", "optimizer_in_backward"]
 
 TECHNIQUE = "optimizer_in_backward"
-#: what optimizer_in_backward recognises a model as
-MODEL_KINDS = ("ddp", "fsdp2", "module")
 
 
 class OptimizerInBackward(OverlappedOptimizerFacade):
@@ -68,14 +53,12 @@ class OptimizerInBackward(OverlappedOptimizerFacade):
         self,
         engine: OverlapEngine,
         steps: BackwardSteps,
-        model: torch.nn.Module,
-        kind: str,
-        check_params: Any,
+        model: ModelFacts,
     ) -> None:
-        super().__init__(engine, steps, TECHNIQUE, check_params)
-        self._model = model
+        super().__init__(engine, steps, TECHNIQUE, model.check_params_now)
+        self._model = model.model
         #: ``"ddp"``, ``"fsdp2"`` or ``"module"``: how the steps are hooked in
-        self.kind = kind
+        self.kind = model.kind
 
     @contextmanager
     def no_step(self) -> Iterator[None]:
@@ -125,23 +108,6 @@ def _model_kind(module: Any) -> str:
         if isinstance(sub, FSDPModule):
             kind = "fsdp2"
     return kind
-
-
-def _check_params_in_module(module: torch.nn.Module, params: Iterable[Any]) -> None:
-    """:raises ConfigurationError: an item of ``params`` is not a parameter of
-    ``module``, or is listed twice. Frozen parameters are accepted, as torch's
-    optimizers accept them (never stepped, no state; hooked if unfrozen later)."""
-    in_module = {id(p): name for name, p in module.named_parameters()}
-    check_params_belong(
-        params, in_module, owner="the module", example="module.parameters()",
-        unknown=f"so {TECHNIQUE} has no hook on it; pass only the module's parameters "
-        "(for FSDP2: the sharded ones, module.parameters() after fully_shard), and step "
-        "others with a plain optimizer.",
-    )
-
-
-def _side_stream(params: list[torch.Tensor]) -> SideStream:
-    return SideStream(params)
 
 
 def optimizer_in_backward(
@@ -215,47 +181,44 @@ def optimizer_in_backward(
         ``clip_grad_norm_scope="bucket"`` on a DDP model with
         ``find_unused_parameters`` or ``static_graph``.
     """
-    optim_cls, params = class_or_adopted(optim_cls, args, optim_kwargs, params, TECHNIQUE)
     kind = _model_kind(module)
-    ddp_model = check_ddp_model(module, TECHNIQUE) if kind == "ddp" else None
-    overlapped_cls = resolve_overlapped_cls(optim_cls)
     clipping = GradClipping(value=clip_grad_value, norm=clip_grad_norm,
                             norm_type=clip_norm_type, scope=clip_grad_norm_scope)
-    check_grad_scaler(grad_scaler)
-    if ddp_model is not None:
-        return _on_ddp(ddp_model, overlapped_cls, optim_cls, args, optim_kwargs, params,
-                       comm_hook, comm_hook_options, clipping, grad_scaler)
+    if kind == "ddp":
+        setup = resolve_on_ddp(module, optim_cls, args, optim_kwargs, params, TECHNIQUE,
+                               comm_hook=comm_hook or "allreduce",
+                               comm_hook_options=comm_hook_options, clipping=clipping,
+                               grad_scaler=grad_scaler)
+        check_on_ddp(setup)
+        engine, stepper = set_up_on_ddp(setup, free_grads=True)
+        return OptimizerInBackward(engine, stepper, setup.model)
     if comm_hook is not None or comm_hook_options is not None:
         raise ConfigurationError(
             f"comm_hook applies to DistributedDataParallel models only, and this is "
             f"{'an FSDP2' if kind == 'fsdp2' else 'a plain'} module; leave comm_hook and "
             "comm_hook_options out."
         )
-    if params is None:
-        params = [p for p in module.parameters() if p.requires_grad]
-        if not params:
-            raise ConfigurationError(
-                f"{type(module).__name__} has no parameter with requires_grad=True, so "
-                f"{TECHNIQUE} has nothing to step; pass a module with trainable "
-                "parameters (or unfreeze some)."
-            )
-    else:
-        params = materialise_params(params, optimizer_probe(optim_cls, args, optim_kwargs))
-        _check_params_in_module(module, params)
-        if not flatten_params(params):
-            raise ConfigurationError(f"params is empty; pass the parameters {TECHNIQUE} "
-                                     "should step, or leave params out for all of them.")
-    engine = build_engine(overlapped_cls, optim_cls, params, args, optim_kwargs, TECHNIQUE)
+    setup = resolve_setup(ModelFacts.of(module, kind, TECHNIQUE), optim_cls, args,
+                          optim_kwargs, params, clipping=clipping, grad_scaler=grad_scaler)
+    check_unclaimed(setup.stepped, TECHNIQUE)
+    return _set_up_on_module(setup)
+
+
+def _set_up_on_module(setup: ResolvedSetup) -> OptimizerInBackward:
+    """Build what ``setup`` resolved on a plain or FSDP2 module: a post-accumulate-grad
+    hook per parameter, and the forward pre-hooks that guard it."""
+    module = setup.model.model
+    engine = setup.overlapped_cls(setup.optimizer)
     owned = engine.parameters()
-    check_unclaimed(owned, TECHNIQUE)
-    global_step, full_step = step_rules(clipping, grad_scaler, sharded=kind == "fsdp2",
-                                       order=model_order(module.parameters()))
-    stepper = ParamStepper(engine, clipping=clipping, side_stream=_side_stream(owned),
+    global_step, full_step = step_rules(setup.clipping, setup.grad_scaler,
+                                        sharded=setup.model.kind == "fsdp2",
+                                        order=setup.model.order)
+    stepper = ParamStepper(engine, clipping=setup.clipping, side_stream=SideStream(owned),
                            global_step=global_step, full_step=full_step)
     stepper.register(owned)
-    if kind == "module":
+    if setup.model.kind == "module":
         stepper.handles.append(module.register_forward_pre_hook(_refuse_inside_ddp))
-        names = {id(p): n for n, p in module.named_parameters()}
+        names = setup.model.names
         anchors = [(names[id(p)], p) for p in (owned[0], owned[-1])]
         stepper.handles.append(module.register_forward_pre_hook(
             lambda module, args: _refuse_replaced_parameters(module, anchors)))
@@ -270,8 +233,7 @@ def optimizer_in_backward(
         stepper.handles.append(module.register_forward_pre_hook(
             lambda module, args: stepper.synchronize()))
     claim_params(owned, TECHNIQUE)
-    return OptimizerInBackward(engine, stepper, module, kind,
-                               lambda groups: _check_params_in_module(module, groups))
+    return OptimizerInBackward(engine, stepper, setup.model)
 
 
 def _refuse_inside_ddp(module: torch.nn.Module, args: Any) -> None:
@@ -318,25 +280,3 @@ def _refuse_replaced_parameters(module: torch.nn.Module,
                 f"{TECHNIQUE} last, on the model you train: fully_shard(model); "
                 f"opt = {TECHNIQUE}(model, ...)."
             )
-
-
-def _on_ddp(
-    model: DistributedDataParallel,
-    overlapped_cls: type[OverlapEngine],
-    optim_cls: type[torch.optim.Optimizer],
-    args: tuple[Any, ...],
-    optim_kwargs: dict[str, Any],
-    params: Iterable[Any] | None,
-    comm_hook: str | None,
-    comm_hook_options: Mapping[str, Any] | None,
-    clipping: GradClipping,
-    grad_scaler: Any | None,
-) -> OptimizerInBackward:
-    engine, stepper = set_up_on_ddp(
-        model, overlapped_cls, optim_cls, args, optim_kwargs, params,
-        comm_hook or "allreduce", comm_hook_options, clipping, TECHNIQUE,
-        with_side_stream=True, step_thread="backward", free_grads=True,
-        grad_scaler=grad_scaler,
-    )
-    return OptimizerInBackward(engine, stepper, model, "ddp",
-                               lambda groups: check_params_in_ddp_model(model, groups))
