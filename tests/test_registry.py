@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import overlapkit
-from overlapkit.overlap.generic import GenericOverlapEngine
+from overlapkit.overlap.core.generic import GenericOverlapEngine
 from overlapkit.plugin.manager import OverlapkitPluginManager
 
 

@@ -22,9 +22,9 @@ import torch
 
 from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.adopt import check_adoptable, is_instance
-from overlapkit.overlap.clipping import GradClipping
-from overlapkit.overlap.engine import OverlapEngine
-from overlapkit.overlap.global_step import check_grad_scaler, model_order
+from overlapkit.overlap.core.engine import OverlapEngine
+from overlapkit.overlap.rules.clipping import GradClipping
+from overlapkit.overlap.rules.global_step import check_grad_scaler, model_order
 from overlapkit.overlap.setup import (
     build_optimizer,
     check_params_belong,

@@ -21,7 +21,7 @@ from overlapkit.errors import (
     PluginValidationError,
     UnsupportedOptimizerError,
 )
-from overlapkit.overlap.engine import OverlapEngine
+from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.plugin.manager import get_plugin_manager
 
 __all__ = ["build_optimizer", "check_params_belong", "check_unclaimed", "claim_params",

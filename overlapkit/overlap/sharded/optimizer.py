@@ -26,10 +26,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.errors import ConfigurationError
-from overlapkit.overlap.engine import OverlapEngine
+from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.overlap.facade import OverlappedOptimizerFacade
-from overlapkit.overlap.late_clipping import watch
 from overlapkit.overlap.resolved import ModelFacts
+from overlapkit.overlap.rules.late_clipping import watch
 from overlapkit.overlap.setup import (
     check_unclaimed,
     claim_params,

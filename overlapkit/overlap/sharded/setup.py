@@ -20,9 +20,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.errors import ConfigurationError, UnsupportedOptimizerError
-from overlapkit.overlap.clipping import GradClipping
-from overlapkit.overlap.ddp_setup import set_up_on_ddp
+from overlapkit.overlap.ddp.setup import set_up_on_ddp
 from overlapkit.overlap.resolved import ResolvedSetup
+from overlapkit.overlap.rules.clipping import GradClipping
 from overlapkit.overlap.sharded.exchange import ParameterExchange, exchange_group
 from overlapkit.overlap.sharded.optimizer import ShardedOverlapOptimizer
 from overlapkit.overlap.sharded.ownership import (
@@ -167,7 +167,7 @@ def _groups_of(optimizer: torch.optim.Optimizer) -> list[int]:
 def shard_on_ddp(setup: ResolvedSetup) -> ShardedOverlapOptimizer:
     """``overlap_ddp``'s set-up with sharded optimizer state (see
     :func:`overlapkit.overlap_ddp`), after its common checks
-    (:func:`~overlapkit.overlap.ddp_setup.check_on_ddp`): what sharding refuses, then
+    (:func:`~overlapkit.overlap.ddp.setup.check_on_ddp`): what sharding refuses, then
     the owners (a collective, once every rank has passed its checks), then the build:
     the comm hook with the sharded stepper, this rank's share, the exchange."""
     model = setup.model.model

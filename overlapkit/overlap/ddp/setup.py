@@ -2,7 +2,7 @@
 pass's three steps (:mod:`overlapkit.overlap.resolved`): resolve the DDP model and the
 comm hook (:func:`resolve_on_ddp`), check what only a DDP model asks
 (:func:`check_on_ddp`), then register one
-:class:`~overlapkit.overlap.bucket_stepper.BucketStepper` comm hook
+:class:`~overlapkit.overlap.ddp.bucket_stepper.BucketStepper` comm hook
 (:func:`set_up_on_ddp`).
 
 Everything here runs once, at set-up, and every check before the one change.
@@ -16,13 +16,13 @@ from typing import Any
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.errors import ConfigurationError, UnsupportedModelError
-from overlapkit.overlap.bucket_stepper import BucketStepper, overlapped_comm_hook
-from overlapkit.overlap.clipping import GradClipping
-from overlapkit.overlap.engine import OverlapEngine
-from overlapkit.overlap.global_step import step_rules
+from overlapkit.overlap.core.engine import OverlapEngine
+from overlapkit.overlap.core.side_stream import SideStream
+from overlapkit.overlap.ddp.bucket_stepper import BucketStepper, overlapped_comm_hook
 from overlapkit.overlap.resolved import ModelFacts, ResolvedSetup, resolve_setup
+from overlapkit.overlap.rules.clipping import GradClipping
+from overlapkit.overlap.rules.global_step import step_rules
 from overlapkit.overlap.setup import check_unclaimed, claim_params
-from overlapkit.overlap.side_stream import SideStream
 from overlapkit.plugin.manager import get_plugin_manager
 
 __all__ = ["check_clipping_for_model", "check_comm_hook_options", "check_ddp_model",
@@ -131,7 +131,7 @@ def set_up_on_ddp(
     """Build what ``setup`` resolved on a DDP model (checked by :func:`check_on_ddp`):
     the engine, a side stream on the parameters' device, the rules of the step
     (clipping, a GradScaler), then the one change, the comm hook's registration running
-    a ``stepper_cls`` (a :class:`~overlapkit.overlap.bucket_stepper.BucketStepper`,
+    a ``stepper_cls`` (a :class:`~overlapkit.overlap.ddp.bucket_stepper.BucketStepper`,
     with ``stepper_options``); the parameters are claimed last."""
     model = setup.model.model
     assert isinstance(model, DistributedDataParallel) and setup.comm_hook is not None
