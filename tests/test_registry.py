@@ -78,6 +78,15 @@ def test_optimizer_without_any_provider_is_unsupported() -> None:
         pm.registry.optimizer_spec(torch.optim.SGD)
 
 
+def test_the_missing_provider_error_names_the_builtin_plugin_that_serves_every_optimizer(
+        ) -> None:
+    pm = overlapkit.create_plugin_manager(autoload=False, disabled=["overlapkit.overlap"])
+    with pytest.raises(overlapkit.UnsupportedOptimizerError) as caught:
+        pm.registry.optimizer_spec(torch.optim.SGD)
+    named = [i.name for i in pm.plugin_infos() if f"'{i.name}'" in str(caught.value)]
+    assert named == ["overlapkit.overlap"], str(caught.value)
+
+
 @pytest.mark.parametrize(
     "not_an_optimizer", [torch.nn.Linear, torch.optim.SGD([torch.zeros(1)], lr=1), "adam"]
 )
