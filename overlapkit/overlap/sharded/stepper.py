@@ -2,7 +2,7 @@
 its reduction completes, then the bucket's updated parameters exchanged, every update
 landed when ``backward()`` returns.
 
-:class:`ShardedBucketStepper` is :class:`~overlapkit.overlap.bucket_stepper.BucketStepper`
+:class:`ShardedBucketStepper` is :class:`~overlapkit.overlap.ddp.bucket_stepper.BucketStepper`
 (the engine steps only this rank's share: ``OverlapEngine.step_only``) plus the
 :class:`~overlapkit.overlap.sharded.exchange.ParameterExchange`: after each bucket's
 step, on every rank, in bucket order, the bucket's parameters are broadcast from their
@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from overlapkit.errors import ConfigurationError, OverlapkitError
-from overlapkit.overlap.backward_scope import OUTSIDE
-from overlapkit.overlap.bucket_stepper import BucketStepper
+from overlapkit.overlap.core.backward_scope import OUTSIDE
+from overlapkit.overlap.ddp.bucket_stepper import BucketStepper
 from overlapkit.overlap.sharded.exchange import ParameterExchange
 
 __all__ = ["ShardedBucketStepper", "join_refusal"]

@@ -1,7 +1,7 @@
 """The DDP comm hook that steps each gradient bucket once its reduction completes.
 
 Shared by :func:`overlapkit.overlap_ddp` and :func:`overlapkit.optimizer_in_backward`
-(for a DDP model): :mod:`overlapkit.overlap.ddp_setup` checks the model and registers
+(for a DDP model): :mod:`overlapkit.overlap.ddp.setup` checks the model and registers
 :func:`overlapped_comm_hook` with a :class:`BucketStepper` as its state. This module is
 what runs per bucket during backward; nothing here runs at set-up.
 """
@@ -18,14 +18,14 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
-from overlapkit.overlap.backward_scope import NEW, OUTSIDE, BackwardScope
-from overlapkit.overlap.bucket_layout import BucketLayouts, bucket_gradient_views
-from overlapkit.overlap.clipping import GradClipping
-from overlapkit.overlap.ddp_param_hooks import free_local_grads_once_bucketed, refuse_unfrozen
-from overlapkit.overlap.engine import OverlapEngine, StepPlan
-from overlapkit.overlap.global_step import GlobalStep
-from overlapkit.overlap.side_stream import SideStream
-from overlapkit.overlap.step_accounting import StepAccount
+from overlapkit.overlap.core.backward_scope import NEW, OUTSIDE, BackwardScope
+from overlapkit.overlap.core.bucket_layout import BucketLayouts, bucket_gradient_views
+from overlapkit.overlap.core.engine import OverlapEngine, StepPlan
+from overlapkit.overlap.core.side_stream import SideStream
+from overlapkit.overlap.core.step_accounting import StepAccount
+from overlapkit.overlap.ddp.param_hooks import free_local_grads_once_bucketed, refuse_unfrozen
+from overlapkit.overlap.rules.clipping import GradClipping
+from overlapkit.overlap.rules.global_step import GlobalStep
 
 __all__ = ["STEP_THREADS", "BucketStepper", "bucket_gradient_views", "overlapped_comm_hook"]
 
@@ -270,7 +270,7 @@ class BucketStepper(StepAccount):
           rank's local gradient;
         - in a loop that has not called ``step()`` or ``zero_grad()`` after its last
           stepping backward (the backward-only loops of
-          :mod:`~overlapkit.overlap.step_accounting`), clear the gradients that
+          :mod:`~overlapkit.overlap.core.step_accounting`), clear the gradients that
           backward stepped, as the plain loop's ``zero_grad()`` would: the next backward
           would accumulate onto them, and DDP would reduce the sum.
         """
