@@ -50,15 +50,16 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
         post_local_sgd,
     )
     from overlapkit.optimizer_wrapper import OptimizerWrapper
-    from overlapkit.overlap.ddp import DDPOverlapOptimizer, overlap_ddp
-    from overlapkit.overlap.engine import OverlapEngine, OverlappedOptimizer
-    from overlapkit.overlap.in_backward import OptimizerInBackward, optimizer_in_backward
+    from overlapkit.overlap.core.engine import OverlapEngine, OverlappedOptimizer
+    from overlapkit.overlap.ddp.optimizer import DDPOverlapOptimizer
+    from overlapkit.overlap.in_backward.optimizer import OptimizerInBackward
     from overlapkit.overlap.sharded import (
         ParamSlot,
         ShardedOverlapOptimizer,
         ShardingPolicy,
         SizeBalancedPolicy,
     )
+    from overlapkit.overlap.techniques import optimizer_in_backward, overlap_ddp
     from overlapkit.plugin.manager import (
         PluginInfo,
         create_plugin_manager,
@@ -84,12 +85,12 @@ _LAZY: dict[str, str] = {
     "create_averager": "overlapkit.local_sgd.optimizer",
     "post_local_sgd": "overlapkit.local_sgd.optimizer",
     "OptimizerWrapper": "overlapkit.optimizer_wrapper",
-    "DDPOverlapOptimizer": "overlapkit.overlap.ddp",
-    "overlap_ddp": "overlapkit.overlap.ddp",
-    "OverlapEngine": "overlapkit.overlap.engine",
-    "OverlappedOptimizer": "overlapkit.overlap.engine",
-    "OptimizerInBackward": "overlapkit.overlap.in_backward",
-    "optimizer_in_backward": "overlapkit.overlap.in_backward",
+    "DDPOverlapOptimizer": "overlapkit.overlap.ddp.optimizer",
+    "overlap_ddp": "overlapkit.overlap.techniques",
+    "OverlapEngine": "overlapkit.overlap.core.engine",
+    "OverlappedOptimizer": "overlapkit.overlap.core.engine",
+    "OptimizerInBackward": "overlapkit.overlap.in_backward.optimizer",
+    "optimizer_in_backward": "overlapkit.overlap.techniques",
     "ParamSlot": "overlapkit.overlap.sharded",
     "ShardedOverlapOptimizer": "overlapkit.overlap.sharded",
     "ShardingPolicy": "overlapkit.overlap.sharded",

@@ -26,7 +26,7 @@ DDP_KINDS: dict[str, dict[str, Any]] = {
     "ddp bucket_view static_graph": {"gradient_as_bucket_view": True, "static_graph": True},
 }
 KINDS = (*DDP_KINDS, "fsdp2", "module")
-#: the loop shapes of overlapkit.overlap.step_accounting
+#: the loop shapes of overlapkit.overlap.core.step_accounting
 LOOPS = ("backward only", "backward + scheduler", "backward + step + zero_grad")
 #: what the set-up adds: nothing, global clipping, a GradScaler (its loop calls
 #: scaler.step(opt), so it is always the third shape)

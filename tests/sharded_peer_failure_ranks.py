@@ -3,9 +3,10 @@ rank (a rank killed mid-backward must not take the test's launcher with it):
 
     python sharded_peer_failure_ranks.py RANK WORLD PORT TECHNIQUE FAILURE TIMEOUT DIR
 
-Two good steps of ``overlap_ddp`` (``TECHNIQUE``: ``sharded`` or ``unsharded``) on a DDP
-model whose process group has a ``TIMEOUT``-second timeout, then, in the third backward,
-rank 1 fails (``FAILURE``):
+Two good steps of ``overlap_ddp`` (``TECHNIQUE``: ``sharded``, ``unsharded``, ``comm``:
+``step_thread="comm"``, or ``clipped``: sharded with ``clip_grad_norm``, whose steps wait
+for the end of backward) on a DDP model whose process group has a ``TIMEOUT``-second
+timeout, then, in the third backward, rank 1 fails (``FAILURE``):
 
 - ``raises``: raises mid-backward, goes on, and stays alive (the issue's probe);
 - ``stalls``: sleeps mid-backward for twice the timeout, then goes on with its backward;
@@ -60,8 +61,11 @@ def main(rank: int, world_size: int, port: int, technique: str, failure: str,
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)])
     ddp = DDP(model, process_group=group, bucket_cap_mb=0.001)  # one bucket per layer
+    sharded = technique in ("sharded", "clipped")
+    options = {"sharded": {}, "unsharded": {}, "comm": {"step_thread": "comm"},
+               "clipped": {"clip_grad_norm": 1.0}}[technique]  # the last: a global step
     opt = overlapkit.overlap_ddp(ddp, torch.optim.AdamW, lr=0.01,
-                                 shard_optimizer_state=technique == "sharded")
+                                 shard_optimizer_state=sharded, **options)
     armed = [False]
 
     def fail(module: Any, grad_input: Any, grad_output: Any) -> None:
@@ -96,10 +100,10 @@ def main(rank: int, world_size: int, port: int, technique: str, failure: str,
         except Exception as error:
             result["error"] = _seen(error, started)
             break
-    if technique == "sharded":  # the exchange's group has the model's group's timeout
+    if sharded:  # the exchange's group has the model's group's timeout
         exchange_timeout = group_timeout(opt._stepper.exchange.group)
         result["exchange timeout"] = exchange_timeout and exchange_timeout.total_seconds()
-    if rank == 0 and technique == "sharded" and result["error"] is not None:
+    if rank == 0 and sharded and result["error"] is not None:
         started = time.monotonic()
         try:  # the parameters are not the owners' any more: never silently used
             ddp(x)

@@ -127,3 +127,38 @@ def test_an_instance_keeps_its_loaded_state() -> None:
     assert overlapped.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
     assert all(torch.equal(before[p]["exp_avg"], optimizer.state[p]["exp_avg"])
                for p in before)
+
+
+def _sharded_adoption(rank: int, world_size: int) -> dict[str, Any]:
+    """A used AdamW (state after one plain step, gradients still in .grad) adopted by
+    ``overlap_ddp(shard_optimizer_state=True)``, then trained on beside the plain run."""
+    batches = rank_batches(rank, STEPS)
+    runs = {}
+    for name in ("plain", "sharded"):
+        model = DistributedDataParallel(_model())
+        optimizer = _optimizer(model.module)
+        model(batches[0]).square().mean().backward()
+        optimizer.step()  # state now, and the gradients left in .grad
+        runs[name] = (model, optimizer, [p.detach().clone() for p in model.parameters()])
+    model, optimizer, _ = runs["sharded"]
+    subclasses = set(torch.optim.AdamW.__subclasses__())
+    overlapped = overlapkit.overlap_ddp(model, optimizer, shard_optimizer_state=True)
+    made = set(torch.optim.AdamW.__subclasses__()) - subclasses
+    untouched = compare(runs["plain"][2], values(model))
+    for name, opt in (("plain", runs["plain"][1]), ("sharded", overlapped)):
+        opt.zero_grad()
+        _train(runs[name][0], opt, torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5),
+               batches[1:])
+    return {"classes made": sorted(c.__qualname__ for c in made),
+            "untouched by set-up": untouched,
+            "parameters": compare(values(runs["plain"][0]), values(model)),
+            "same instance": overlapped.optimizer is optimizer}
+
+
+def test_a_used_instance_adopted_with_sharded_state_is_not_stepped_by_set_up_and_trains_bitwise(
+        ) -> None:
+    for result in run_distributed(_sharded_adoption, 2, timeout=240):
+        assert result["classes made"] == [], "adopting generated an optimizer class"
+        assert result["untouched by set-up"], result["untouched by set-up"]
+        assert result["parameters"], result["parameters"]
+        assert result["same instance"]

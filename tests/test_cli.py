@@ -74,7 +74,7 @@ def test_help_and_version_import_no_torch() -> None:
 def test_the_public_api_still_resolves_lazily() -> None:
     import overlapkit
 
-    assert overlapkit.overlap_ddp.__module__ == "overlapkit.overlap.ddp"
+    assert overlapkit.overlap_ddp.__module__ == "overlapkit.overlap.techniques"
     assert overlapkit.checkpoint.save.__module__.startswith("overlapkit.checkpoint")
     assert set(overlapkit.__all__) <= set(dir(overlapkit))
     with pytest.raises(AttributeError, match="no attribute 'nope'"):

@@ -1,7 +1,7 @@
 """The 0.3 loop work on a GPU (marked ``cuda``, skipped without one): on CUDA, autograd
 runs the backward of CUDA tensors on a device thread, where the Python stack of a hook
 holds no frame of the caller's ``backward()`` — the case
-:mod:`overlapkit.overlap.backward_scope` reasons about for nested (reentrant
+:mod:`overlapkit.overlap.core.backward_scope` reasons about for nested (reentrant
 checkpointing) backwards. Steps run on side streams. Each case is bitwise the plain loop:
 reentrant checkpointing (the first gradients inside or outside a nested backward),
 backward-only loops, and a full step after only accumulating backwards.

@@ -1,5 +1,5 @@
 """Sharded optimizer state on a GPU (marked ``cuda``, skipped without one): the steps and
-the parameter exchange on the side stream (:mod:`overlapkit.overlap.side_stream`),
+the parameter exchange on the side stream (:mod:`overlapkit.overlap.core.side_stream`),
 bitwise plain DDP.
 
 One GPU is enough: one NCCL rank (the whole state on it, the side-stream steps and

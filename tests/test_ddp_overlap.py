@@ -205,7 +205,7 @@ def test_a_model_that_is_not_ddp_is_refused() -> None:
 def test_the_generic_engine_serves_every_optimizer_and_plugins_can_override(
     overlapkit_plugin_manager: overlapkit.plugin.manager.OverlapkitPluginManager,
 ) -> None:
-    from overlapkit.overlap.generic import GenericOverlapEngine
+    from overlapkit.overlap.core.generic import GenericOverlapEngine
 
     registry = overlapkit_plugin_manager.registry
     assert registry.optimizer_spec(torch.optim.AdamW).overlapped_cls is (
@@ -223,7 +223,7 @@ class _CountsInGroup(torch.optim.SGD):
 
 
 def test_values_the_optimizer_writes_into_its_group_are_kept() -> None:
-    from overlapkit.overlap.generic import GenericOverlapEngine
+    from overlapkit.overlap.core.generic import GenericOverlapEngine
 
     params = [nn.Parameter(torch.ones(2)) for _ in range(2)]
     engine = GenericOverlapEngine(_CountsInGroup(params, lr=0.1))
@@ -236,7 +236,7 @@ def test_values_the_optimizer_writes_into_its_group_are_kept() -> None:
 
 
 def test_engine_steps_exactly_the_given_parameters() -> None:
-    from overlapkit.overlap.generic import GenericOverlapEngine
+    from overlapkit.overlap.core.generic import GenericOverlapEngine
 
     params = [nn.Parameter(torch.ones(2)) for _ in range(3)]
     reference = [nn.Parameter(torch.ones(2)) for _ in range(3)]

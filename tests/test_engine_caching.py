@@ -17,9 +17,9 @@ from helpers import compare, failures
 from torch import nn
 
 from overlapkit.distributed import run_distributed
-from overlapkit.overlap.bucket_layout import BucketLayouts
-from overlapkit.overlap.functional_step import FUNCTIONAL_STEPS, step_functionally
-from overlapkit.overlap.generic import GenericOverlapEngine
+from overlapkit.overlap.core.bucket_layout import BucketLayouts
+from overlapkit.overlap.core.functional_step import FUNCTIONAL_STEPS, step_functionally
+from overlapkit.overlap.core.generic import GenericOverlapEngine
 
 # -- many buckets, tied / unused / frozen parameters, 2 gloo ranks --------------------
 

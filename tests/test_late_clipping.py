@@ -19,7 +19,7 @@ from torch import nn
 
 import overlapkit
 from overlapkit.distributed import run_distributed
-from overlapkit.overlap.late_clipping import FreedGradientNormWarning
+from overlapkit.overlap.rules.late_clipping import FreedGradientNormWarning
 
 LR, CLIP = 0.05, 0.05
 
@@ -121,7 +121,7 @@ def test_overlapkit_itself_leaves_torch_clip_functions_its_own_until_first_use()
     # the guard is installed when the first overlapped optimizer is set up: by then
     # torch.nn.utils holds it, and the function torch defines is untouched
     overlapkit.optimizer_in_backward(model(), torch.optim.SGD, lr=LR)
-    from overlapkit.overlap import late_clipping
+    from overlapkit.overlap.rules import late_clipping
 
     assert torch.nn.utils.clip_grad_norm_ is late_clipping.guarded_clip_grad_norm_
     assert torch.nn.utils.clip_grad.clip_grad_norm_ is late_clipping.unguarded_clip_grad_norm_

@@ -3,6 +3,7 @@ a small top level, no module past ~400 lines."""
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
@@ -46,3 +47,77 @@ def test_each_technique_package_owns_its_builtin_plugin() -> None:
         "overlapkit.local_sgd": "overlapkit.local_sgd.plugin",
         "overlapkit.checkpoint": "overlapkit.checkpoint.plugin",
     }
+
+
+# -- overlapkit.overlap by sub-concept (issue 32) ----------------------------------
+
+OVERLAP = PACKAGE / "overlap"
+OVERLAP_SUBPACKAGES = sorted(p.parent.name for p in OVERLAP.glob("*/__init__.py"))
+
+
+def test_overlap_is_split_into_the_sub_concepts() -> None:
+    assert OVERLAP_SUBPACKAGES == ["core", "ddp", "in_backward", "rules", "sharded"]
+
+
+@pytest.mark.parametrize("package", OVERLAP_SUBPACKAGES)
+def test_each_overlap_subpackage_says_what_it_owns(package: str) -> None:
+    tree = ast.parse((OVERLAP / package / "__init__.py").read_text())
+    doc = ast.get_docstring(tree) or ""
+    modules = [p.stem for p in (OVERLAP / package).glob("*.py") if p.stem != "__init__"]
+    unnamed = [m for m in modules if m not in doc]
+    assert len(doc.split()) >= 20 and unnamed == [], (doc, unnamed)
+
+
+@pytest.mark.parametrize("package", OVERLAP_SUBPACKAGES)
+def test_design_page_names_every_module_of_each_overlap_subpackage(package: str) -> None:
+    assert f"``overlapkit.overlap.{package}``" in DESIGN
+    modules = [p.stem for p in (OVERLAP / package).glob("*.py") if p.stem != "__init__"]
+    missing = [m for m in modules if f"``{m}``" not in DESIGN]
+    assert missing == [], f"docs/design.rst does not name overlapkit.overlap.{package}: {missing}"
+
+
+def _unit(module: str) -> str:
+    """The sub-package (``core``, ...) or top-level module of overlapkit.overlap that
+    ``module`` (``overlapkit.overlap.X...``) belongs to."""
+    return module.split(".")[2]
+
+
+def _overlap_imports() -> dict[str, set[str]]:
+    """Sub-package or top-level module of overlapkit.overlap -> those it imports, at the
+    top or inside a function (a lazy import closes a circle too); the package's own
+    ``__init__`` (the public re-exports) left out."""
+    graph: dict[str, set[str]] = {}
+    for path in OVERLAP.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts == ("overlapkit", "overlap", "__init__"):
+            continue
+        here = _unit(".".join(parts))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                if not name.startswith("overlapkit.overlap."):
+                    continue
+                there = _unit(name)
+                if there != here and ((OVERLAP / there).is_dir()
+                                      or (OVERLAP / f"{there}.py").exists()):
+                    graph.setdefault(here, set()).add(there)
+    return graph
+
+
+def test_the_overlap_subpackages_import_no_circle() -> None:
+    graph = _overlap_imports()
+
+    def reaches(start: str, target: str, seen: set[str]) -> bool:
+        for nxt in graph.get(start, ()):
+            if nxt == target or (nxt not in seen and reaches(nxt, target, seen | {nxt})):
+                return True
+        return False
+
+    assert [unit for unit in graph if reaches(unit, unit, {unit})] == [], graph
+    assert graph.get("core", set()) == set(), "the engine core imports no other part"
+    assert graph.get("rules", set()) <= {"core"}

@@ -14,7 +14,7 @@ import torch
 
 import overlapkit
 import overlapkit.plugin
-from overlapkit.overlap.generic import GenericOverlapEngine
+from overlapkit.overlap.core.generic import GenericOverlapEngine
 from overlapkit.plugin import hookspecs
 from overlapkit.plugin.manager import OverlapkitPluginManager, create_plugin_manager
 from overlapkit.plugin.registry import HOOK_KINDS, Registry

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import overlapkit
-from overlapkit.overlap.generic import GenericOverlapEngine
+from overlapkit.overlap.core.generic import GenericOverlapEngine
 from overlapkit.plugin.manager import OverlapkitPluginManager
 
 
@@ -76,6 +76,15 @@ def test_optimizer_without_any_provider_is_unsupported() -> None:
         (torch.optim.Adam, AdamOverlap))))
     with pytest.raises(overlapkit.UnsupportedOptimizerError, match="SGD"):
         pm.registry.optimizer_spec(torch.optim.SGD)
+
+
+def test_the_missing_provider_error_names_the_builtin_plugin_that_serves_every_optimizer(
+        ) -> None:
+    pm = overlapkit.create_plugin_manager(autoload=False, disabled=["overlapkit.overlap"])
+    with pytest.raises(overlapkit.UnsupportedOptimizerError) as caught:
+        pm.registry.optimizer_spec(torch.optim.SGD)
+    named = [i.name for i in pm.plugin_infos() if f"'{i.name}'" in str(caught.value)]
+    assert named == ["overlapkit.overlap"], str(caught.value)
 
 
 @pytest.mark.parametrize(

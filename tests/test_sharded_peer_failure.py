@@ -1,5 +1,6 @@
 """A rank that fails mid-backward under ``overlap_ddp`` (issue 31, case 4), on 2 gloo
-ranks (and 3 once), sharded and not: the other ranks raise an overlapkit error that
+ranks (and 3 once), sharded and not, stepping on the thread running backward, the comm
+thread, or after backward (global clipping): the other ranks raise an overlapkit error that
 names it and says what to do, at about the DDP group's timeout (plain DDP raises gloo's
 bare timeout then), never a hang, never torch's "Got the following error when running
 the callback". A rank that raises and stays alive, or stalls past the timeout:
@@ -85,8 +86,9 @@ def _raised_again(result: dict[str, Any], directory: Path) -> None:
         assert result[then]["seconds"] < 1.0, (then, result[then])
 
 
-@pytest.mark.parametrize("technique", ["sharded", "unsharded"])
-@pytest.mark.parametrize("failure", ["raises", "stalls"])
+@pytest.mark.parametrize(("technique", "failure"), [
+    ("sharded", "raises"), ("unsharded", "raises"), ("sharded", "stalls"),
+    ("unsharded", "stalls"), ("comm", "raises"), ("clipped", "raises")])
 def test_a_rank_that_stops_taking_part_is_named_at_the_groups_timeout(
         technique: str, failure: str, tmp_path: Path) -> None:
     results = _launch(technique, failure, tmp_path)
@@ -95,12 +97,13 @@ def test_a_rank_that_stops_taking_part_is_named_at_the_groups_timeout(
     assert seen["type"] == "ExchangeFailedError", seen
     assert seen["silent"] == [1], seen
     message = seen["message"]
+    assert message.startswith("reducing gradient bucket"), message
     assert "failed on rank 0: rank 1 is alive" in message, message
     assert f"process group's timeout ({TIMEOUT:g} s)" in message, message
     assert "restart the job" in message, message
     # plain DDP raises at the timeout; the roll call then ends at rank 1's next beat
     assert TIMEOUT - 0.5 <= seen["seconds"] <= TIMEOUT + HEARTBEAT_SECONDS + SLACK, seen
-    if technique == "sharded":  # the parameters are not all updated: never used
+    if technique in ("sharded", "clipped"):  # the parameters are not all updated: never used
         _raised_again(results[0], tmp_path)  # type: ignore[arg-type]
     if failure == "stalls":  # the stalled rank, once it goes on, is told too
         _overlapkit_error(results[1] and results[1]["error"], 1, tmp_path)

@@ -19,10 +19,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from overlapkit.overlap.bucket_stepper import BucketStepper
-from overlapkit.overlap.clipping import GradClipping
-from overlapkit.overlap.generic import GenericOverlapEngine
-from overlapkit.overlap.side_stream import SideStream, StreamAPI
+from overlapkit.overlap.core.generic import GenericOverlapEngine
+from overlapkit.overlap.core.side_stream import SideStream, StreamAPI
+from overlapkit.overlap.ddp.bucket_stepper import BucketStepper
+from overlapkit.overlap.rules.clipping import GradClipping
 
 LOG: list[str] = []
 

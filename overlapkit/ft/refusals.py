@@ -56,5 +56,6 @@ def refuse_torchft_ddp(model: object, technique: str) -> None:
     if is_torchft_ddp(model):
         raise UnsupportedModelError(
             f"{technique} cannot run on torchft's fault-tolerant DistributedDataParallel: "
-            f"{_ALTERNATIVES[technique]} Nothing was changed."
+            f"{_ALTERNATIVES.get(technique, _ALTERNATIVES['overlap_ddp'])} Nothing was "
+            "changed."
         )

@@ -233,8 +233,7 @@ def overlapped_like(plain: torch.optim.Optimizer, technique: str, model: torch.n
     live); clipping by global norm in ``plain``'s parameter order, as Lightning's
     precision plugin clips (``main_params``: group by group)."""
     from overlapkit.overlap.adopt import check_adopted
-    from overlapkit.overlap.ddp import overlap_ddp
-    from overlapkit.overlap.in_backward import optimizer_in_backward
+    from overlapkit.overlap.techniques import optimizer_in_backward, overlap_ddp
 
     build: Callable[..., OverlappedOptimizerFacade] = (
         overlap_ddp if technique == "overlap_ddp" else optimizer_in_backward)

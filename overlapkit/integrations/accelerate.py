@@ -27,7 +27,7 @@ maps onto overlapkit's own rules:
 - ``accelerator.clip_grad_norm_`` ends in ``torch.nn.utils.clip_grad_norm_``: with
   ``clip_grad_norm=`` set to the same ``max_norm`` it returns the total norm overlapkit
   clipped with, bitwise; any other clip raises at the first call
-  (:mod:`overlapkit.overlap.late_clipping`). ``clip_grad_norm`` has no default: the
+  (:mod:`overlapkit.overlap.rules.late_clipping`). ``clip_grad_norm`` has no default: the
   clip must be known before the first step, which happens inside the first backward;
 - ``with accelerator.accumulate(model):`` runs the backwards that do not end an
   accumulation window inside ``accelerator.no_sync(model)``, which :func:`prepare`
@@ -281,7 +281,7 @@ def prepare(accelerator: Accelerator, model: torch.nn.Module,
                               clip_grad_norm=clip_grad_norm, clip_norm_type=clip_norm_type,
                               **options)
     # Accelerate's loops call optimizer.step(): the first one shows what the loop does
-    # between backward and step (overlapkit.overlap.window), before anything steps
+    # between backward and step (overlapkit.overlap.core.window), before anything steps
     facade.learn_first_step(
         prepared, accumulate="inside `with accelerator.accumulate(model):` (or "
         "`with accelerator.no_sync(model):`)")

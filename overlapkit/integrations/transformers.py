@@ -26,7 +26,7 @@ settings before the Trainer prepares them. The subclass changes no step of the l
   loaded state and ``optimizer.pt``'s format stay the Trainer's. With
   ``max_grad_norm > 0`` it clips with ``clip_grad_norm=max_grad_norm``, torch's global
   clipping before the step, and the Trainer's own ``clip_grad_norm_`` call then returns
-  the norm overlapkit clipped with (:mod:`overlapkit.overlap.late_clipping`);
+  the norm overlapkit clipped with (:mod:`overlapkit.overlap.rules.late_clipping`);
 - gradient accumulation: the Trainer runs all but the last micro-batch inside
   ``accelerator.no_sync(model)``, which the integration makes pause the steps: DDP's
   ``no_sync()`` (also with one process, where Accelerate would not enter it), or

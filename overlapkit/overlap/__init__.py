@@ -1,27 +1,30 @@
-"""The two techniques that step during backward, and the engine they share.
+"""The two techniques that step during backward, assembled from the sub-packages below.
 
-- :mod:`~overlapkit.overlap.ddp`: :func:`overlap_ddp`, DDP allreduce-then-step;
-- :mod:`~overlapkit.overlap.in_backward`: :func:`optimizer_in_backward` (DDP, FSDP2,
-  plain modules);
-- :mod:`~overlapkit.overlap.engine`: the engine base class plugins subclass;
-  :mod:`~overlapkit.overlap.generic` the engine for any ``torch.optim`` optimizer;
-- :mod:`~overlapkit.overlap.facade`: the ``torch.optim.Optimizer`` users get back;
-- :mod:`~overlapkit.overlap.bucket_stepper` and :mod:`~overlapkit.overlap.param_stepper`:
-  what steps per bucket and per parameter during backward;
-  :mod:`~overlapkit.overlap.bucket_layout`: what is kept per bucket between backwards;
-  :mod:`~overlapkit.overlap.side_stream`: where, on an accelerator;
-- :mod:`~overlapkit.overlap.direct_step`, :mod:`~overlapkit.overlap.functional_step`:
-  the generic engine's cheaper calls of ``step()`` where they are the same computation;
-- :mod:`~overlapkit.overlap.setup`, :mod:`~overlapkit.overlap.ddp_setup`,
-  :mod:`~overlapkit.overlap.clipping`: the checks and options at set-up;
-- :mod:`~overlapkit.overlap.late_clipping`: torch's ``clip_grad_norm_`` after a
-  backward that already stepped, answered or refused;
-- :mod:`~overlapkit.overlap.plugin`: the built-in plugin ``overlapkit.overlap``.
+One sub-package per concept (0.4), each importing only the ones listed before it:
+
+- :mod:`~overlapkit.overlap.core`: the engine core — the engine plugins subclass, the
+  layouts kept per bucket, the backward scope, the loop's step accounting and its
+  window, side streams, the cheaper direct and functional steps;
+- :mod:`~overlapkit.overlap.rules`: the step rules — clipping, late clipping, loss
+  scaling, the global step that waits for the end of backward;
+- :mod:`~overlapkit.overlap.ddp`: the DDP path (its set-up, the bucket stepper, the
+  parameter hooks beside it, its optimizer);
+- :mod:`~overlapkit.overlap.in_backward`: the in-backward path on plain and FSDP2
+  modules (its set-up, the parameter stepper, its optimizer);
+- :mod:`~overlapkit.overlap.sharded`: sharded optimizer state on the DDP path.
+
+The modules at this level assemble a technique from them: the set-up pass
+(:mod:`~overlapkit.overlap.resolved`: resolve, check, build, with
+:mod:`~overlapkit.overlap.setup` and :mod:`~overlapkit.overlap.adopt`), the facade
+users get back (:mod:`~overlapkit.overlap.facade`), the two public calls
+(:mod:`~overlapkit.overlap.techniques`) and the built-in plugin ``overlapkit.overlap``
+(:mod:`~overlapkit.overlap.plugin`).
 """
 
 from __future__ import annotations
 
-from overlapkit.overlap.ddp import DDPOverlapOptimizer, overlap_ddp
-from overlapkit.overlap.in_backward import OptimizerInBackward, optimizer_in_backward
+from overlapkit.overlap.ddp.optimizer import DDPOverlapOptimizer
+from overlapkit.overlap.in_backward.optimizer import OptimizerInBackward
+from overlapkit.overlap.techniques import optimizer_in_backward, overlap_ddp
 
 __all__ = ["DDPOverlapOptimizer", "OptimizerInBackward", "optimizer_in_backward", "overlap_ddp"]

@@ -9,9 +9,10 @@ callbacks and by LR schedulers built on it stay live, and its param groups and s
 the model's, trainable, reduced by DDP, not stepped by another technique, the class can
 be stepped part by part) run on its groups as for any other call.
 
-The set-up builds its optimizer as ``optim_cls(params, *args, **optim_kwargs)``;
-:func:`adopted` gives it a class resolved to the engine registered for the instance's
-class, whose construction returns the instance itself (``__init__`` is not run again).
+The set-up pass (:mod:`overlapkit.overlap.resolved`) records the instance as the
+optimizer to step (``ResolvedSetup.adopted``), its class (for the registered engine) and
+its own ``param_groups`` (the same dicts, so a scheduler built on it drives the
+overlapped steps); nothing builds another optimizer, and no class is generated.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from overlapkit.errors import ConfigurationError, UnsupportedOptimizerError
 from overlapkit.optimizer_wrapper import OptimizerWrapper
 
-__all__ = ["adopted", "check_adopted", "class_or_adopted", "is_instance"]
+__all__ = ["check_adoptable", "check_adopted", "is_instance"]
 
 
 def is_instance(optim: Any) -> bool:
@@ -32,23 +33,9 @@ def is_instance(optim: Any) -> bool:
     return isinstance(optim, (torch.optim.Optimizer, OptimizerWrapper))
 
 
-def _returning(optimizer: torch.optim.Optimizer) -> type[torch.optim.Optimizer]:
-    cls = type(optimizer)
-
-    def __new__(klass: type, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
-        return optimizer
-
-    return type(cls.__name__, (cls,), {
-        "__new__": __new__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-        "_overlapkit_adopts": optimizer,
-    })
-
-
-def adopted(optimizer: Any, args: Sequence[Any], optim_kwargs: Mapping[str, Any],
-            params: Any, technique: str) -> tuple[type[torch.optim.Optimizer], list[Any]]:
-    """The ``(optim_cls, params)`` with which ``technique``'s set-up steps
-    ``optimizer`` itself: its own param groups (the same dicts, so a scheduler built on
-    it drives the overlapped steps).
+def check_adoptable(optimizer: Any, args: Sequence[Any], optim_kwargs: Mapping[str, Any],
+                    params: Any, technique: str) -> None:
+    """Refuse what ``technique`` cannot do with the instance ``optimizer``.
 
     :raises UnsupportedOptimizerError: ``optimizer`` is already overlapped or wrapped by
         overlapkit.
@@ -86,16 +73,6 @@ def adopted(optimizer: Any, args: Sequence[Any], optim_kwargs: Mapping[str, Any]
             f"{technique} steps instead of once per step; remove them and do that work "
             "after optimizer.step() in the loop."
         )
-    return _returning(optimizer), optimizer.param_groups
-
-
-def class_or_adopted(optim: Any, args: Sequence[Any], optim_kwargs: Mapping[str, Any],
-                     params: Any, technique: str) -> tuple[type[torch.optim.Optimizer], Any]:
-    """``(optim, params)`` for an optimizer class (checked later, by the engine
-    registry), :func:`adopted` for an instance."""
-    if is_instance(optim):
-        return adopted(optim, args, optim_kwargs, params, technique)
-    return optim, params
 
 
 def check_adopted(built: torch.optim.Optimizer, optimizer: torch.optim.Optimizer) -> None:

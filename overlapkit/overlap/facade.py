@@ -19,14 +19,15 @@ import torch
 
 from overlapkit.errors import ConfigurationError, OverlapkitError
 from overlapkit.optimizer_wrapper import OptimizerWrapper
-from overlapkit.overlap.amp_scaler import (
+from overlapkit.overlap.core.engine import OverlapEngine
+from overlapkit.overlap.core.window import FirstWindow, plain_order_warning
+from overlapkit.overlap.rules.amp_scaler import (
     guard_param_groups,
     hand_inf_check,
     refuse_scaler_step,
 )
-from overlapkit.overlap.engine import OverlapEngine
-from overlapkit.overlap.global_step import GlobalStep, model_order
-from overlapkit.overlap.late_clipping import unwatch, watch
+from overlapkit.overlap.rules.global_step import GlobalStep, model_order
+from overlapkit.overlap.rules.late_clipping import unwatch, watch
 from overlapkit.overlap.setup import (
     check_unclaimed,
     claim_params,
@@ -34,7 +35,7 @@ from overlapkit.overlap.setup import (
     materialise_params,
     unclaim_params,
 )
-from overlapkit.overlap.window import (
+from overlapkit.overlap.core.window import (
     FirstWindow,
     end_first_window,
     refuse_changed_gradients,
@@ -45,7 +46,7 @@ __all__ = ["BackwardSteps", "OverlappedOptimizerFacade"]
 
 
 class BackwardSteps(Protocol):
-    """What steps during backward (a :class:`~overlapkit.overlap.step_accounting.StepAccount`):
+    """What steps during backward (a :class:`~overlapkit.overlap.core.step_accounting.StepAccount`):
     the facade reports ``step()`` and ``zero_grad()`` calls to it; ``register(params)``
     hooks parameters added later (``add_param_group``)."""
 
@@ -159,7 +160,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
             ``grad_scaler=``: its steps were taken during backward on the *scaled*
             gradients, with no inf check, and unscaling them now changes nothing
             (measured: 1.7e15 off plain DDP after 3 steps)
-            (:func:`~overlapkit.overlap.amp_scaler.refuse_scaler_step`).
+            (:func:`~overlapkit.overlap.rules.amp_scaler.refuse_scaler_step`).
         """
         rule = self._steps.full_step
         return refuse_scaler_step(self, self._technique,
@@ -179,7 +180,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """The real optimizer's groups. ``GradScaler.unscale_`` reading them is refused
-        (:func:`~overlapkit.overlap.amp_scaler.guard_param_groups`)."""
+        (:func:`~overlapkit.overlap.rules.amp_scaler.guard_param_groups`)."""
         rule = self._steps.full_step
         guard_param_groups(sys._getframe(1), self._technique,
                            None if rule is None else rule.grad_scaler)
@@ -194,7 +195,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         """Backwards inside step nothing: their gradients are reduced as usual (DDP's
         buckets, FSDP2's reduce-scatters) and kept in ``.grad``, and the next ``step()``
         is an ordinary full step of them, with the same clipping and loss-scaler rules
-        as a step in backward (:mod:`~overlapkit.overlap.global_step`) — the plain
+        as a step in backward (:mod:`~overlapkit.overlap.rules.global_step`) — the plain
         loop's step, bitwise.
 
         For a framework that must see a whole optimizer step's backwards before anything
@@ -214,7 +215,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
     def learn_first_step(self, model: torch.nn.Module | None = None,
                          accumulate: str | None = None) -> None:
         """Defer the first optimizer step, to see what the loop does between backward and
-        ``step()`` before anything steps (:mod:`~overlapkit.overlap.window`), then step
+        ``step()`` before anything steps (:mod:`~overlapkit.overlap.core.window`), then step
         during backward from the second step on — or, when the loop used that window
         (several backwards before ``step()``, a gradient changed), keep taking every
         step at ``step()`` in the plain order, with one warning.
@@ -237,7 +238,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
 
     def _end_first_window(self) -> bool:
         """At ``step()`` while :meth:`learn_first_step` defers
-        (:func:`~overlapkit.overlap.window.end_first_window`)."""
+        (:func:`~overlapkit.overlap.core.window.end_first_window`)."""
         return end_first_window(self._steps, getattr(self, "_names", {}),
                                 self._engine.parameters(), self._technique)
 
@@ -248,7 +249,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
     def second_backward_refusal(self, error: BaseException) -> OverlapkitError | None:
         """The ConfigurationError naming what to do for autograd's ``error`` from a second
         backward before ``step()`` through a kept graph this optimizer has stepped, or
-        None (:func:`~overlapkit.overlap.window.second_backward_refusal`): for an
+        None (:func:`~overlapkit.overlap.core.window.second_backward_refusal`): for an
         integration that runs the loop's backward (Accelerate's)."""
         return second_backward_refusal(self._steps, error)
 
@@ -258,7 +259,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         For a training framework that runs the backward itself and knows where (Lightning's
         strategy, :mod:`overlapkit.integrations.lightning`): an error the gate returns
         refuses that backward as the loop-shape checks refuse one
-        (:mod:`~overlapkit.overlap.step_accounting`) — nothing is stepped in it, every DDP
+        (:mod:`~overlapkit.overlap.core.step_accounting`) — nothing is stepped in it, every DDP
         bucket is still reduced, and the error is raised when it ends, on every rank.
         Backwards that step nothing (``no_sync()`` / ``no_step()``) do not ask it.
         """
@@ -285,7 +286,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         For a framework whose plain loop clips in another order: Lightning's precision
         plugins clip the optimizer's parameters group by group, and torch's total norm
         rounds differently in another order (last-bit differences, see
-        :mod:`~overlapkit.overlap.global_step`). Parameters not in ``params`` come after
+        :mod:`~overlapkit.overlap.rules.global_step`). Parameters not in ``params`` come after
         them, in the optimizer's order. No effect without norm clipping.
         """
         order = model_order(params)
@@ -311,12 +312,12 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         ``step()``: only ``no_sync()``/``no_step()`` backwards, or ``.grad`` set by
         hand) an ordinary step of every parameter with a gradient, as the plain
         optimizer would take, with the same clipping and loss-scaler rules as the steps
-        in backward (:func:`~overlapkit.overlap.global_step.step_rules`).
+        in backward (:func:`~overlapkit.overlap.rules.global_step.step_rules`).
 
         :raises ConfigurationError: a closure was passed; a ``GradScaler`` that was
             not passed as ``grad_scaler=`` calls it; it ends a window of several
             stepping backwards (gradient accumulation without ``no_sync()`` /
-            ``no_step()``, :mod:`overlapkit.overlap.step_accounting`).
+            ``no_step()``, :mod:`overlapkit.overlap.core.step_accounting`).
         """
         if closure is not None:
             raise ConfigurationError(
@@ -359,7 +360,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The real optimizer's ``zero_grad``. Also ends the optimizer iteration: the
-        next backward may step (see :mod:`overlapkit.overlap.step_accounting`)."""
+        next backward may step (see :mod:`overlapkit.overlap.core.step_accounting`)."""
         self._steps.zero_grad_called()
         self.synchronize()
         self._engine.zero_grad(set_to_none=set_to_none)

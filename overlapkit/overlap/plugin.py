@@ -1,7 +1,7 @@
 """Built-in plugin ``overlapkit.overlap``: the engine behind ``overlap_ddp`` and
 ``optimizer_in_backward`` for every ``torch.optim`` optimizer.
 
-It registers :class:`~overlapkit.overlap.generic.GenericOverlapEngine` for
+It registers :class:`~overlapkit.overlap.core.generic.GenericOverlapEngine` for
 ``torch.optim.Optimizer``, the root of the MRO walk, so it serves every optimizer class
 that no plugin serves more specifically.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from overlapkit.overlap.generic import GenericOverlapEngine
+from overlapkit.overlap.core.generic import GenericOverlapEngine
 from overlapkit.plugin.hookspecs import hookimpl
 from overlapkit.plugin.records import OptimizerRecord
 

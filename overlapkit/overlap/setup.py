@@ -1,10 +1,11 @@
-"""Set-up shared by the overlapped techniques: resolve the engine class, build the real
-optimizer, and claim its parameters.
+"""The steps of the set-up pass (:mod:`overlapkit.overlap.resolved`) shared by the
+overlapped techniques: resolve the engine class, materialise and check ``params``,
+build the real optimizer, and claim its parameters.
 
 Everything here runs once, when :func:`overlapkit.overlap_ddp` or
-:func:`overlapkit.optimizer_in_backward` is called, never per bucket or per step, and
-turns bad input into an :class:`~overlapkit.OverlapkitError` before any hook is
-registered.
+:func:`overlapkit.optimizer_in_backward` is called (or at ``add_param_group``), never
+per bucket or per step, and turns bad input into an :class:`~overlapkit.OverlapkitError`
+before any hook is registered.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from overlapkit.errors import (
     PluginValidationError,
     UnsupportedOptimizerError,
 )
-from overlapkit.overlap.engine import OverlapEngine
+from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.plugin.manager import get_plugin_manager
 
-__all__ = ["build_engine", "check_unclaimed", "claim_params", "flatten_params",
-           "materialise_params", "optimizer_probe", "resolve_overlapped_cls",
-           "unclaim_params"]
+__all__ = ["build_optimizer", "check_params_belong", "check_unclaimed", "claim_params",
+           "flatten_params", "materialise_params", "optimizer_probe",
+           "resolve_overlapped_cls", "unclaim_params"]
 
 # parameter -> the technique stepping it during backward. Weak keys: a parameter's
 # claim dies with it (and is never pickled with it, unlike a tensor attribute).
@@ -164,15 +165,14 @@ def check_params_belong(
     return tensors
 
 
-def build_engine(
-    overlapped_cls: type[OverlapEngine],
+def build_optimizer(
     optim_cls: type[torch.optim.Optimizer],
     params: Sequence[Any],
     args: Sequence[Any],
     optim_kwargs: Mapping[str, Any],
     technique: str,
-) -> OverlapEngine:
-    """``overlapped_cls(optim_cls(params, *args, **optim_kwargs))``.
+) -> torch.optim.Optimizer:
+    """``optim_cls(params, *args, **optim_kwargs)``.
 
     :raises ConfigurationError: the optimizer rejected its arguments.
     :raises UnsupportedOptimizerError: ``optim_cls(...)`` is not an optimizer.
@@ -192,7 +192,7 @@ def build_engine(
             f"{optim_cls.__qualname__}(...) did not return a torch.optim.Optimizer; "
             "pass an optimizer class."
         )
-    return overlapped_cls(optimizer)
+    return optimizer
 
 
 def _rejected_argument(optim_cls: type[torch.optim.Optimizer], params: Sequence[Any],

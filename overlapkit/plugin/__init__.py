@@ -49,8 +49,8 @@ if TYPE_CHECKING:  # imported lazily at run time (see _LAZY)
         average_in_place,
         parameters_to_average,
     )
-    from overlapkit.overlap.engine import OverlapEngine, OverlappedOptimizer, ParamGroup
-    from overlapkit.overlap.generic import GenericOverlapEngine
+    from overlapkit.overlap.core.engine import OverlapEngine, OverlappedOptimizer, ParamGroup
+    from overlapkit.overlap.core.generic import GenericOverlapEngine
     from overlapkit.plugin.manager import OverlapkitPluginManager
 
 __all__ = [
@@ -88,10 +88,10 @@ __all__ = [
 #: the base classes and helpers that live beside the technique they serve (and import
 #: torch): name -> module, imported on first use so loading the plugin manager stays light
 _LAZY = {
-    "OverlapEngine": "overlapkit.overlap.engine",
-    "OverlappedOptimizer": "overlapkit.overlap.engine",
-    "ParamGroup": "overlapkit.overlap.engine",
-    "GenericOverlapEngine": "overlapkit.overlap.generic",
+    "OverlapEngine": "overlapkit.overlap.core.engine",
+    "OverlappedOptimizer": "overlapkit.overlap.core.engine",
+    "ParamGroup": "overlapkit.overlap.core.engine",
+    "GenericOverlapEngine": "overlapkit.overlap.core.generic",
     "ModelAverager": "overlapkit.local_sgd.averagers",
     "PeriodicAverager": "overlapkit.local_sgd.averagers",
     "average_in_place": "overlapkit.local_sgd.averagers",

@@ -68,7 +68,7 @@ def _optimizer_class(instance: object, attribute: attrs.Attribute[Any], value: o
 
 
 def _an_engine_class(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    from overlapkit.overlap.engine import OverlapEngine  # the engine imports the records
+    from overlapkit.overlap.core.engine import OverlapEngine  # the engine imports the records
 
     if not (isinstance(value, type) and issubclass(value, OverlapEngine)):
         raise TypeError(

@@ -217,7 +217,7 @@ class Registry:
         raise UnsupportedOptimizerError(
             f"no plugin provides an overlapped implementation for {optim_cls.__qualname__} "
             "or any of its base classes; install or unblock a plugin that does "
-            "(the built-in 'overlapkit.overlap.ddp' serves every torch.optim.Optimizer)."
+            "(the built-in 'overlapkit.overlap' serves every torch.optim.Optimizer)."
         )
 
     def comm_hook(self, name: str) -> CommHookRecord:

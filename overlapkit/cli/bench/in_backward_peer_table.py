@@ -38,8 +38,8 @@ PEERS: dict[str, Peer] = {
 #: variant -> (module its set-up imports, its loop calls step() and zero_grad())
 VARIANTS: dict[str, tuple[str | None, bool]] = {
     "plain": (None, True),
-    "overlapkit_backward_only": ("overlapkit.overlap.in_backward", False),
-    "overlapkit_step_zero_grad": ("overlapkit.overlap.in_backward", True),
+    "overlapkit_backward_only": ("overlapkit.overlap.techniques", False),
+    "overlapkit_step_zero_grad": ("overlapkit.overlap.techniques", True),
     "torchtune": (PEERS["torchtune"].module, False),
     "torchtitan": (PEERS["torchtitan"].module, True),
 }

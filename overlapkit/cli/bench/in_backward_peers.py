@@ -28,7 +28,7 @@ under a load of 10 on 2 cores: 192 ms of wall time for 73 ms of CPU time).
 **Memory**: a fresh process per variant, model and round (the optimizer state must be
 created for the measurement), with glibc's mmap threshold pinned as in the rest of this
 benchmark. After the model is built: ``import_mib`` is what importing the variant's
-module adds to the RSS (overlapkit's ``overlapkit.overlap.in_backward``, the peers'
+module adds to the RSS (overlapkit's ``overlapkit.overlap.techniques``, the peers'
 modules above), ``setup_mib`` what setting the optimizer up adds (overlapkit's plugin
 discovery included), and ``peak_above_setup_mib`` the peak RSS of the training steps
 above the RSS after set-up (``VmHWM`` restarted there, :func:`reset_peak_rss`).
@@ -83,7 +83,7 @@ def _set_up(variant: str, model: nn.Module) -> Any:
     if variant == "plain":
         return torch.optim.AdamW(model.parameters(), lr=LR)
     if variant.startswith("overlapkit"):
-        from overlapkit.overlap.in_backward import optimizer_in_backward
+        from overlapkit.overlap.techniques import optimizer_in_backward
 
         return optimizer_in_backward(model, torch.optim.AdamW, lr=LR)
     # imported by name: neither is a dependency, and neither ships type information

@@ -33,7 +33,7 @@ and runs later raises autograd's "modified by an inplace operation" error on eve
 as it would without sharding, instead of reading a value half received.
 
 *On an accelerator* every exchange runs on the side stream of the steps
-(:mod:`overlapkit.overlap.side_stream`): the broadcast is issued from the side stream
+(:mod:`overlapkit.overlap.core.side_stream`): the broadcast is issued from the side stream
 right after the bucket's step (NCCL's stream then waits for that step, not for the
 compute stream), buffers are allocated and copied out on it, and the compute stream
 waits for it before the next forward, as for the steps themselves.
@@ -56,8 +56,8 @@ import torch.distributed as dist
 from overlapkit.errors import ExchangeFailedError
 from overlapkit.nodes.failed_collective import collective_failure, group_timeout
 from overlapkit.nodes.lost_ranks import watch
+from overlapkit.overlap.core.side_stream import SideStream
 from overlapkit.overlap.sharded.ownership import Ownership
-from overlapkit.overlap.side_stream import SideStream
 
 __all__ = ["DIRECT_BYTES", "ExchangeFailedError", "ParameterExchange", "Traffic", "Transfer",
            "exchange_group", "group_timeout"]

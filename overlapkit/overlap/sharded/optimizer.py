@@ -26,10 +26,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.errors import ConfigurationError
-from overlapkit.overlap.ddp_setup import check_params_in_ddp_model, ddp_params
-from overlapkit.overlap.engine import OverlapEngine
+from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.overlap.facade import OverlappedOptimizerFacade
-from overlapkit.overlap.late_clipping import watch
+from overlapkit.overlap.resolved import ModelFacts
+from overlapkit.overlap.rules.late_clipping import watch
 from overlapkit.overlap.setup import (
     check_unclaimed,
     claim_params,
@@ -108,12 +108,12 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
     """
 
     def __init__(self, engine: OverlapEngine, stepper: ShardedBucketStepper,
-                 model: DistributedDataParallel, ownership: Ownership,
-                 policy: ShardingPolicy) -> None:
-        super().__init__(engine, stepper, TECHNIQUE,
-                         lambda groups: check_params_in_ddp_model(model, groups))
+                 model: ModelFacts, ownership: Ownership, policy: ShardingPolicy) -> None:
+        super().__init__(engine, stepper, TECHNIQUE, model.check_params_now)
         self._stepper = stepper
-        self._model = model
+        self._facts = model
+        assert isinstance(model.model, DistributedDataParallel)
+        self._model = model.model
         self._ownership = ownership
         self._policy = policy
         self._consolidated: _Consolidated | None = None
@@ -275,16 +275,15 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         ranks, balanced against what each rank owns already. Call it on every rank (the
         ranks check that they agree: a collective)."""
         (group,) = materialise_params([param_group])
-        if self._check_params is not None:
-            self._check_params([group])
+        facts = self._facts.now()
+        facts.check_params([group])
         engine = self._engine
         params = flatten_params([group])
         known = {id(p) for p in engine.parameters()}
         # parameters the optimizer holds already are left to its own error
         check_unclaimed([p for p in params if id(p) not in known], self._technique)
         ownership = self._ownership
-        names = {id(p): n for n, p in self._model.module.named_parameters()}
-        slots = slots_of(params, [len(engine.param_groups)] * len(params), names,
+        slots = slots_of(params, [len(engine.param_groups)] * len(params), facts.names,
                          start=len(ownership.params))
         owners = assign_owners(self._policy, slots, ownership.world_size,
                                ownership.loads(), self._model.process_group)
@@ -294,9 +293,8 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         engine.step_only(ownership.mine())
         drop_state_outside_share(engine.optimizer, ownership)
         self._ownership = ownership
-        reduced = {id(p) for p in ddp_params(self._model)}
         self._stepper.exchange.set_ownership(
-            ownership, {id(p) for p in ownership.params if id(p) in reduced})
+            ownership, {id(p) for p in ownership.params if id(p) in facts.reduced})
         self._steps.register(params)
         claim_params(params, self._technique)
         # a torch clip after a stepping backward is answered or refused for these too

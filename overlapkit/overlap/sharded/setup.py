@@ -12,7 +12,7 @@ differently on different ranks.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,12 +20,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.errors import ConfigurationError, UnsupportedOptimizerError
-from overlapkit.overlap.clipping import GradClipping
-from overlapkit.overlap.ddp_setup import check_params_in_ddp_model, ddp_params, set_up_on_ddp
-from overlapkit.overlap.engine import OverlapEngine
-from overlapkit.overlap.setup import materialise_params, optimizer_probe
+from overlapkit.overlap.ddp.setup import set_up_on_ddp
+from overlapkit.overlap.resolved import ResolvedSetup
+from overlapkit.overlap.rules.clipping import GradClipping
 from overlapkit.overlap.sharded.exchange import ParameterExchange, exchange_group
-from overlapkit.overlap.sharded.optimizer import TECHNIQUE, ShardedOverlapOptimizer
+from overlapkit.overlap.sharded.optimizer import ShardedOverlapOptimizer
 from overlapkit.overlap.sharded.ownership import (
     Ownership,
     ShardingPolicy,
@@ -127,8 +126,8 @@ def check_shardable(optim_cls: type[torch.optim.Optimizer], args: Sequence[Any],
             )
 
 
-def _refuse_options(model: DistributedDataParallel, step_thread: str,
-                    clipping: GradClipping) -> None:
+def _refuse_options(step_thread: str, clipping: GradClipping, *,
+                    find_unused_parameters: bool) -> None:
     """:raises ConfigurationError: options sharded optimizer state cannot honour."""
     if clipping.norm is not None and clipping.scope == "bucket":
         raise ConfigurationError(
@@ -147,7 +146,7 @@ def _refuse_options(model: DistributedDataParallel, step_thread: str,
             "communication threads (several, concurrently) do not give. Use "
             "step_thread='backward' (the default)."
         )
-    if model.find_unused_parameters:
+    if find_unused_parameters:
         raise ConfigurationError(
             "shard_optimizer_state cannot be used with a DDP model built with "
             "find_unused_parameters=True: which parameters each rank steps in a bucket "
@@ -159,58 +158,30 @@ def _refuse_options(model: DistributedDataParallel, step_thread: str,
         )
 
 
-def _groups_of(params: Sequence[Any]) -> tuple[list[torch.Tensor], list[int]]:
-    """The parameters of ``params`` in the optimizer's order, and each one's group."""
-    flat: list[torch.Tensor] = []
-    groups: list[int] = []
-    if params and all(isinstance(item, Mapping) for item in params):
-        for index, item in enumerate(params):
-            inner = item["params"]
-            inner = [inner] if isinstance(inner, torch.Tensor) else list(inner)
-            flat += inner
-            groups += [index] * len(inner)
-    else:
-        flat = list(params)
-        groups = [0] * len(flat)
-    return flat, groups
+def _groups_of(optimizer: torch.optim.Optimizer) -> list[int]:
+    """The param group of each of ``optimizer``'s parameters, group by group."""
+    return [index for index, group in enumerate(optimizer.param_groups)
+            for _ in group["params"]]
 
 
-def shard_on_ddp(
-    model: DistributedDataParallel,
-    overlapped_cls: type[OverlapEngine],
-    optim_cls: type[torch.optim.Optimizer],
-    args: tuple[Any, ...],
-    optim_kwargs: dict[str, Any],
-    params: Iterable[Any] | None,
-    comm_hook: str,
-    comm_hook_options: Mapping[str, Any] | None,
-    clipping: GradClipping,
-    *,
-    policy: ShardingPolicy,
-    step_thread: str,
-    grad_scaler: Any | None,
-) -> ShardedOverlapOptimizer:
+def shard_on_ddp(setup: ResolvedSetup) -> ShardedOverlapOptimizer:
     """``overlap_ddp``'s set-up with sharded optimizer state (see
-    :func:`overlapkit.overlap_ddp`): checks, ownership, then the comm hook."""
-    _refuse_options(model, step_thread, clipping)
-    if params is None:
-        params = ddp_params(model)
-    else:
-        params = materialise_params(params, optimizer_probe(optim_cls, args, optim_kwargs))
-        check_params_in_ddp_model(model, params)
-    params = list(params)
-    check_shardable(optim_cls, args, optim_kwargs, params)
-    flat, groups = _groups_of(params)
+    :func:`overlapkit.overlap_ddp`), after its common checks
+    (:func:`~overlapkit.overlap.ddp.setup.check_on_ddp`): what sharding refuses, then
+    the owners (a collective, once every rank has passed its checks), then the build:
+    the comm hook with the sharded stepper, this rank's share, the exchange."""
+    model = setup.model.model
+    assert isinstance(model, DistributedDataParallel) and setup.policy is not None
+    _refuse_options(setup.step_thread, setup.clipping,
+                    find_unused_parameters=bool(model.find_unused_parameters))
+    check_shardable(setup.optim_cls, setup.args, setup.optim_kwargs, setup.params)
+    flat = setup.stepped
     group = model.process_group
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-    names = {id(p): name for name, p in model.module.named_parameters()}
-    owners = assign_owners(policy, slots_of(flat, groups, names), world_size,
-                           [0] * world_size, group)
-    engine, stepper = set_up_on_ddp(
-        model, overlapped_cls, optim_cls, args, optim_kwargs, params, comm_hook,
-        comm_hook_options, clipping, TECHNIQUE, step_thread=step_thread,
-        with_side_stream=True, grad_scaler=grad_scaler, stepper_cls=ShardedBucketStepper,
-    )
+    owners = assign_owners(setup.policy, slots_of(flat, _groups_of(setup.optimizer),
+                                                  setup.model.names),
+                           world_size, [0] * world_size, group)
+    engine, stepper = set_up_on_ddp(setup, stepper_cls=ShardedBucketStepper)
     assert isinstance(stepper, ShardedBucketStepper)
     held = engine.parameters()
     if len(held) != len(flat) or any(a is not b for a, b in zip(held, flat, strict=True)):
@@ -218,12 +189,11 @@ def shard_on_ddp(
     ownership = Ownership(held, owners, rank, world_size)
     engine.step_only(ownership.mine())
     drop_state_outside_share(engine.optimizer, ownership)
-    reduced = {id(p) for p in ddp_params(model)}
     stepper.attach(ParameterExchange(
-        ownership, {id(p) for p in held if id(p) in reduced},
+        ownership, {id(p) for p in held if id(p) in setup.model.reduced},
         exchange_group(group, world_size), stepper.side_stream,
         cap_bytes=int(model.bucket_bytes_cap)))
     # DDP's own forward pre-hook waits (stepper.before_forward); this one covers a call
     # of the wrapped module itself (ddp_model.module(x))
     model.module.register_forward_pre_hook(lambda module, inputs: stepper.wait_for_parameters())
-    return ShardedOverlapOptimizer(engine, stepper, model, ownership, policy)
+    return ShardedOverlapOptimizer(engine, stepper, setup.model, ownership, setup.policy)

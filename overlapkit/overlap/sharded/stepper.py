@@ -2,7 +2,7 @@
 its reduction completes, then the bucket's updated parameters exchanged, every update
 landed when ``backward()`` returns.
 
-:class:`ShardedBucketStepper` is :class:`~overlapkit.overlap.bucket_stepper.BucketStepper`
+:class:`ShardedBucketStepper` is :class:`~overlapkit.overlap.ddp.bucket_stepper.BucketStepper`
 (the engine steps only this rank's share: ``OverlapEngine.step_only``) plus the
 :class:`~overlapkit.overlap.sharded.exchange.ParameterExchange`: after each bucket's
 step, on every rank, in bucket order, the bucket's parameters are broadcast from their
@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from overlapkit.errors import ConfigurationError, OverlapkitError
-from overlapkit.overlap.backward_scope import OUTSIDE
-from overlapkit.overlap.bucket_stepper import BucketStepper
+from overlapkit.overlap.core.backward_scope import OUTSIDE
+from overlapkit.overlap.ddp.bucket_stepper import BucketStepper
 from overlapkit.overlap.sharded.exchange import ParameterExchange
 
 __all__ = ["ShardedBucketStepper", "join_refusal"]
@@ -84,7 +84,7 @@ class ShardedBucketStepper(BucketStepper):
     def _step_bucket(self, bucket: dist.GradBucket,
                      future: torch.futures.Future[Any]) -> torch.Tensor:
         buffer = super()._step_bucket(bucket, future)
-        if self.per_bucket and self._comm_error is None:
+        if self.per_bucket and self.reduction_error is None:
             # On every rank, whether or not it owns anything here, and whether or not
             # the step raised (it is raised at the end of backward): the broadcasts
             # must match across ranks. On the steps' side stream, right after them.
@@ -96,18 +96,16 @@ class ShardedBucketStepper(BucketStepper):
                 self.exchange.launch_bucket(bucket.index(), bucket.parameters())
         return buffer
 
-    def _note_comm_error(self, error: BaseException, bucket: int | None) -> None:
-        """A failed reduction also fails the exchange: the parameters are not all their
-        owners' now, so every later wait for them (the next forward, ``step()``, the
-        state dicts) raises it too, instead of going on with them."""
-        super()._note_comm_error(error, bucket)
-        if self.exchange.failure is None:
-            self.exchange.failure = self._comm_error
-
     def comm_failure(self) -> BaseException | None:
         """The failed reduction of this backward, else a failed broadcast of the
-        exchange (kept by :meth:`ParameterExchange.poll`, which runs in the hook)."""
-        return super().comm_failure() or self.exchange.failure
+        exchange (kept by :meth:`ParameterExchange.poll`, which runs in the hook). A
+        failed reduction fails the exchange too: the parameters are not all their
+        owners' now, so every later wait for them (the next forward, ``step()``, the
+        state dicts) raises it, instead of going on with them."""
+        failed = super().comm_failure() or self.exchange.failure
+        if self.exchange.failure is None:
+            self.exchange.failure = failed
+        return failed
 
     def _clamp_the_others(self, bucket: dist.GradBucket, buffer: torch.Tensor,
                           value: float) -> None:

@@ -3,7 +3,7 @@ between backward and ``optimizer.step()`` (issue 30, cases 5 and 6). 0.3: Accele
 manual accumulation got a ``ConfigurationError`` at ``step()`` after 2 steps were taken;
 gradient noise was silently ignored by ``overlap_ddp`` on 2 ranks (0.036-0.049 off) and
 gave a raw ``AttributeError`` under ``optimizer_in_backward`` after a step. Now the first
-step is deferred to learn the loop (``overlapkit.overlap.window``), and such a loop
+step is deferred to learn the loop (``overlapkit.overlap.core.window``), and such a loop
 takes every step in the plain order: bitwise the plain Accelerate run (parameters,
 optimizer state, clip norms), with one warning, on one process and on 2 gloo ranks,
 with both techniques."""

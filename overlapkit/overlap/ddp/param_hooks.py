@@ -1,7 +1,7 @@
 """What the DDP techniques hook on the parameters of a DDP model, beside the comm hook:
 the early freeing of local gradients (``optimizer_in_backward`` with
 ``gradient_as_bucket_view=False``), and the refusal of a parameter that was frozen when
-DDP was built and has been unfrozen since (:class:`~overlapkit.overlap.bucket_stepper.
+DDP was built and has been unfrozen since (:class:`~overlapkit.overlap.ddp.bucket_stepper.
 BucketStepper` runs it before each forward). Usage tracking
 (``find_unused_parameters``) stays with the stepper, whose state it fills.
 """

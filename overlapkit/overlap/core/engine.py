@@ -6,7 +6,7 @@ during backward) whenever asked, from whichever thread asks. Everything that is 
 step (``param_groups``, ``state``, ``state_dict()``, LR schedulers) stays the real
 optimizer's, so checkpoints have the plain optimizer's format.
 
-The generic implementation, registered by the built-in plugin ``overlapkit.overlap.ddp``
+The generic implementation, registered by the built-in plugin ``overlapkit.overlap``
 for ``torch.optim.Optimizer``, serves every optimizer class. A plugin registers a faster
 one for its own optimizer class (most specific class in the MRO wins) by subclassing
 :class:`OverlapEngine` and implementing :meth:`OverlapEngine.step_groups`::

@@ -41,8 +41,8 @@ from collections.abc import Callable, Iterable
 import torch
 
 from overlapkit.errors import ConfigurationError, OverlapkitError
-from overlapkit.overlap.foreign_loop import foreign_trainer_refusal
-from overlapkit.overlap.window import FirstWindow
+from overlapkit.overlap.core.foreign_loop import foreign_trainer_refusal
+from overlapkit.overlap.core.window import FirstWindow
 
 __all__ = ["StepAccount", "accumulation_error", "backward_without_step_error"]
 

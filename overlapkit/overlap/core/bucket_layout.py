@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 import torch
 
-from overlapkit.overlap.engine import OverlapEngine, StepPlan
+from overlapkit.overlap.core.engine import OverlapEngine, StepPlan
 
 __all__ = ["BucketLayout", "BucketLayouts", "bucket_gradient_views"]
 
@@ -71,7 +71,7 @@ class BucketLayout:
     :param version: the engine's ``layout_version`` then.
     :param owned: the bucket's parameters the engine owns, in bucket order.
     :param views: their gradients, as views of ``buffer``.
-    :param plan: the engine's :class:`~overlapkit.overlap.engine.StepPlan` of ``owned``.
+    :param plan: the engine's :class:`~overlapkit.overlap.core.engine.StepPlan` of ``owned``.
     :param others: the gradients, as views of ``buffer``, of the bucket's parameters
         the optimizer holds but another rank steps (sharded state; else empty).
     """

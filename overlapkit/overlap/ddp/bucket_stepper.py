@@ -1,7 +1,7 @@
 """The DDP comm hook that steps each gradient bucket once its reduction completes.
 
 Shared by :func:`overlapkit.overlap_ddp` and :func:`overlapkit.optimizer_in_backward`
-(for a DDP model): :mod:`overlapkit.overlap.ddp_setup` checks the model and registers
+(for a DDP model): :mod:`overlapkit.overlap.ddp.setup` checks the model and registers
 :func:`overlapped_comm_hook` with a :class:`BucketStepper` as its state. This module is
 what runs per bucket during backward; nothing here runs at set-up.
 """
@@ -18,15 +18,14 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
-from overlapkit.nodes.failed_collective import collective_failure
-from overlapkit.overlap.backward_scope import NEW, OUTSIDE, BackwardScope
-from overlapkit.overlap.bucket_layout import BucketLayouts, bucket_gradient_views
-from overlapkit.overlap.clipping import GradClipping
-from overlapkit.overlap.ddp_param_hooks import free_local_grads_once_bucketed, refuse_unfrozen
-from overlapkit.overlap.engine import OverlapEngine, StepPlan
-from overlapkit.overlap.global_step import GlobalStep
-from overlapkit.overlap.side_stream import SideStream
-from overlapkit.overlap.step_accounting import StepAccount
+from overlapkit.overlap.core.backward_scope import NEW, OUTSIDE, BackwardScope
+from overlapkit.overlap.core.bucket_layout import BucketLayouts, bucket_gradient_views
+from overlapkit.overlap.core.engine import OverlapEngine, StepPlan
+from overlapkit.overlap.core.side_stream import SideStream
+from overlapkit.overlap.ddp.failed_reductions import FailedReductions
+from overlapkit.overlap.ddp.param_hooks import free_local_grads_once_bucketed, refuse_unfrozen
+from overlapkit.overlap.rules.clipping import GradClipping
+from overlapkit.overlap.rules.global_step import GlobalStep
 
 __all__ = ["STEP_THREADS", "BucketStepper", "bucket_gradient_views", "overlapped_comm_hook"]
 
@@ -37,7 +36,7 @@ _INLINE = nullcontext()
 STEP_THREADS = ("backward", "comm")
 
 
-class BucketStepper(StepAccount):
+class BucketStepper(FailedReductions):
     """The state of the registered comm hook: runs the inner hook, then steps.
 
     ``step_thread="backward"``: a bucket whose reduction has completed is stepped on
@@ -112,14 +111,6 @@ class BucketStepper(StepAccount):
         self._pending: deque[tuple[dist.GradBucket, torch.futures.Future[Any]]] = deque()
         #: the first error a step raised during this backward; raised when it ends
         self._step_error: BaseException | None = None
-        #: the first reduction of this backward that failed (a peer stalled or is
-        #: gone), as an overlapkit error: raised at the end of backward, before DDP's
-        #: finalize would raise the transport's own (see _step_bucket)
-        self._comm_error: BaseException | None = None
-        #: the futures DDP waits for in its finalize that no drain waits for (global
-        #: steps, deferred steps, step_thread="comm"): waited for first, at the end of
-        #: backward, so that a failed one is reported as above
-        self._reducing: list[torch.futures.Future[Any]] = []
         #: note each bucket's parameters until DDP has rebuilt its buckets (set at
         #: set-up where DDP will rebuild them), for checkpoints: see rebuilt_layout
         self.recording_layout = False
@@ -149,8 +140,6 @@ class BucketStepper(StepAccount):
         if entered == NEW:
             # buckets of a backward that raised before its end are not stepped
             self._pending.clear()
-            self._reducing.clear()
-            self._comm_error = None
             # a second stepping backward with no step() in between, in a loop that
             # calls step(), is refused: nothing is stepped in it, every bucket is still
             # reduced (step_accounting). The scope queued _before_finalize for its end:
@@ -163,12 +152,9 @@ class BucketStepper(StepAccount):
         if self.global_step is not None or self.deferring:
             # reduced now; stepped with every other after finalize, or (defer_steps())
             # left in .grad by DDP's finalize for step()'s full step
-            self._reducing.append(future)
-            return future
+            return self.keep(future)
         if self.step_thread == "comm":
-            stepped = future.then(lambda fut: self._step_bucket(bucket, fut))
-            self._reducing.append(stepped)
-            return stepped
+            return self.keep(future.then(lambda fut: self._step_bucket(bucket, fut)))
         self._pending.append((bucket, future))
         self._drain(wait=False)
         return future
@@ -184,50 +170,12 @@ class BucketStepper(StepAccount):
 
     def _before_finalize(self) -> None:
         self._drain(wait=True)
-        self._wait_reducing()
-        failed = self.comm_failure()
-        if failed is not None:
-            # Raised here, in an autograd final callback (the caller gets this very
-            # exception), and before DDP's finalize, which would raise the transport's
-            # error as a bare RuntimeError (measured, torch 2.13).
-            self._comm_error = None
-            self._pending.clear()
-            self.used.clear()
-            self.backward_refused()
-            raise failed
+        self.raise_failed_reduction()  # a reduction failed: raised here (failed_reductions)
         # Before DDP's finalize, which copies the buckets back into .grad on the
         # compute stream: those copies must come after the side stream's steps read
         # (and clipping rewrote) the bucket memory.
         self.synchronize()
         Variable._execution_engine.queue_callback(self._after_backward)
-
-    def _wait_reducing(self) -> None:
-        reducing, self._reducing = self._reducing, []
-        for future in reducing:
-            try:
-                future.wait()  # DDP's finalize waits for it next, on this stream too
-            except Exception as error:
-                self._note_comm_error(error, None)
-
-    def _note_comm_error(self, error: BaseException, bucket: int | None) -> None:
-        """Keep the first failed reduction of this backward, as an overlapkit error
-        where a peer failed (:mod:`overlapkit.nodes.failed_collective`)."""
-        if self._comm_error is not None:
-            return
-        what = ("reducing gradient bucket " + (f"{bucket} " if bucket is not None else "")
-                + f"(DDP comm hook of {self.technique})")
-        self._comm_error = collective_failure(error, what, self._reduction_group()) or error
-
-    def _reduction_group(self) -> Any:
-        """The process group the inner hook reduces over, for the error's timeout:
-        torch's and overlapkit's hooks take it (or a state holding it) as their state,
-        None for the default group."""
-        group = getattr(self.inner_state, "process_group", self.inner_state)
-        return dist.group.WORLD if group is None else group
-
-    def comm_failure(self) -> BaseException | None:
-        """The first failed collective of this backward, if any (raised at its end)."""
-        return self._comm_error
 
     def synchronize(self) -> None:
         """Make the compute stream wait for every step enqueued so far (no-op inline)."""
@@ -323,7 +271,7 @@ class BucketStepper(StepAccount):
           rank's local gradient;
         - in a loop that has not called ``step()`` or ``zero_grad()`` after its last
           stepping backward (the backward-only loops of
-          :mod:`~overlapkit.overlap.step_accounting`), clear the gradients that
+          :mod:`~overlapkit.overlap.core.step_accounting`), clear the gradients that
           backward stepped, as the plain loop's ``zero_grad()`` would: the next backward
           would accumulate onto them, and DDP would reduce the sum.
         """
@@ -385,23 +333,12 @@ class BucketStepper(StepAccount):
         buckets after it are reduced but not stepped. Raising here, inside DDP's comm
         hook, would abort backward on this rank after some reductions only, while the
         other ranks launch a different number: every later collective would hang.
-
-        A reduction that failed (a peer stalled past the group's timeout, or is gone)
-        is kept too, as an overlapkit error, and raised when backward ends, before
-        DDP's finalize: raised in the hook, it reached the caller as torch's bare
-        ``RuntimeError`` ("Got the following error when running the callback").
-        Nothing is stepped after it.
         """
         # On the side stream, as PyTorch's own optimizer-overlap hook does: waiting for
         # an NCCL future makes the *current* stream wait for the allreduce, and only
         # the side stream may (the compute stream goes on with backward).
         with self._on_side_stream(bucket):
-            if self._comm_error is not None:  # the group has failed: nothing to wait for
-                return bucket.buffer()
-            try:
-                future.wait()
-            except Exception as error:  # a peer stalled or is gone: raised at the end
-                self._note_comm_error(error, bucket.index())
+            if not self.reduced(future, bucket.index()):  # raised when backward ends
                 return bucket.buffer()
             if self._step_error is not None:
                 return self._reduced_buffer(bucket, future)

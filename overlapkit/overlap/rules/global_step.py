@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 
 from overlapkit.errors import ConfigurationError
-from overlapkit.overlap.clipping import GradClipping
-from overlapkit.overlap.engine import OverlapEngine
-from overlapkit.overlap.late_clipping import (
+from overlapkit.overlap.core.engine import OverlapEngine
+from overlapkit.overlap.rules.clipping import GradClipping
+from overlapkit.overlap.rules.late_clipping import (
     unguarded_clip_grad_norm_,
     unguarded_clip_grad_value_,
 )
@@ -108,7 +108,7 @@ class GlobalStep:
         self.found_inf_per_device: dict[torch.device, torch.Tensor] = {}
         #: the total norm the last :meth:`step` clipped with (what torch's
         #: ``clip_grad_norm_`` returned), and the parameters it clipped; read by
-        #: :mod:`~overlapkit.overlap.late_clipping` to answer the same clip asked after
+        #: :mod:`~overlapkit.overlap.rules.late_clipping` to answer the same clip asked after
         #: backward. None / empty when it clipped nothing by norm.
         self.last_norm: torch.Tensor | None = None
         self.last_clipped: list[torch.Tensor] = []

@@ -1,7 +1,7 @@
 """How a ``torch.amp.GradScaler`` meets an optimizer whose steps happen during backward.
 
 With ``grad_scaler=`` the gradients are unscaled, checked for infs and stepped (or the
-step skipped) at the end of backward (:mod:`overlapkit.overlap.global_step`); the
+step skipped) at the end of backward (:mod:`overlapkit.overlap.rules.global_step`); the
 user's ``scaler.step(opt)`` then only hands the scaler the inf check, which
 ``scaler.update()`` reads. Everything else is refused with a clear error before it
 changes anything:

@@ -11,11 +11,11 @@ method), then ``_single_tensor_adam`` / ``_single_tensor_sgd`` with the group's
 hyperparameters, then (SGD) the momentum buffers written back into the state — so the
 arithmetic, the state and the result are those of ``step()``, bitwise. Measured on
 torch 2.13, CPU, 1 rank, 400 one-parameter buckets (thread CPU time): 8 us less per
-bucket than the unwrapped ``step()`` of :mod:`overlapkit.overlap.direct_step`.
+bucket than the unwrapped ``step()`` of :mod:`overlapkit.overlap.core.direct_step`.
 
 Only where that loop body *is* what ``step()`` would run: the exact torch class (a
 subclass may override ``step``), the same conditions as
-:func:`~overlapkit.overlap.direct_step.unwrapped_step` (no step hook, no profiler, no
+:func:`~overlapkit.overlap.core.direct_step.unwrapped_step` (no step hook, no profiler, no
 ``step`` patched on the instance), no ``GradScaler`` attributes (``grad_scale``,
 ``found_inf``), not compiling, and for each group: not ``differentiable``, not
 ``capturable``, not ``fused``, and ``foreach`` resolving, as ``adam()`` / ``sgd()``
@@ -37,7 +37,7 @@ from torch.optim import adam as torch_adam
 from torch.optim import optimizer as torch_optimizer
 from torch.optim import sgd as torch_sgd
 
-from overlapkit.overlap.direct_step import unwrapped_step
+from overlapkit.overlap.core.direct_step import unwrapped_step
 
 __all__ = ["FUNCTIONAL_STEPS", "step_functionally"]
 

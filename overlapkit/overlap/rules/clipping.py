@@ -3,7 +3,7 @@
 Clamping by value is elementwise, so it is exactly ``clip_grad_value_`` whenever it is
 applied. Clipping by norm is a global decision — the total norm of every gradient
 scales each one — so by default (``scope="global"``) the steps wait for the end of
-backward (:mod:`overlapkit.overlap.global_step`) and the result is
+backward (:mod:`overlapkit.overlap.rules.global_step`) and the result is
 ``torch.nn.utils.clip_grad_norm_(params, max_norm)`` before ``step()``, bitwise.
 ``scope="bucket"`` keeps 0.1's behaviour: each part (a DDP bucket, a parameter) is
 clipped by its own norm and stepped as soon as it is reduced.
@@ -17,7 +17,7 @@ import attrs
 import torch
 
 from overlapkit.errors import ConfigurationError
-from overlapkit.overlap.late_clipping import (
+from overlapkit.overlap.rules.late_clipping import (
     unguarded_clip_grad_norm_,
     unguarded_clip_grad_value_,
 )

@@ -22,12 +22,12 @@ from collections.abc import Iterable
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from overlapkit.overlap.backward_scope import NEW, OUTSIDE, BackwardScope
-from overlapkit.overlap.clipping import GradClipping
-from overlapkit.overlap.engine import OverlapEngine, StepPlan
-from overlapkit.overlap.global_step import GlobalStep
-from overlapkit.overlap.side_stream import SideStream
-from overlapkit.overlap.step_accounting import StepAccount
+from overlapkit.overlap.core.backward_scope import NEW, OUTSIDE, BackwardScope
+from overlapkit.overlap.core.engine import OverlapEngine, StepPlan
+from overlapkit.overlap.core.side_stream import SideStream
+from overlapkit.overlap.core.step_accounting import StepAccount
+from overlapkit.overlap.rules.clipping import GradClipping
+from overlapkit.overlap.rules.global_step import GlobalStep
 
 __all__ = ["ParamStepper"]
 

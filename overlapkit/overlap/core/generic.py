@@ -15,9 +15,9 @@ from operator import is_
 
 import torch
 
-from overlapkit.overlap.direct_step import step_optimizer
-from overlapkit.overlap.engine import OverlapEngine, ParamGroup
-from overlapkit.overlap.functional_step import step_functionally
+from overlapkit.overlap.core.direct_step import step_optimizer
+from overlapkit.overlap.core.engine import OverlapEngine, ParamGroup
+from overlapkit.overlap.core.functional_step import step_functionally
 
 __all__ = ["GenericOverlapEngine"]
 
@@ -37,9 +37,9 @@ class GenericOverlapEngine(OverlapEngine):
 
     Optimizer step hooks (``register_step_pre_hook``) run once per subset stepped.
     Without any hook (and no profiler running) ``step()`` is called past torch's
-    hook-and-profiler wrapper (:mod:`overlapkit.overlap.direct_step`), and ``Adam``,
+    hook-and-profiler wrapper (:mod:`overlapkit.overlap.core.direct_step`), and ``Adam``,
     ``AdamW`` and ``SGD`` run ``step()``'s own loop body on the subset directly
-    (:mod:`overlapkit.overlap.functional_step`): the same arithmetic, less Python.
+    (:mod:`overlapkit.overlap.core.functional_step`): the same arithmetic, less Python.
     """
 
     def step_groups(self, groups: Sequence[tuple[ParamGroup, list[torch.Tensor]]]) -> None:

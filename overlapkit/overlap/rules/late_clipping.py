@@ -49,7 +49,7 @@ import torch.nn.utils.clip_grad as torch_clip_grad
 from torch.utils.weak import WeakIdKeyDictionary
 
 from overlapkit.errors import ConfigurationError
-from overlapkit.overlap.window import quiet_reads, state
+from overlapkit.overlap.core.window import quiet_reads, state
 
 __all__ = ["FreedGradientNormWarning", "guarded_clip_grad_norm_", "guarded_clip_grad_value_",
            "install", "late_clip_error", "unguarded_clip_grad_norm_",
@@ -74,7 +74,7 @@ def watch(params: Iterable[torch.Tensor], stepper: Any) -> None:
     clipping functions (:func:`install`). Called at set-up, and by ``add_param_group``.
 
     :param stepper: has ``stepped_since_step``, ``technique``, ``clipping`` and
-        ``global_step`` (a :class:`~overlapkit.overlap.step_accounting.StepAccount`
+        ``global_step`` (a :class:`~overlapkit.overlap.core.step_accounting.StepAccount`
         stepper).
     """
     install()
@@ -147,7 +147,7 @@ def _refuse_other_clip_in_window(params: list[torch.Tensor], max_norm: float,
 def _clipped_in_window(params: list[torch.Tensor], before: list[tuple[int, int]],
                        by_norm: bool = True) -> None:
     """The loop clipped gradients that a deferred first step keeps
-    (:mod:`overlapkit.overlap.window`): its own clip, not an edit of them (and after a
+    (:mod:`overlapkit.overlap.core.window`): its own clip, not an edit of them (and after a
     clip by norm, the full step does not clip by norm again)."""
     for param, was in zip(params, before, strict=True):
         stepper = _stepper_of(param)

@@ -1,0 +1,16 @@
+"""The engine core: stepping chosen parts of one real optimizer during backward.
+
+What every overlapped technique shares, whatever the model: the engine
+(:mod:`~overlapkit.overlap.core.engine`, the base class plugins subclass, and
+:mod:`~overlapkit.overlap.core.generic`, the engine for any ``torch.optim`` optimizer,
+with the cheaper :mod:`~overlapkit.overlap.core.direct_step` and
+:mod:`~overlapkit.overlap.core.functional_step` calls of ``step()``), what is kept per
+bucket between backwards (:mod:`~overlapkit.overlap.core.bucket_layout`), which
+backward a hook runs in (:mod:`~overlapkit.overlap.core.backward_scope`), where steps
+run on an accelerator (:mod:`~overlapkit.overlap.core.side_stream`), and the loop
+around the optimizer: one step per iteration
+(:mod:`~overlapkit.overlap.core.step_accounting`), the window between backward and
+step (:mod:`~overlapkit.overlap.core.window`), a trainer's own loop
+(:mod:`~overlapkit.overlap.core.foreign_loop`). It imports nothing else of
+:mod:`overlapkit.overlap`.
+"""

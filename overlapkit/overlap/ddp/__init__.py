@@ -1,0 +1,18 @@
+"""The DDP path: steps taken as each DDP gradient bucket's reduction completes.
+
+Its set-up (:mod:`~overlapkit.overlap.ddp.setup`: resolve the DDP model and the comm
+hook, check what only DDP asks, register the comm hook), the comm hook that steps each
+bucket (:mod:`~overlapkit.overlap.ddp.bucket_stepper`; a reduction that fails there is
+raised as one overlapkit error when backward ends:
+:mod:`~overlapkit.overlap.ddp.failed_reductions`), the hooks on the parameters
+beside it (:mod:`~overlapkit.overlap.ddp.param_hooks`) and the optimizer
+``overlap_ddp`` returns (:mod:`~overlapkit.overlap.ddp.optimizer`).
+``optimizer_in_backward`` on a DDP model and sharded state
+(:mod:`overlapkit.overlap.sharded`) take this path too.
+"""
+
+from __future__ import annotations
+
+from overlapkit.overlap.ddp.optimizer import DDPOverlapOptimizer
+
+__all__ = ["DDPOverlapOptimizer"]

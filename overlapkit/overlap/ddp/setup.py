@@ -1,0 +1,178 @@
+"""The DDP set-up shared by ``overlap_ddp`` and ``optimizer_in_backward``, in the set-up
+pass's three steps (:mod:`overlapkit.overlap.resolved`): resolve the DDP model and the
+comm hook (:func:`resolve_on_ddp`), check what only a DDP model asks
+(:func:`check_on_ddp`), then register one
+:class:`~overlapkit.overlap.ddp.bucket_stepper.BucketStepper` comm hook
+(:func:`set_up_on_ddp`).
+
+Everything here runs once, at set-up, and every check before the one change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from torch.nn.parallel import DistributedDataParallel
+
+from overlapkit.errors import ConfigurationError, UnsupportedModelError
+from overlapkit.ft.refusals import refuse_torchft_ddp
+from overlapkit.overlap.core.engine import OverlapEngine
+from overlapkit.overlap.core.side_stream import SideStream
+from overlapkit.overlap.ddp.bucket_stepper import BucketStepper, overlapped_comm_hook
+from overlapkit.overlap.resolved import ModelFacts, ResolvedSetup, resolve_setup
+from overlapkit.overlap.rules.clipping import GradClipping
+from overlapkit.overlap.rules.global_step import step_rules
+from overlapkit.overlap.setup import check_unclaimed, claim_params
+from overlapkit.plugin.manager import get_plugin_manager
+
+__all__ = ["check_clipping_for_model", "check_comm_hook_options", "check_ddp_model",
+           "check_on_ddp", "resolve_on_ddp", "set_up_on_ddp"]
+
+# set on a DDP model to the technique whose comm hook it carries
+_MARKER = "_overlapkit_comm_hook_technique"
+
+
+def check_ddp_model(ddp_model: Any, technique: str) -> DistributedDataParallel:
+    """:raises UnsupportedModelError: not DDP. :raises ConfigurationError: it already
+    has a comm hook (overlapkit's or another)."""
+    refuse_torchft_ddp(ddp_model, technique)  # torchft commits after backward
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise UnsupportedModelError(
+            f"{technique} needs a torch.nn.parallel.DistributedDataParallel model, got "
+            f"{type(ddp_model).__name__}; wrap it first: DistributedDataParallel(model)."
+        )
+    done = getattr(ddp_model, _MARKER, None)
+    if done == technique:
+        raise ConfigurationError(
+            f"{technique} was already called on this DDP model, and a DDP model takes one "
+            f"comm hook; make one {technique} call per model (pass params= to leave "
+            "parameters to a plain optimizer stepped after backward)."
+        )
+    if done is not None:
+        raise ConfigurationError(
+            f"{done} was already called on this DDP model, and a DDP model takes one comm "
+            f"hook, so {technique} cannot add its own; choose one of overlap_ddp and "
+            "optimizer_in_backward per model."
+        )
+    if getattr(ddp_model, "_comm_hooks", None):
+        raise ConfigurationError(
+            "this DDP model already has a comm hook registered, and a DDP model takes "
+            f"one; do not register it yourself: pass its name as {technique}(..., "
+            "comm_hook=NAME) and overlapkit runs it before stepping."
+        )
+    return ddp_model
+
+
+def check_clipping_for_model(model: DistributedDataParallel, clipping: GradClipping,
+                             technique: str) -> None:
+    """:raises ConfigurationError: per-bucket norm clipping on a model whose buckets are
+    stepped according to each rank's own parameter usage (``find_unused_parameters`` or
+    ``static_graph``), where ranks would clip different sets of gradients together
+    and their replicas drift apart. Global clipping (the default scope) steps after
+    DDP's finalize, where every rank has the same gradients, and is allowed."""
+    if clipping.norm is None or clipping.scope != "bucket" or not (
+            model.find_unused_parameters or model.static_graph):
+        return
+    option = "find_unused_parameters" if model.find_unused_parameters else "static_graph"
+    raise ConfigurationError(
+        f"clip_grad_norm_scope='bucket' cannot be used with a DDP model built with "
+        f"{option}=True: "
+        "there each bucket steps only the parameters this rank used, and the others "
+        "after backward, so the gradients clipped together (and the clipped values) "
+        "would differ between ranks and the replicas would drift apart. Use "
+        "the default clip_grad_norm_scope='global' (exact), clip_grad_value, or build "
+        f"the DDP model without {option} ({technique})."
+    )
+
+
+def check_comm_hook_options(options: Any) -> dict[str, Any]:
+    """:raises ConfigurationError: ``options`` is not a mapping."""
+    if options is not None and not isinstance(options, Mapping):
+        raise ConfigurationError(
+            f"comm_hook_options must be a dict of the hook's options, got "
+            f"{type(options).__name__}."
+        )
+    return dict(options or {})
+
+
+def resolve_on_ddp(
+    ddp_model: Any, optim: Any, args: tuple[Any, ...], optim_kwargs: dict[str, Any],
+    params: Iterable[Any] | None, technique: str, *, comm_hook: str,
+    comm_hook_options: Any, clipping: GradClipping, grad_scaler: Any | None,
+    step_thread: str = "backward", policy: Any = None,
+) -> ResolvedSetup:
+    """Resolve a set-up on a DDP model: the model (:func:`check_ddp_model`), the comm
+    hook by name and its options, then the optimizer side
+    (:func:`~overlapkit.overlap.resolved.resolve_setup`)."""
+    model = check_ddp_model(ddp_model, technique)
+    facts = ModelFacts.of(model, "ddp", technique, inner=model.module)
+    hook = get_plugin_manager().registry.comm_hook(comm_hook)
+    return resolve_setup(facts, optim, args, optim_kwargs, params, clipping=clipping,
+                         grad_scaler=grad_scaler, comm_hook=hook,
+                         comm_hook_options=check_comm_hook_options(comm_hook_options),
+                         step_thread=step_thread, policy=policy)
+
+
+def check_on_ddp(setup: ResolvedSetup) -> None:
+    """What only a set-up on a DDP model refuses, checked once: the clipping scope for
+    the model (:func:`check_clipping_for_model`) and parameters another technique
+    steps already."""
+    model = setup.model.model
+    assert isinstance(model, DistributedDataParallel)
+    check_clipping_for_model(model, setup.clipping, setup.model.technique)
+    check_unclaimed(setup.stepped, setup.model.technique)
+
+
+def set_up_on_ddp(
+    setup: ResolvedSetup,
+    *,
+    stepper_cls: type[BucketStepper] = BucketStepper,
+    **stepper_options: Any,
+) -> tuple[OverlapEngine, BucketStepper]:
+    """Build what ``setup`` resolved on a DDP model (checked by :func:`check_on_ddp`):
+    the engine, a side stream on the parameters' device, the rules of the step
+    (clipping, a GradScaler), then the one change, the comm hook's registration running
+    a ``stepper_cls`` (a :class:`~overlapkit.overlap.ddp.bucket_stepper.BucketStepper`,
+    with ``stepper_options``); the parameters are claimed last."""
+    model = setup.model.model
+    assert isinstance(model, DistributedDataParallel) and setup.comm_hook is not None
+    engine = setup.overlapped_cls(setup.optimizer)
+    owned = engine.parameters()
+    global_step, full_step = step_rules(setup.clipping, setup.grad_scaler,
+                                        order=setup.model.order)
+    inner_state, inner_hook = setup.comm_hook.create(process_group=model.process_group,
+                                                     **setup.comm_hook_options)
+    track_usage = bool(model.find_unused_parameters or model.static_graph)
+    stepper = stepper_cls(
+        engine, inner_state, inner_hook, track_usage=track_usage,
+        grads_are_bucket_views=bool(model.gradient_as_bucket_view),
+        technique=setup.model.technique, step_thread=setup.step_thread,
+        clipping=setup.clipping, side_stream=SideStream(owned), global_step=global_step,
+        full_step=full_step, **stepper_options,
+    )
+    try:
+        model.register_comm_hook(stepper, overlapped_comm_hook)
+    except RuntimeError as exc:
+        raise ConfigurationError(
+            f"DDP refused the comm hook: {exc}. A DDP model takes one comm hook; if you "
+            "registered one (or a builtin one) yourself, remove it and pass its name as "
+            "comm_hook=."
+        ) from exc
+    setattr(model, _MARKER, setup.model.technique)
+    stepper.model_before_rebuild = model
+    # DDP lays its buckets out again after the first backward, except where it tracks
+    # parameter usage; checkpoints record that second layout (checkpoint.ddp_buckets)
+    stepper.recording_layout = not track_usage
+    # Only now that the comm hook is in: hooks left on the parameters after a refused
+    # registration would keep freeing gradients nobody steps.
+    if stepper.free_grads and not model.gradient_as_bucket_view:
+        stepper.free_after_copy_model = model
+    stepper.register(owned)
+    names = setup.model.names
+    stepper.frozen = [(names[id(p)], p) for p in owned if id(p) not in setup.model.reduced]
+    if ((stepper.side_stream is not None and stepper.side_stream.active)
+            or not stepper.free_grads or stepper.frozen):
+        model.register_forward_pre_hook(lambda module, args: stepper.before_forward())
+    claim_params(owned, setup.model.technique)
+    return engine, stepper
