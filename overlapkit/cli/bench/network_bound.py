@@ -18,12 +18,14 @@ plain's ``step()`` time (measured in the same run) saved, and sharded no slower 
 ZeRO. Where communication is shorter than the backward, the ratios are shown and not
 judged.
 
-Method: the variants are built once per rank and take turns (rotating order) in every
-round, at every link speed; a round's figure is a variant's median step of ``steps``
-timed steps (forward + backward + step + zero_grad, ranks meeting at a barrier before
-each); reported: the slowest rank's figure per round, median over rounds. ``plain``
-also times its ``step()`` alone (``optimizer_step_ms``) and ``compute_only`` its
-backward alone (``backward_ms``; forward + backward without DDP or step).
+Method: the variants are built once per rank; in every round, at every link speed,
+they take turns step by step (the order rotating), ``steps`` timed steps each (forward
++ backward + step + zero_grad, ranks meeting at a barrier before each, the slowest
+rank's time); a round's figure is a variant's median step; reported: the median over
+rounds. ``plain`` also times its ``step()`` alone (``optimizer_step_ms``) and
+``compute_only`` its backward alone (``backward_ms``; forward + backward without DDP or
+step). The saving of ``overlap_ddp`` is paired step by step: ``(plain - overlap_ddp) /
+plain's step()`` of neighbouring steps, median over every step of every round.
 """
 
 from __future__ import annotations
@@ -142,6 +144,9 @@ class _Variant:
 def _timing_rank(rank: int, world_size: int, shape: tuple[int, int, int, float],
                  speeds: tuple[float, ...], rounds: int, steps: int, warmup: int,
                  device: str) -> dict[str, Any]:
+    """Every variant's step times (s), per link speed, round and step; plain's
+    ``step()`` alone beside them (``optimizer_step``), compute_only's backward alone
+    (``backward``, at the first speed: it has no link) and the modelled link time."""
     register()
     where = torch.device("cuda", rank) if device == "cuda" else None
     link = SimulatedLink(gbps=speeds[0], latency_us=LATENCY_US, ranks=RING_RANKS)
@@ -155,44 +160,49 @@ def _timing_rank(rank: int, world_size: int, shape: tuple[int, int, int, float],
         for _ in range(warmup):
             variant.train_step(batch)
         variant.inner_times.clear()
-    link.take_counts()
-    # per round: speed -> variant -> median step (s); inner: plain's step(), backward
-    step_s: list[dict[str, dict[str, float]]] = []
-    inner_s: list[dict[str, float]] = []
+    times: dict[str, dict[str, list[list[float]]]] = {
+        _label(speed): {name: [] for name in [*names, "optimizer_step", "backward"]}
+        for speed in speeds}
     comm_s: dict[str, float] = {}
     for round_index in range(rounds):
-        this_round: dict[str, dict[str, float]] = {}
         for speed in speeds:
             link.gbps = speed
-            figures: dict[str, float] = {}
-            for name in rotated(names if speed == speeds[0] else list(VARIANTS),
-                                round_index):
-                times = []
-                for _ in range(steps):
+            link.take_counts()
+            per_step = times[_label(speed)]
+            order = names if speed == speeds[0] else list(VARIANTS)
+            for figures in per_step.values():
+                figures.append([])
+            # the variants take turns step by step (the order rotating), so that load
+            # from other processes, seconds long, falls on each of them alike
+            for step in range(steps):
+                for name in rotated(order, round_index + step):
+                    variant = variants[name]
                     dist.barrier()
                     started = time.perf_counter()
-                    variants[name].train_step(batch)
-                    times.append(time.perf_counter() - started)
-                figures[name] = statistics.median(times)
-                modelled, transfers = link.take_counts()
-                if transfers:
-                    comm_s[_label(speed)] = modelled / steps
-            this_round[_label(speed)] = figures
-        step_s.append(this_round)
-        inner_s.append({"optimizer_step": statistics.median(variants["plain"].inner_times),
-                        "backward": statistics.median(variants["compute_only"].inner_times)})
-        for variant in variants.values():
-            variant.inner_times.clear()
-    return {"step_s": step_s, "inner_s": inner_s, "comm_s": comm_s}
+                    variant.train_step(batch)
+                    per_step[name][-1].append(time.perf_counter() - started)
+                    if variant.inner_times:
+                        inner = "backward" if name == "compute_only" else "optimizer_step"
+                        per_step[inner][-1].append(variant.inner_times.pop())
+            modelled, _ = link.take_counts()
+            comm_s[_label(speed)] = modelled / (steps * len(VARIANTS))
+    return {"times": times, "comm_s": comm_s}
 
 
 def _label(speed: float) -> str:
     return f"{speed:g}gbps"
 
 
-def _slowest_median(per_rank: list[list[float]]) -> float:
-    """The median over rounds of the slowest rank's figure in each round."""
-    return statistics.median(max(values) for values in zip(*per_rank, strict=True))
+def _slowest(per_rank: list[dict[str, Any]], label: str, name: str) -> list[list[float]]:
+    """Per round and step, the slowest rank's time of ``name`` at ``label``: the ranks
+    met at a barrier before the step, which is as slow as its slowest rank."""
+    runs = [rank["times"][label][name] for rank in per_rank]
+    return [[max(values) for values in zip(*steps, strict=True)]
+            for steps in zip(*runs, strict=True)]
+
+
+def _per_round(times: list[list[float]]) -> list[float]:
+    return [statistics.median(steps) for steps in times]
 
 
 def run_benchmark(*, rounds: int = 5, world_size: int = 2, quick: bool = False,
@@ -217,33 +227,33 @@ def run_benchmark(*, rounds: int = 5, world_size: int = 2, quick: bool = False,
     per_rank = run_distributed(_timing_rank, world_size,
                                args=(shape, speeds, rounds, steps, warmup, device),
                                timeout=1800, backend=backend)
-    backward_ms = 1000 * _slowest_median([[r["backward"] for r in rank["inner_s"]]
-                                          for rank in per_rank])
-    step_call_ms = 1000 * _slowest_median([[r["optimizer_step"] for r in rank["inner_s"]]
-                                           for rank in per_rank])
-    compute_ms = 1000 * _slowest_median(
-        [[r[_label(speeds[0])]["compute_only"] for r in rank["step_s"]] for rank in per_rank])
-    variants: dict[str, dict[str, Any]] = {
-        "compute_only": {"step_ms": compute_ms, "backward_ms": backward_ms}}
+    first = _label(speeds[0])
+    backward_ms = 1000 * statistics.median(_per_round(_slowest(per_rank, first, "backward")))
+    variants: dict[str, dict[str, Any]] = {"compute_only": {
+        "step_ms": 1000 * statistics.median(_per_round(_slowest(per_rank, first,
+                                                                "compute_only"))),
+        "backward_ms": backward_ms}}
     ratios: dict[str, float] = {}
     goals = []
     plot: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    step_calls = [max(r["inner_s"][i]["optimizer_step"] for r in per_rank)
-                  for i in range(rounds)]
     for speed in speeds:
         label = _label(speed)
         comm_ms = 1000 * per_rank[0]["comm_s"][label]
-        slowest = {name: [max(r["step_s"][i][label][name] for r in per_rank)
-                          for i in range(rounds)] for name in VARIANTS}
-        ms = {name: 1000 * statistics.median(slowest[name]) for name in VARIANTS}
+        raw = {name: _slowest(per_rank, label, name) for name in VARIANTS}
+        slowest = {name: _per_round(raw[name]) for name in VARIANTS}
+        calls = _slowest(per_rank, label, "optimizer_step")
         for name in VARIANTS:
-            variants[f"{label}/{name}"] = {"step_ms": ms[name], "link_comm_ms": comm_ms}
+            variants[f"{label}/{name}"] = {"step_ms": 1000 * statistics.median(slowest[name]),
+                                           "link_comm_ms": comm_ms}
             plot[name].append(paired_ratio(slowest[name], slowest["plain"]))
-        variants[f"{label}/plain"]["optimizer_step_ms"] = step_call_ms
-        # paired within each round (the variants ran seconds apart), then the median
+        variants[f"{label}/plain"]["optimizer_step_ms"] = 1000 * statistics.median(
+            _per_round(calls))
+        # paired step by step (plain's step() timed inside its own step), then the median
         saved = statistics.median(
-            (plain - ours) / call for plain, ours, call
-            in zip(slowest["plain"], slowest["overlap_ddp"], step_calls, strict=True))
+            (plain - ours) / call
+            for round_plain, round_ours, round_calls in zip(
+                raw["plain"], raw["overlap_ddp"], calls, strict=True)
+            for plain, ours, call in zip(round_plain, round_ours, round_calls, strict=True))
         sharded_zero = paired_ratio(slowest["sharded"], slowest["zero"])
         ratios[f"{label}: link comm / backward"] = comm_ms / backward_ms
         ratios[f"{label}: overlap_ddp / plain step time"] = paired_ratio(
@@ -276,8 +286,9 @@ def run_benchmark(*, rounds: int = 5, world_size: int = 2, quick: bool = False,
             f"{LATENCY_US:g} us per message (link_comm_ms: modelled per step). MLP "
             f"{depth} x Linear({width}) = {params / 1e6:.2f} M parameters, batch {batch}, "
             f"bucket_cap_mb={cap}, Adam lr={LR}; median of {rounds} interleaved rounds of "
-            f"{steps} steps after {warmup} warm-up steps (slowest rank; ratios: medians "
-            "of the per-round ratios). Goals where link comm >= backward: overlap_ddp "
+            f"{steps} steps after {warmup} warm-up steps (slowest rank), the variants taking turns "
+            "step by step; ratios: medians of the per-round ratios, the saving paired "
+            "step by step. Goals where link comm >= backward: overlap_ddp "
             "saves >= 0.8 x plain's step() (optimizer_step_ms), sharded <= ZeRO. The "
             "exchange of sharded and ZeRO's broadcasts are not delayed by the link."
         ),
