@@ -81,7 +81,8 @@ def test_quick_network_bound_bench_runs_every_variant_and_lists_its_goals() -> N
     assert proc.returncode == 0, proc.stderr
     (result,) = json.loads(proc.stdout)
     for speed in ("10gbps", "1gbps"):
-        for variant in ("plain", "overlap_ddp", "torch_overlap", "sharded", "zero"):
+        for variant in ("plain", "overlap_ddp", "overlap_ddp_comm_thread", "torch_overlap",
+                        "sharded", "zero"):
             assert result["variants"][f"{speed}/{variant}"]["step_ms"] > 0
     assert result["variants"]["1gbps/plain"]["optimizer_step_ms"] > 0
     goals = {g["goal"]: g for g in result["goals"]}

@@ -1,7 +1,8 @@
-"""Benchmark: where the network is the bottleneck. Plain DDP, ``overlap_ddp``, torch's own
-overlap (``_hook_then_optimizer``, what ``DDP._register_fused_optim`` registers),
-sharded ``overlap_ddp`` and ``ZeroRedundancyOptimizer``, each over the same simulated
-link (:mod:`overlapkit.cli.bench.link`) at several link speeds.
+"""Benchmark: where the network is the bottleneck. Plain DDP, ``overlap_ddp`` (stepping on
+the backward thread, the default, and on the comm thread), torch's own overlap
+(``_hook_then_optimizer``, what ``DDP._register_fused_optim`` registers), sharded
+``overlap_ddp`` and ``ZeroRedundancyOptimizer``, each over the same simulated link
+(:mod:`overlapkit.cli.bench.link`) at several link speeds.
 
 On one machine the ranks reduce over loopback in microseconds: no step can hide behind
 that. Here every variant's buckets complete no earlier than a ring allreduce among
@@ -47,7 +48,8 @@ __all__ = ["SPEEDS_CPU", "SPEEDS_CUDA", "VARIANTS", "run_benchmark"]
 COMMAND = "overlapkit bench --only network_bound"
 LR = 1e-3
 #: the variants over the link, in the order they are listed; compute_only runs no link
-VARIANTS = ("plain", "overlap_ddp", "torch_overlap", "sharded", "zero")
+VARIANTS = ("plain", "overlap_ddp", "overlap_ddp_comm_thread", "torch_overlap", "sharded",
+            "zero")
 #: link speeds (Gb/s): on CPU communication goes from well under the backward to
 #: several times it on the full model; on a GPU the backward is ~100x shorter
 SPEEDS_CPU = (40.0, 10.0, 5.0, 2.0, 1.0)
@@ -82,10 +84,11 @@ class _Variant:
             return
         self.model = DDP(model, bucket_cap_mb=cap,
                          device_ids=None if device is None else [device.index])
-        if name in ("overlap_ddp", "sharded"):
+        if name in ("overlap_ddp", "overlap_ddp_comm_thread", "sharded"):
             self.optimizer = overlapkit.overlap_ddp(
                 self.model, torch.optim.Adam, lr=LR, comm_hook=HOOK_NAME,
-                comm_hook_options={"link": link}, shard_optimizer_state=name == "sharded")
+                comm_hook_options={"link": link}, shard_optimizer_state=name == "sharded",
+                step_thread="comm" if name.endswith("comm_thread") else "backward")
         elif name == "torch_overlap":
             # what DDP._register_fused_optim registers, with the link's hook in place
             # of its hard-wired allreduce_hook
@@ -260,6 +263,8 @@ def run_benchmark(*, rounds: int = 5, world_size: int = 2, quick: bool = False,
             slowest["overlap_ddp"], slowest["plain"])
         ratios[f"{label}: overlap_ddp / torch_overlap step time"] = paired_ratio(
             slowest["overlap_ddp"], slowest["torch_overlap"])
+        ratios[f"{label}: overlap_ddp_comm_thread / torch_overlap step time"] = paired_ratio(
+            slowest["overlap_ddp_comm_thread"], slowest["torch_overlap"])
         ratios[f"{label}: (plain - overlap_ddp) / plain step()"] = saved
         ratios[f"{label}: sharded / zero step time"] = sharded_zero
         if comm_ms >= backward_ms:  # where the goals apply: see the module
