@@ -18,6 +18,8 @@ no fault-tolerance machinery of its own; at each averaging step:
    still counted, and the next averaging comes ``period`` steps later.
 
 Between averaging steps nothing talks to torchft: the local steps run at full speed.
+With Streaming DiLoCo's ``fragment_sync_delay`` the quorum and the (asynchronous)
+allreduce come at the step the sync starts, and the commit decision at its outer step.
 """
 
 from __future__ import annotations
