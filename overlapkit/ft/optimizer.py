@@ -18,6 +18,8 @@ no fault-tolerance machinery of its own; at each averaging step:
    still counted, and the next averaging comes ``period`` steps later.
 
 Between averaging steps nothing talks to torchft: the local steps run at full speed.
+With Streaming DiLoCo's ``fragment_sync_delay`` the quorum and the (asynchronous)
+allreduce come at the step the sync starts, and the commit decision at its outer step.
 """
 
 from __future__ import annotations
@@ -73,10 +75,20 @@ class FaultTolerantLocalSGD(PostLocalSGDOptimizer):
     def __repr__(self) -> str:
         return f"FaultTolerantLocalSGD({self.optim!r}, averager={self.averager!r})"
 
-    def _averages_now(self) -> bool:
+    def _phases_now(self) -> tuple[bool, bool]:
+        """Whether this step starts a quorum and whether it commits: both at an
+        averaging step, apart for an averager whose sync overlaps the steps between
+        (Streaming DiLoCo's ``fragment_sync_delay``: the quorum and the allreduce
+        start at ``sync_starts_at``, the commit comes at ``sync_ends_at``)."""
         averager = self.averager
-        return (averager.step >= averager.warmup_steps
-                and averager.group_for_step(averager.step) is not None)
+        step = averager.step
+        if step < averager.warmup_steps or averager.group_for_step(step) is None:
+            return False, False
+        starts, ends = (getattr(averager, name, None)
+                        for name in ("sync_starts_at", "sync_ends_at"))
+        if starts is None or ends is None:
+            return True, True
+        return bool(starts(step)), bool(ends(step))
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         """Step the local optimizer (torchft may not read the state meanwhile), then,
@@ -88,35 +100,32 @@ class FaultTolerantLocalSGD(PostLocalSGDOptimizer):
             loss = self.optim.step(closure) if closure is not None else self.optim.step()
         finally:
             self.manager.allow_state_dict_read()
-        if self._averages_now():
-            self._average_over_quorum()
+        starts, commits = self._phases_now()
+        if starts or commits:
+            self._average_over_quorum(starts, commits)
         else:
             self.averager.average_parameters(self.param_groups)  # counts the step
         return loss
 
-    def _average_over_quorum(self) -> None:
-        try:
-            self.manager.start_quorum()  # a replica group that is behind recovers here
-        except Exception as failed:  # torchft's (a Rust RuntimeError, a timeout, ...)
-            raise QuorumError(
-                f"the torchft quorum of averaging step {self.averager.step} failed: "
-                f"{failed}. Check that the Lighthouse (the manager's lighthouse_addr, or "
-                "TORCHFT_LIGHTHOUSE) is up, that at least its min_replicas replica groups "
-                "reach it within the manager's quorum_timeout, and raise quorum_timeout "
-                "above the time of `period` steps. This step's local update was applied, "
-                "its averaging was not; the next step() averages again."
-            ) from failed
-        if not self._averages_now():
-            raise OverlapkitError(
-                f"after recovering from a peer this replica group is at step "
-                f"{self.averager.step}, not an averaging step of {self.averager!r}: the "
-                "replica groups were built with different periods or warm-ups. Build "
-                "every replica group's optimizer with the same local_sgd arguments."
-            )
+    def _average_over_quorum(self, starts: bool, commits: bool) -> None:
+        if starts:
+            self._start_quorum()
+            if self._phases_now() != (starts, commits):
+                raise OverlapkitError(
+                    f"after recovering from a peer this replica group is at step "
+                    f"{self.averager.step}, not an averaging step of {self.averager!r}: the "
+                    "replica groups were built with different periods or warm-ups. Build "
+                    "every replica group's optimizer with the same local_sgd arguments."
+                )
+        if not commits:  # the sync is in flight; it commits fragment_sync_delay steps on
+            self.averager.average_parameters(self.param_groups)
+            return
         params = [p for group in self.param_groups for p in group["params"]]
         with torch.no_grad():
             before = [p.detach().clone() for p in params]
         averager_before = copy.deepcopy(self.averager.state_dict())
+        # a sync in flight (DiLoCo's) is the one this averaging applies: not restored
+        averager_before.pop("in_flight", None)
         self.averager.average_parameters(self.param_groups)
         if self.manager.should_commit():
             self.commits += 1
@@ -129,6 +138,19 @@ class FaultTolerantLocalSGD(PostLocalSGDOptimizer):
         self.averager.load_state_dict(averager_before)
         self.averager.step = step
         self.failed_commits += 1
+
+    def _start_quorum(self) -> None:
+        try:
+            self.manager.start_quorum()  # a replica group that is behind recovers here
+        except Exception as failed:  # torchft's (a Rust RuntimeError, a timeout, ...)
+            raise QuorumError(
+                f"the torchft quorum of averaging step {self.averager.step} failed: "
+                f"{failed}. Check that the Lighthouse (the manager's lighthouse_addr, or "
+                "TORCHFT_LIGHTHOUSE) is up, that at least its min_replicas replica groups "
+                "reach it within the manager's quorum_timeout, and raise quorum_timeout "
+                "above the time of `period` steps. This step's local update was applied, "
+                "its averaging was not; the next step() averages again."
+            ) from failed
 
     def _state_for_recovery(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.state_dict()}

@@ -40,20 +40,22 @@ _ALTERNATIVES = {
 }
 
 
-def is_torchft_ddp(model: object) -> bool:
-    """Whether ``model`` is torchft's fault-tolerant ``DistributedDataParallel``."""
+def is_torchft_ddp(model_type: type) -> bool:
+    """Whether ``model_type`` is torchft's fault-tolerant ``DistributedDataParallel``
+    (or a subclass of it)."""
     module = sys.modules.get("torchft.ddp")
     ddp_cls = getattr(module, "DistributedDataParallel", None)
-    return isinstance(ddp_cls, type) and isinstance(model, ddp_cls)
+    return isinstance(ddp_cls, type) and issubclass(model_type, ddp_cls)
 
 
-def refuse_torchft_ddp(model: object, technique: str) -> None:
-    """Raise if ``model`` is torchft's DDP, saying why ``technique`` cannot run on it
-    and what to use instead.
+def refuse_torchft_ddp(model_type: type, technique: str) -> None:
+    """Raise if ``model_type`` (the model's class: set-up follows the model itself
+    through one pass) is torchft's DDP, saying why ``technique`` cannot run on it and
+    what to use instead.
 
-    :raises UnsupportedModelError: ``model`` is a ``torchft.ddp.DistributedDataParallel``.
+    :raises UnsupportedModelError: ``model_type`` is ``torchft.ddp.DistributedDataParallel``.
     """
-    if is_torchft_ddp(model):
+    if is_torchft_ddp(model_type):
         raise UnsupportedModelError(
             f"{technique} cannot run on torchft's fault-tolerant DistributedDataParallel: "
             f"{_ALTERNATIVES.get(technique, _ALTERNATIVES['overlap_ddp'])} Nothing was "

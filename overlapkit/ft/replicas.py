@@ -42,5 +42,10 @@ class ManagedReplicas(ReplicaGroup):
         """Reduce ``tensor`` in place over the quorum through ``manager.allreduce``."""
         self.manager.allreduce(tensor, reduce_op=op).wait()
 
+    def all_reduce_async(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> Any:
+        """Start ``manager.allreduce`` over the quorum and return its work handle: the
+        reduction runs on torchft's process group while the inner steps go on."""
+        return self.manager.allreduce(tensor, reduce_op=op)
+
     def __repr__(self) -> str:
         return f"ManagedReplicas(quorum of {type(self.manager).__name__})"

@@ -28,8 +28,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.errors import ConfigurationError, OverlapkitError
 from overlapkit.integrations._lightning_setup import clipping_of
-from overlapkit.overlap.facade import OverlappedOptimizerFacade
 from overlapkit.overlap.core.window import FirstWindow
+from overlapkit.overlap.facade import OverlappedOptimizerFacade
 
 __all__ = ["AutomaticOptimization", "GradientWrites"]
 

@@ -38,6 +38,23 @@ class ReplicaGroup(abc.ABC):
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> None:
         """Reduce ``tensor`` in place over the replicas (``SUM`` or ``MAX``)."""
 
+    def all_reduce_async(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> Any:
+        """Start reducing ``tensor`` in place; return a handle whose ``wait()`` ends it.
+
+        Streaming DiLoCo overlaps it with the inner steps. This default reduces at once
+        (``wait()`` has nothing left to do); override it where the replicas' transport
+        is asynchronous, as :class:`overlapkit.ft.ManagedReplicas` does.
+        """
+        self.all_reduce(tensor, op)
+        return _Done()
+
+
+class _Done:
+    """The handle of a reduction that has already finished."""
+
+    def wait(self) -> bool:
+        return True
+
 
 def parameters_to_average(
     params: Iterable[torch.Tensor] | Iterable[Mapping[str, Any]],

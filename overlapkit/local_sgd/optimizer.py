@@ -303,7 +303,7 @@ def post_local_sgd(
         option, or a comm hook already registered on the model.
     :raises UnknownNameError: no plugin provides the averager.
     """
-    refuse_torchft_ddp(ddp_model, "post_local_sgd")
+    refuse_torchft_ddp(type(ddp_model), "post_local_sgd")
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise UnsupportedModelError(
             f"post_local_sgd needs a DistributedDataParallel model, got "

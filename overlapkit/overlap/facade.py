@@ -20,7 +20,12 @@ import torch
 from overlapkit.errors import ConfigurationError, OverlapkitError
 from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.overlap.core.engine import OverlapEngine
-from overlapkit.overlap.core.window import FirstWindow, plain_order_warning
+from overlapkit.overlap.core.window import (
+    FirstWindow,
+    end_first_window,
+    refuse_changed_gradients,
+    second_backward_refusal,
+)
 from overlapkit.overlap.rules.amp_scaler import (
     guard_param_groups,
     hand_inf_check,
@@ -34,12 +39,6 @@ from overlapkit.overlap.setup import (
     flatten_params,
     materialise_params,
     unclaim_params,
-)
-from overlapkit.overlap.core.window import (
-    FirstWindow,
-    end_first_window,
-    refuse_changed_gradients,
-    second_backward_refusal,
 )
 
 __all__ = ["BackwardSteps", "OverlappedOptimizerFacade"]

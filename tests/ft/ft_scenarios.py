@@ -55,10 +55,15 @@ class Scenario:
     syncs: int = SYNCS
     #: Streaming DiLoCo's fragments (1 or 2: the MLP's two Linear layers)
     fragments: int = 1
+    #: Streaming DiLoCo's fragment_sync_delay and fragment_update_alpha
+    delay: int = 0
+    alpha: float = 0.0
 
     @property
     def name(self) -> str:
         streaming = f"-{self.fragments}fragments" if self.fragments > 1 else ""
+        if self.delay or self.alpha:
+            streaming += f"-delay{self.delay}-alpha{self.alpha}"
         return f"{self.impl}-{self.averager}{streaming}-{self.failure or 'none'}"
 
 
@@ -100,7 +105,8 @@ def run(scenario: Scenario, workdir: Path, timeout: float = 150.0) -> dict[str, 
     context = _context()
     common = ["--impl", scenario.impl, "--averager",
               scenario.averager, "--period", str(scenario.period), "--syncs",
-              str(scenario.syncs), "--fragments", str(scenario.fragments)]
+              str(scenario.syncs), "--fragments", str(scenario.fragments),
+              "--sync-delay", str(scenario.delay), "--alpha", str(scenario.alpha)]
     if scenario.impl == "plain":
         common += ["--init-method", f"tcp://127.0.0.1:{_free_port()}"]
     else:

@@ -44,7 +44,8 @@ def inner_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.o
 def diloco_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.averager != "diloco":
         return {}
-    return {"outer_lr": 0.7, "outer_momentum": 0.9, "fragments": args.fragments}
+    return {"outer_lr": 0.7, "outer_momentum": 0.9, "fragments": args.fragments,
+            "fragment_sync_delay": args.sync_delay, "fragment_update_alpha": args.alpha}
 
 
 def wait_for(path: str, what: str, limit: float = 60.0) -> None:
@@ -171,7 +172,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 outer = [torch.optim.SGD(f.parameters(), lr=0.7, momentum=0.9, nesterov=True)
                          for f in fragments]
                 wrapper: Any = DiLoCo(manager, fragments, inner, outer,
-                                      sync_every=args.period, pin_memory=False)
+                                      sync_every=args.period, pin_memory=False,
+                                      fragment_sync_delay=args.sync_delay,
+                                      fragment_update_alpha=args.alpha)
             else:
                 wrapper = LocalSGD(manager, model, inner, sync_every=args.period)
             wrapper.__enter__()
@@ -224,6 +227,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--period", type=int, default=3)
     parser.add_argument("--fragments", type=int, choices=[1, 2], default=1,
                         help="Streaming DiLoCo's fragments")
+    parser.add_argument("--sync-delay", type=int, default=0,
+                        help="Streaming DiLoCo's fragment_sync_delay")
+    parser.add_argument("--alpha", type=float, default=0.0,
+                        help="Streaming DiLoCo's fragment_update_alpha")
     parser.add_argument("--syncs", type=int, default=6)
     parser.add_argument("--kill-after", type=int, default=None, help="SIGKILL after step N")
     parser.add_argument("--kill-in-quorum", type=int, default=None,

@@ -41,6 +41,9 @@ SCENARIOS = [
     Scenario(impl="overlapkit", averager="diloco", failure="kill-in-averaging"),
     *(Scenario(impl=impl, averager="diloco", fragments=2, period=4, syncs=8)
       for impl in ("overlapkit", "torchft", "plain")),
+    *(Scenario(impl=impl, averager="diloco", fragments=2, period=6, syncs=6, delay=2,
+               alpha=0.5)
+      for impl in ("overlapkit", "torchft", "plain")),
 ]
 
 
@@ -140,3 +143,18 @@ def test_streaming_diloco_fragments_are_bitwise_torchfts_and_the_run_without_tor
         assert compare(_params(runs, f"{other}-diloco-2fragments-none", replica),
                        _params(runs, "overlapkit-diloco-2fragments-none", replica))
     assert runs["overlapkit-diloco-2fragments-none"]["0"]["committed"] == 8
+
+
+@pytest.mark.parametrize("other", ["torchft", "plain"])
+def test_streaming_diloco_overlapped_and_mixed_is_bitwise_torchfts_and_without_torchft(
+    runs: dict[str, dict[str, Any]], other: str
+) -> None:
+    # two fragments, period 6: a fragment's allreduce starts after inner step 1 of
+    # every 3 and its outer step comes 2 steps later, the result mixed half and half
+    # with the local parameters; torchft's DiLoCo(fragment_sync_delay=2,
+    # fragment_update_alpha=0.5)
+    name = "diloco-2fragments-delay2-alpha0.5-none"
+    for replica in ("0", "1"):
+        assert compare(_params(runs, f"{other}-{name}", replica),
+                       _params(runs, f"overlapkit-{name}", replica))
+    assert runs[f"overlapkit-{name}"]["0"]["committed"] == 6

@@ -100,6 +100,10 @@ def test_local_sgd_refuses_what_is_not_a_torchft_manager() -> None:
     ({"averager": "hierarchical"}, "'periodic' or 'diloco'"),
     ({"process_group": None}, "remove process_group"),
     ({"period": 0}, "period must be"),
+    ({"averager": "diloco", "period": 4, "fragments": 2, "fragment_sync_delay": 2},
+     r"fragment_sync_delay must be an integer in \[0, 2\)"),
+    ({"averager": "diloco", "fragment_update_alpha": 1.5},
+     r"fragment_update_alpha must be a number in \[0, 1\]"),
 ])
 def test_local_sgd_refuses_bad_options_before_registering_anything(
     make_manager: Any, options: dict[str, Any], match: str

@@ -16,18 +16,21 @@ The harness (a benchmark module fills in its variants, sizes and goals, and uses
   ``--quick`` run cannot measure is built with ``judged=not quick``;
 - :mod:`~overlapkit.cli.bench.tables`: ``format_result``, the table of a result;
 - :mod:`overlapkit.cli.memory`: peak RSS per rank, ``fix_mmap_threshold``;
+- :mod:`~overlapkit.cli.bench.link`: a simulated network link, as a DDP comm hook
+  (``network_bound``'s: every variant's buckets complete as over a slower link);
 - :mod:`~overlapkit.cli.bench.runner`: the registry (``BENCHMARKS``), running them in
   turn, the plot.
 
 A benchmark imports the harness and never another benchmark
 (``tests/test_bench_imports.py`` checks the import graph).
 
-Adding a benchmark (for example ``network_bound``):
+Adding a benchmark (``network_bound`` was added so):
 
 1. write ``overlapkit/cli/bench/network_bound.py`` with
    ``run_benchmark(*, rounds, world_size=2, quick=False, **options) -> dict`` returning
    the dict above (``quick``: small sizes; its goals built with ``judged=not quick``
-   unless a quick run measures them exactly);
+   unless a quick run measures them exactly; an optional ``"plot"`` entry, ``{"x",
+   "y", "xs", "series"}``, is drawn as lines by ``--plot``);
 2. register it in one place: a line ``"network_bound": "overlapkit.cli.bench.network_bound"``
    in :data:`~overlapkit.cli.bench.runner.BENCHMARKS` (and its name in ``GPU_BENCHMARKS``
    if it runs with ``--device cuda``); ``--only``, ``--help``, ``--json`` and the tables

@@ -35,6 +35,7 @@ BENCHMARKS: dict[str, str] = {
     "post_local_sgd": "overlapkit.cli.bench.local_sgd",
     "checkpoint": "overlapkit.cli.bench.checkpoint",
     "sharded_state": "overlapkit.cli.bench.sharded_state",
+    "network_bound": "overlapkit.cli.bench.network_bound",
 }
 
 #: names used before 0.2 -> the name now; still accepted by ``--only``
@@ -44,7 +45,7 @@ ALIASES: dict[str, str] = {"ddp_overlap": "overlap_ddp", "local_sgd": "post_loca
 QUICK_ROUNDS = 1
 
 #: the benchmarks that also run on GPUs (``--device cuda``: NCCL, one GPU per rank)
-GPU_BENCHMARKS = ("overlap_ddp", "sharded_state")
+GPU_BENCHMARKS = ("overlap_ddp", "sharded_state", "network_bound")
 
 
 def machine_description() -> str:
@@ -168,11 +169,21 @@ def run_benchmarks(names: Sequence[str], *, rounds: int, world_size: int | None,
 
 
 def plot_results(results: list[dict[str, Any]], path: Path) -> None:
-    """A bar chart per benchmark of its first metric per variant, into a PNG."""
+    """A chart per benchmark into a PNG: the lines of a result's ``"plot"`` (``{"x",
+    "y", "xs", "series": {name: [y per x]}}``, e.g. step time against link speed, where
+    the lines cross), else a bar per variant of its first metric."""
     plt = pyplot()
     figure, axes = plt.subplots(1, max(len(results), 1), figsize=(5 * max(len(results), 1), 4),
                                 squeeze=False)
     for ax, result in zip(axes[0], results, strict=False):
+        lines = result.get("plot")
+        if lines:
+            for name, ys in lines["series"].items():
+                ax.plot(lines["xs"], ys, marker="o", label=name)
+            ax.set(title=result.get("benchmark", ""), xlabel=lines["x"], ylabel=lines["y"],
+                   xscale="log")
+            ax.legend(fontsize="small")
+            continue
         variants = result.get("variants", {})
         metric = next((m for f in variants.values() for m, v in f.items()
                        if isinstance(v, (int, float))), None)

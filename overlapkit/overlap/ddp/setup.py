@@ -36,7 +36,7 @@ _MARKER = "_overlapkit_comm_hook_technique"
 def check_ddp_model(ddp_model: Any, technique: str) -> DistributedDataParallel:
     """:raises UnsupportedModelError: not DDP. :raises ConfigurationError: it already
     has a comm hook (overlapkit's or another)."""
-    refuse_torchft_ddp(ddp_model, technique)  # torchft commits after backward
+    refuse_torchft_ddp(type(ddp_model), technique)  # torchft commits after backward
     if not isinstance(ddp_model, DistributedDataParallel):
         raise UnsupportedModelError(
             f"{technique} needs a torch.nn.parallel.DistributedDataParallel model, got "

@@ -14,7 +14,7 @@ from overlapkit_diloco import DiLoCoAverager
 
 def test_installed_plugin_is_listed_with_its_version() -> None:
     listed = installed_plugins()["diloco"]
-    assert (listed["distribution"], listed["version"]) == ("overlapkit-diloco", "0.2.0")
+    assert (listed["distribution"], listed["version"]) == ("overlapkit-diloco", "0.3.0")
     assert listed["provides"] == {"averagers": ["diloco"]}
 
 
@@ -38,7 +38,14 @@ def test_registered_by_hand_in_a_test(overlapkit_plugin_manager: OverlapkitPlugi
      ({"outer_momentum": 1.0}, "outer_momentum must be in"),
      ({"period": 0}, "period must be an integer >= 1"),
      ({"fragments": 3}, "fragments must be an integer >= 1 dividing period 4"),
-     ({"fragments": 0}, "fragments must be an integer >= 1")],
+     ({"fragments": 0}, "fragments must be an integer >= 1"),
+     ({"fragments": 2, "fragment_sync_delay": 2},
+      r"fragment_sync_delay must be an integer in \[0, 2\)"),
+     ({"fragment_sync_delay": -1}, r"fragment_sync_delay must be an integer in \[0, 4\)"),
+     ({"fragment_sync_delay": 1.0}, "fragment_sync_delay must be an integer"),
+     ({"fragment_update_alpha": 1.5}, r"fragment_update_alpha must be a number in \[0, 1\]"),
+     ({"fragment_update_alpha": -0.1}, "fragment_update_alpha must be a number"),
+     ({"fragment_update_alpha": float("nan")}, "fragment_update_alpha must be a number")],
 )
 def test_bad_options_are_clear_errors(
     overlapkit_plugin_manager: OverlapkitPluginManager, options: dict[str, float], message: str
@@ -61,3 +68,13 @@ def test_fragments_take_their_outer_steps_in_turn_every_period_over_fragments() 
     steps = [s for s in range(12) if (s + 1) % averager.sync_every == 0]
     assert averager.sync_every == 2 and steps == [1, 3, 5, 7, 9, 11]
     assert [averager.fragment_at(s) for s in steps] == [0, 1, 0, 1, 0, 1]
+
+
+def test_with_a_sync_delay_each_fragments_allreduce_starts_delay_steps_before_its_outer_step(
+) -> None:
+    averager = DiLoCoAverager(6, fragments=2, fragment_sync_delay=2)
+    starts = [s for s in range(12) if averager.sync_starts_at(s)]
+    ends = [s for s in range(12) if averager.sync_ends_at(s)]
+    assert starts == [0, 3, 6, 9] and ends == [2, 5, 8, 11]
+    assert [averager.fragment_at(s) for s in starts] == [0, 1, 0, 1]
+    assert [averager.fragment_at(s) for s in ends] == [0, 1, 0, 1]

@@ -34,9 +34,9 @@ from overlapkit.plugin import (
     CheckpointError,
     ConfigurationError,
     PeriodicAverager,
-    average_in_place,
     parameters_to_average,
 )
+from overlapkit_diloco.streaming import InFlightAverage, check_sync_delay, check_update_alpha
 
 __all__ = ["DiLoCoAverager", "nesterov_sgd"]
 
@@ -91,9 +91,16 @@ class DiLoCoAverager(PeriodicAverager):
         tensor longer when they do not divide evenly), and every ``period //
         fragments`` steps one fragment, in turn, takes its outer step over its own
         round: torchft's ``DiLoCo(model_fragments=..., fragment_sync_delay=0)``
-        schedule. Each synchronisation sends ``1 / fragments`` of the parameters. The
-        sync is not overlapped with the inner steps (torchft's
-        ``fragment_sync_delay > 0``).
+        schedule. Each synchronisation sends ``1 / fragments`` of the parameters.
+    :param fragment_sync_delay: Streaming DiLoCo's overlap (the paper's tau, torchft's
+        ``fragment_sync_delay``): the fragment's pseudo-gradient is taken and its
+        asynchronous allreduce started this many steps before its outer step, and the
+        inner steps run while it is in flight. The outer step then starts from the
+        fragment's round start as usual. In ``[0, period // fragments)``.
+    :param fragment_update_alpha: after the outer step the fragment's parameters
+        become ``lerp(outer result, local parameters, alpha)`` (torchft's mixing;
+        the paper's ``alpha * local + (1 - alpha) * global``); 0 keeps the outer
+        step's result, dropping the inner steps taken while the sync was in flight.
     """
 
     def __init__(
@@ -106,6 +113,8 @@ class DiLoCoAverager(PeriodicAverager):
         outer_momentum: float = 0.9,
         outer_optimizer: OuterOptimizerFactory | None = None,
         fragments: int = 1,
+        fragment_sync_delay: int = 0,
+        fragment_update_alpha: float = 0.0,
     ) -> None:
         self.build_outer = outer_optimizer or nesterov_sgd(outer_lr, outer_momentum)
         super().__init__(period, warmup_steps, process_group)
@@ -117,6 +126,10 @@ class DiLoCoAverager(PeriodicAverager):
                 "synchronised every 2 steps)."
             )
         self.fragments = fragments
+        self.fragment_sync_delay = check_sync_delay(fragment_sync_delay, self.sync_every)
+        self.fragment_update_alpha = check_update_alpha(fragment_update_alpha)
+        #: the synchronisation started and not yet applied (with a delay)
+        self.in_flight: InFlightAverage | None = None
         self.round_start: list[torch.Tensor] | None = None
         self._outer_params: list[torch.Tensor] = []
         self.outer: torch.optim.Optimizer | None = None
@@ -128,15 +141,28 @@ class DiLoCoAverager(PeriodicAverager):
 
     def group_for_step(self, step: int) -> Any:
         """The process group after the ``period``-th inner step of each round (with
-        fragments, after every ``period // fragments``-th)."""
-        if (step - self.warmup_steps + 1) % self.sync_every == 0:
+        fragments, after every ``period // fragments``-th), and with a sync delay
+        also ``fragment_sync_delay`` steps earlier, when the sync starts."""
+        if self.sync_starts_at(step) or self.sync_ends_at(step):
             return self.process_group
         return None
 
+    def sync_starts_at(self, step: int) -> bool:
+        """Whether a fragment's pseudo-gradient allreduce starts after step ``step``."""
+        inner = step - self.warmup_steps + 1
+        return inner >= 1 and (inner + self.fragment_sync_delay) % self.sync_every == 0
+
+    def sync_ends_at(self, step: int) -> bool:
+        """Whether a fragment's outer step runs after step ``step`` (the sync that
+        started ``fragment_sync_delay`` steps earlier, or at this step, ends)."""
+        inner = step - self.warmup_steps + 1
+        return inner >= 1 and inner % self.sync_every == 0
+
     def fragment_at(self, step: int) -> int:
-        """Which fragment takes its outer step after step ``step`` (0 without
+        """Which fragment's sync starts or ends after step ``step`` (0 without
         fragments): in turn, from the first."""
-        return ((step - self.warmup_steps + 1) // self.sync_every - 1) % self.fragments
+        inner = step - self.warmup_steps + 1 + self.fragment_sync_delay
+        return (inner // self.sync_every - 1) % self.fragments
 
     def _fragment(self, count: int) -> range:
         """The indices of the current fragment's tensors among ``count``."""
@@ -170,23 +196,51 @@ class DiLoCoAverager(PeriodicAverager):
             )
         self._check_layout(params)
         self._follow_devices(params)
-        assert self.outer is not None
+        if self.sync_starts_at(self.step):
+            if self.in_flight is not None:
+                raise ConfigurationError(
+                    f"step {self.step} starts a DiLoCo sync while the previous one (fragment "
+                    f"{self.in_flight.fragment}) was never applied: the averager's steps "
+                    "were skipped. Call average_parameters after every optimizer step."
+                )
+            chosen = self._fragment(len(params))
+            with torch.no_grad():  # Algorithm 1's delta: the round's start minus now
+                pseudo = [self.round_start[i] - params[i] for i in chosen]
+            self.in_flight = InFlightAverage(self.fragment_at(self.step), pseudo, group)
+        if self.sync_ends_at(self.step):
+            self._outer_step(params)
+
+    def _outer_step(self, params: list[torch.Tensor]) -> None:
+        """Wait for the fragment's averaged pseudo-gradient, take the outer step from
+        the round's start, and mix in the local parameters (``fragment_update_alpha``)."""
+        assert self.round_start is not None and self.outer is not None
+        fragment = self.fragment_at(self.step)
+        if self.in_flight is None or self.in_flight.fragment != fragment:
+            raise ConfigurationError(
+                f"step {self.step} ends fragment {fragment}'s DiLoCo sync, which never "
+                "started: the averager's state was loaded from another step, or steps were "
+                "skipped. Load the state saved with this averager's whole state_dict."
+            )
+        pseudo = self.in_flight.wait()  # the mean of the workers' deltas
+        self.in_flight = None
         chosen = self._fragment(len(params))
         starts = [self.round_start[i] for i in chosen]
         outer_params = [self._outer_params[i] for i in chosen]
-        fragment = [params[i] for i in chosen]
+        fragment_params = [params[i] for i in chosen]
+        alpha = self.fragment_update_alpha
         with torch.no_grad():
-            pseudo = [start - param for start, param in zip(starts, fragment, strict=True)]
-            average_in_place(pseudo, group)  # Algorithm 1: the mean of the workers' deltas
+            local = [p.clone() for p in fragment_params] if alpha else []
             for start, outer_param, delta in zip(starts, outer_params, pseudo, strict=True):
                 outer_param.copy_(start)
-                outer_param.grad = delta
+                outer_param.grad = delta.to(outer_param.device)
             self.outer.step()  # tensors without a gradient (other fragments) are skipped
-            for param, outer_param, start in zip(fragment, outer_params, starts,
+            for param, outer_param, start in zip(fragment_params, outer_params, starts,
                                                  strict=True):
                 param.copy_(outer_param)
-                start.copy_(param)  # the fragment's next round starts here
+                start.copy_(outer_param)  # the fragment's next round starts here
                 outer_param.grad = None
+            for param, mine in zip(fragment_params, local, strict=False):
+                param.lerp_(mine, alpha)  # torchft's merge of local and global
 
     def _follow_devices(self, params: list[torch.Tensor]) -> None:
         """Move the round start and displacements to the parameters' devices: a state
@@ -237,11 +291,19 @@ class DiLoCoAverager(PeriodicAverager):
             assert self.outer is not None
             state["round_start"] = [t.clone() for t in self.round_start]
             state["outer_optimizer"] = self.outer.state_dict()
+        if self.in_flight is not None:  # waits for the sync: its mean is part of the state
+            state["in_flight"] = {"fragment": self.in_flight.fragment,
+                                  "delta": [t.clone() for t in self.in_flight.wait()]}
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore the step, the round start and the outer optimizer's state."""
+        """Restore the step, the round start, the outer optimizer's state and a sync
+        in flight (its averaged pseudo-gradient)."""
         super().load_state_dict(state_dict)
+        in_flight = state_dict.get("in_flight")
+        self.in_flight = None if in_flight is None else InFlightAverage(
+            int(in_flight["fragment"]),
+            [torch.as_tensor(t).detach().clone() for t in in_flight["delta"]], None)
         if "round_start" not in state_dict:
             self.round_start, self.outer, self._outer_params = None, None, []
             return
@@ -259,4 +321,6 @@ class DiLoCoAverager(PeriodicAverager):
     def __repr__(self) -> str:
         return (f"DiLoCoAverager(period={self.period}, warmup_steps={self.warmup_steps}, "
                 f"fragments={self.fragments}, "
+                f"fragment_sync_delay={self.fragment_sync_delay}, "
+                f"fragment_update_alpha={self.fragment_update_alpha}, "
                 f"step={self.step}, outer={type(self.outer).__name__ if self.outer else None})")

@@ -22,11 +22,16 @@ def build_diloco(
     outer_lr: float = 0.7,
     outer_momentum: float = 0.9,
     fragments: int = 1,
+    fragment_sync_delay: int = 0,
+    fragment_update_alpha: float = 0.0,
 ) -> DiLoCoAverager:
     """A :class:`DiLoCoAverager`: ``post_local_sgd(..., averager="diloco", outer_lr=...)``;
-    ``fragments=N`` for Streaming DiLoCo's fragments."""
+    ``fragments=N``, ``fragment_sync_delay`` and ``fragment_update_alpha`` for
+    Streaming DiLoCo."""
     return DiLoCoAverager(period, warmup_steps, process_group, outer_lr=outer_lr,
-                          outer_momentum=outer_momentum, fragments=fragments)
+                          outer_momentum=outer_momentum, fragments=fragments,
+                          fragment_sync_delay=fragment_sync_delay,
+                          fragment_update_alpha=fragment_update_alpha)
 
 
 @overlapkit.hookimpl
