@@ -17,8 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from overlapkit.local_sgd.averaging import ReplicaGroup
-from overlapkit.plugin import ConfigurationError
+from overlapkit.plugin import ConfigurationError, ReplicaGroup
 
 __all__ = ["InFlightAverage", "check_sync_delay", "check_update_alpha"]
 
