@@ -32,6 +32,7 @@ from overlapkit.cli.bench import goal, torchscript_warnings_silenced
 from overlapkit.cli.bench.timing import paired_ratio, slowest_per_round, timed_rounds
 from overlapkit.cli.memory import peak_rss_mib
 from overlapkit.distributed import run_distributed
+from overlapkit.errors import ConfigurationError
 
 __all__ = ["SIZES", "VARIANTS", "run_benchmark"]
 
@@ -176,7 +177,8 @@ def run_benchmark(*, rounds: int = 5, world_size: int = 1, quick: bool = False,
     backend = "nccl" if device == "cuda" else "gloo"
     size = str(options.get("size", "small" if device == "cuda" and not quick else "tiny"))
     if size not in SIZES:
-        raise ValueError(f"size must be one of {', '.join(SIZES)}, got {size!r}")
+        raise ConfigurationError(f"gpt2: size must be one of {', '.join(SIZES)}, got "
+                                 f"{size!r}.")
     steps = int(options.get("steps", 3 if quick else 10))
     warmup = int(options.get("warmup", 1 if quick else 3))
     if quick:
