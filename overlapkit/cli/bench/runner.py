@@ -36,6 +36,7 @@ BENCHMARKS: dict[str, str] = {
     "checkpoint": "overlapkit.cli.bench.checkpoint",
     "sharded_state": "overlapkit.cli.bench.sharded_state",
     "network_bound": "overlapkit.cli.bench.network_bound",
+    "gpt2": "overlapkit.cli.bench.gpt2",
 }
 
 #: names used before 0.2 -> the name now; still accepted by ``--only``
@@ -45,7 +46,7 @@ ALIASES: dict[str, str] = {"ddp_overlap": "overlap_ddp", "local_sgd": "post_loca
 QUICK_ROUNDS = 1
 
 #: the benchmarks that also run on GPUs (``--device cuda``: NCCL, one GPU per rank)
-GPU_BENCHMARKS = ("overlap_ddp", "sharded_state", "network_bound")
+GPU_BENCHMARKS = ("overlap_ddp", "sharded_state", "network_bound", "gpt2")
 
 
 def machine_description() -> str:

@@ -24,6 +24,8 @@ def format_result(result: dict[str, Any]) -> str:
     its goals with value, target and met/MISSED (or why a goal is not judged)."""
     if "error" in result:
         return f"== {result['benchmark']}: FAILED: {result['error']}"
+    if "skipped" in result:  # a package the benchmark needs is missing
+        return f"== {result['benchmark']}: skipped: {result['skipped']}"
     variants: dict[str, dict[str, Any]] = result.get("variants", {})
     metrics: list[str] = []
     for figures in variants.values():
