@@ -139,3 +139,30 @@ def comm_hook_run(rank: int, world_size: int) -> dict[str, Any]:
         trained[name] = values(model)
     return {"torch": compare(trained["torch"], trained["overlapkit"]),
             "no hook": compare(trained["none"], trained["overlapkit"])}
+
+
+def one_rank_hook_run(rank: int, world_size: int) -> dict[str, Any]:
+    """What overlapkit's ``allreduce`` comm hook returns for each bucket of a one-rank
+    group: whether every future was complete when returned, holding the bucket itself,
+    and how many collectives the hook ran (the group's sequence number)."""
+    from overlapkit.comm_hooks import allreduce_hook
+
+    seen: list[tuple[bool, bool]] = []
+    group = dist.group.WORLD
+    collectives = 0
+
+    def watching_hook(state, bucket):  # type: ignore[no-untyped-def]
+        nonlocal collectives
+        before = group._get_sequence_number_for_group()
+        future = allreduce_hook(state, bucket)
+        collectives += group._get_sequence_number_for_group() - before
+        seen.append((future.done(), future.done() and future.value() is bucket.buffer()))
+        return future
+
+    ddp = DDP(_model(), bucket_cap_mb=BUCKET_CAP_MB, find_unused_parameters=True)
+    ddp.register_comm_hook(None, watching_hook)
+    for x in rank_batches(rank, 2, shape=(8, 12)):
+        ddp(x).square().mean().backward()
+    return {"buckets": len(seen), "complete": all(done for done, _ in seen),
+            "collectives": collectives,
+            "the bucket itself": all(same for _, same in seen)}

@@ -12,7 +12,13 @@ from typing import Any
 
 import pytest
 import torch
-from engine_caching_ranks import DDP_SETUPS, OPTIMIZERS, comm_hook_run, many_buckets_run
+from engine_caching_ranks import (
+    DDP_SETUPS,
+    OPTIMIZERS,
+    comm_hook_run,
+    many_buckets_run,
+    one_rank_hook_run,
+)
 from helpers import compare, failures
 from torch import nn
 
@@ -39,9 +45,17 @@ def test_many_buckets_stay_bitwise_plain_ddp(many_buckets: list[dict[str, Any]],
     assert many_buckets[0][key]["buckets"] >= 12
 
 
-def test_overlapkit_allreduce_hook_is_torch_s_and_ddp_s_own_reduction() -> None:
-    results = run_distributed(comm_hook_run, 2)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_overlapkit_allreduce_hook_is_torch_s_and_ddp_s_own_reduction(world_size: int) -> None:
+    results = run_distributed(comm_hook_run, world_size)
     assert failures(results, "torch") == {} and failures(results, "no hook") == {}
+
+
+def test_a_one_rank_group_s_buckets_are_returned_reduced_without_a_collective() -> None:
+    (result,) = run_distributed(one_rank_hook_run, 1)
+    assert result["buckets"] >= 2
+    assert result["complete"] and result["the bucket itself"]
+    assert result["collectives"] == 0
 
 
 # -- step plans -----------------------------------------------------------------------
