@@ -151,3 +151,16 @@ def error_of(call: Callable[[], Any]) -> dict[str, Any] | None:
 def failures(rank_results: Sequence[Mapping[str, Any]], key: str) -> dict[int, Any]:
     """Per rank, the result under ``key`` where it is false (empty when every rank passed)."""
     return {rank: r[key] for rank, r in enumerate(rank_results) if not r[key]}
+
+
+def in_a_circle(graph: Mapping[str, Iterable[str]]) -> list[str]:
+    """The nodes of an import graph (module -> the modules it imports) that reach
+    themselves: empty when the graph has no circle."""
+
+    def reaches(start: str, target: str, seen: set[str]) -> bool:
+        for nxt in graph.get(start, ()):
+            if nxt == target or (nxt not in seen and reaches(nxt, target, seen | {nxt})):
+                return True
+        return False
+
+    return [node for node in graph if reaches(node, node, {node})]

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import in_a_circle
 
 import overlapkit.cli.bench
 from overlapkit.cli.bench.runner import BENCHMARKS
@@ -45,15 +46,7 @@ def test_no_benchmark_imports_another_benchmark() -> None:
 
 
 def test_the_bench_modules_import_no_circle() -> None:
-    graph = _graph()
-
-    def reaches(start: str, target: str, seen: set[str]) -> bool:
-        for nxt in graph.get(start, ()):
-            if nxt == target or (nxt not in seen and reaches(nxt, target, seen | {nxt})):
-                return True
-        return False
-
-    assert [m for m in graph if reaches(m, m, {m})] == []
+    assert in_a_circle(_graph()) == []
 
 
 @pytest.mark.parametrize("module", sorted(BENCHMARKS.values()))

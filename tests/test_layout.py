@@ -7,6 +7,7 @@ import ast
 from pathlib import Path
 
 import pytest
+from helpers import in_a_circle
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "overlapkit"  # the source tree: tox runs the tests against an installed wheel
@@ -111,13 +112,6 @@ def _overlap_imports() -> dict[str, set[str]]:
 
 def test_the_overlap_subpackages_import_no_circle() -> None:
     graph = _overlap_imports()
-
-    def reaches(start: str, target: str, seen: set[str]) -> bool:
-        for nxt in graph.get(start, ()):
-            if nxt == target or (nxt not in seen and reaches(nxt, target, seen | {nxt})):
-                return True
-        return False
-
-    assert [unit for unit in graph if reaches(unit, unit, {unit})] == [], graph
+    assert in_a_circle(graph) == [], graph
     assert graph.get("core", set()) == set(), "the engine core imports no other part"
     assert graph.get("rules", set()) <= {"core"}

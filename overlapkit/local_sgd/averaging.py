@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from overlapkit.errors import ConfigurationError
 
-__all__ = ["ReplicaGroup", "average_in_place", "parameters_to_average"]
+__all__ = ["PendingAverage", "ReplicaGroup", "average_in_place", "parameters_to_average"]
 
 
 class ReplicaGroup(abc.ABC):
@@ -143,28 +143,68 @@ def average_in_place(
     that holds a parameter's storage (fused optimizers, bucket views) keeps seeing it.
     Ranks outside ``group`` and groups of one rank do nothing.
     """
-    if isinstance(group, ReplicaGroup):
-        size = group.size()
-    elif dist._rank_not_in_group(group):
-        return
-    else:
-        size = dist.get_world_size(group)
-    if size == 1 or not params:
-        return
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for p in params:
-        by_device.setdefault(p.device, []).append(p)
-    for tensors in by_device.values():
-        # torch.cat promotes mixed dtypes (bf16 and fp32 -> fp32) as torch's does
-        flat = torch.cat([p.detach().reshape(-1) for p in tensors])
-        flat.div_(size)
+    PendingAverage(params, group).wait()
+
+
+class PendingAverage:
+    """The mean of ``tensors`` over ``group``, started at construction; :meth:`wait`
+    ends it and writes it back into the tensors.
+
+    :func:`average_in_place` waits at once; Streaming DiLoCo (``async_op=True``) runs
+    inner steps while the reduction is on the wire. One arithmetic for both, so a
+    delay of 0 is bitwise the blocking averaging.
+
+    :param group: a process group or a :class:`ReplicaGroup` (``None``: nothing to
+        reduce, as a state loaded from a checkpoint that holds the mean already).
+    """
+
+    def __init__(self, tensors: list[torch.Tensor],
+                 group: dist.ProcessGroup | ReplicaGroup | None, *,
+                 async_op: bool = False) -> None:
+        self.tensors = tensors
+        self._pending: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
+        if group is None or not tensors:
+            return
         if isinstance(group, ReplicaGroup):
-            group.all_reduce(flat, dist.ReduceOp.SUM)
+            size = group.size()
+        elif dist._rank_not_in_group(group):
+            return
         else:
-            dist.all_reduce(flat, group=group)
-        offset = 0
-        with torch.no_grad():
-            for p in tensors:
-                p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            size = dist.get_world_size(group)
+        if size == 1:
+            return
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_device.setdefault(t.device, []).append(t)
+        for same_device in by_device.values():
+            # torch.cat promotes mixed dtypes (bf16 and fp32 -> fp32) as torch's does
+            flat = torch.cat([t.detach().reshape(-1) for t in same_device])
+            flat.div_(size)
+            work: Any
+            if isinstance(group, ReplicaGroup):
+                if async_op:
+                    work = group.all_reduce_async(flat, dist.ReduceOp.SUM)
+                else:
+                    work = group.all_reduce(flat, dist.ReduceOp.SUM)
+            else:
+                work = dist.all_reduce(flat, group=group, async_op=async_op)
+            self._pending.append((work if async_op else None, flat, same_device))
+
+    @property
+    def done(self) -> bool:
+        """Whether :meth:`wait` has nothing left to wait for."""
+        return not self._pending
+
+    def wait(self) -> list[torch.Tensor]:
+        """Wait for the reduction, write the mean into the tensors and return them."""
+        for work, flat, same_device in self._pending:
+            if work is not None:
+                work.wait()
+            offset = 0
+            with torch.no_grad():
+                for t in same_device:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+        self._pending = []
+        return self.tensors
 

@@ -49,7 +49,7 @@ if TYPE_CHECKING:  # imported lazily at run time (see _LAZY)
         average_in_place,
         parameters_to_average,
     )
-    from overlapkit.local_sgd.averaging import ReplicaGroup
+    from overlapkit.local_sgd.averaging import PendingAverage, ReplicaGroup
     from overlapkit.overlap.core.engine import OverlapEngine, OverlappedOptimizer, ParamGroup
     from overlapkit.overlap.core.generic import GenericOverlapEngine
     from overlapkit.plugin.manager import OverlapkitPluginManager
@@ -77,6 +77,7 @@ __all__ = [
     "ParamGroup",
     "PluginConflictError",
     "PluginLoadError",
+    "PendingAverage",
     "PluginValidationError",
     "ReplicaGroup",
     "UnknownNameError",
@@ -99,6 +100,7 @@ _LAZY = {
     "average_in_place": "overlapkit.local_sgd.averagers",
     "parameters_to_average": "overlapkit.local_sgd.averagers",
     "ReplicaGroup": "overlapkit.local_sgd.averaging",
+    "PendingAverage": "overlapkit.local_sgd.averaging",
     "OverlapkitPluginManager": "overlapkit.plugin.manager",
 }
 

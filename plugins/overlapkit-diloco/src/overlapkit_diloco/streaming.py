@@ -3,21 +3,20 @@
 With ``fragment_sync_delay=d`` a fragment's pseudo-gradients are averaged by an
 asynchronous allreduce started ``d`` inner steps before its outer step: the inner steps
 run while the reduction is on the wire, and the outer step waits for it. This module
-holds that reduction in flight (:class:`InFlightAverage`) and checks the two options.
-Its arithmetic is :func:`overlapkit.plugin.average_in_place`'s (one flat buffer per
-device, divided by the group size, then summed), so ``d=0`` is bitwise the blocking
-averaging.
+holds that reduction in flight (:class:`InFlightAverage`, overlapkit's
+:class:`~overlapkit.plugin.PendingAverage` started asynchronously: the arithmetic of
+:func:`overlapkit.plugin.average_in_place`, so ``d=0`` is bitwise the blocking
+averaging) and checks the two options.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from overlapkit.plugin import ConfigurationError, ReplicaGroup
+from overlapkit.plugin import ConfigurationError, PendingAverage, ReplicaGroup
 
 __all__ = ["InFlightAverage", "check_sync_delay", "check_update_alpha"]
 
@@ -47,9 +46,9 @@ def check_update_alpha(alpha: object) -> float:
     return float(alpha)
 
 
-class InFlightAverage:
+class InFlightAverage(PendingAverage):
     """The mean over ``group`` of one fragment's pseudo-gradients, started at
-    construction and waited for by :meth:`wait`.
+    construction (asynchronously) and waited for by :meth:`wait`.
 
     :param fragment: which fragment the tensors are (checked when the result is used).
     :param tensors: the pseudo-gradients; replaced by their mean once :meth:`wait`
@@ -60,43 +59,5 @@ class InFlightAverage:
 
     def __init__(self, fragment: int, tensors: list[torch.Tensor],
                  group: dist.ProcessGroup | ReplicaGroup | None) -> None:
+        super().__init__(tensors, group, async_op=True)
         self.fragment = fragment
-        self.tensors = tensors
-        self._works: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
-        if group is None:
-            return
-        if isinstance(group, ReplicaGroup):
-            size = group.size()
-        elif dist._rank_not_in_group(group):
-            return
-        else:
-            size = dist.get_world_size(group)
-        if size == 1 or not tensors:
-            return
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_device.setdefault(t.device, []).append(t)
-        for same_device in by_device.values():
-            flat = torch.cat([t.reshape(-1) for t in same_device])
-            flat.div_(size)
-            if isinstance(group, ReplicaGroup):
-                work = group.all_reduce_async(flat, dist.ReduceOp.SUM)
-            else:
-                work = dist.all_reduce(flat, group=group, async_op=True)
-            self._works.append((work, flat, same_device))
-
-    @property
-    def done(self) -> bool:
-        """Whether :meth:`wait` has nothing left to wait for."""
-        return not self._works
-
-    def wait(self) -> list[torch.Tensor]:
-        """Wait for the reduction and return the averaged tensors."""
-        for work, flat, same_device in self._works:
-            work.wait()
-            offset = 0
-            for t in same_device:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
-        self._works = []
-        return self.tensors
