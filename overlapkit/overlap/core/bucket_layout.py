@@ -14,6 +14,7 @@ layout holds, so that its identity cannot be reused — and the engine keeps its
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import attrs
@@ -21,7 +22,11 @@ import torch
 
 from overlapkit.overlap.core.engine import OverlapEngine, StepPlan
 
-__all__ = ["BucketLayout", "BucketLayouts", "bucket_gradient_views"]
+#: batch layouts kept at most (the runs of buckets ready together vary with the
+#: reductions' timing where other ranks take part)
+_MOST_BATCHES = 256
+
+__all__ = ["BatchLayout", "BucketLayout", "BucketLayouts", "bucket_gradient_views"]
 
 
 def _non_overlapping_and_dense(tensor: torch.Tensor) -> bool:
@@ -84,9 +89,28 @@ class BucketLayout:
     others: list[torch.Tensor]
 
 
+@attrs.frozen(eq=False)
+class BatchLayout:
+    """Consecutive buckets stepped together, in one call of the engine: their
+    :class:`BucketLayout` joined.
+
+    :param parts: the buckets' layouts, in bucket order (held: each must still be the
+        bucket's current layout for this to be valid).
+    :param owned: every part's owned parameters, in bucket order.
+    :param views: their gradients, as views of the parts' buffers.
+    :param plan: the engine's plan of ``owned``.
+    """
+
+    parts: tuple[BucketLayout, ...]
+    owned: list[torch.Tensor]
+    views: list[torch.Tensor]
+    plan: StepPlan
+
+
 class BucketLayouts:
     """The :class:`BucketLayout` of each bucket index, worked out again only when DDP
-    rebuilt its buckets or the engine's parameters changed.
+    rebuilt its buckets or the engine's parameters changed; and the
+    :class:`BatchLayout` of each run of buckets stepped together.
 
     Safe to use from several comm threads at once: layouts are immutable, and two
     threads working out the same one only waste the work.
@@ -95,6 +119,7 @@ class BucketLayouts:
     def __init__(self, engine: OverlapEngine) -> None:
         self._engine = engine
         self._by_index: dict[int, BucketLayout] = {}
+        self._batches: dict[tuple[int, ...], BatchLayout] = {}
 
     def get(self, bucket: Any, buffer: torch.Tensor) -> BucketLayout:
         """The layout of ``bucket`` (a ``dist.GradBucket``) whose buffer is ``buffer``."""
@@ -106,7 +131,7 @@ class BucketLayouts:
             return layout
         if layout is not None and layout.buffer is not buffer:
             # DDP rebuilt its buckets: every old buffer goes (none is reused)
-            self._by_index.clear()
+            self.clear()
         version = engine.layout_version
         params = bucket.parameters()
         all_pairs = list(zip(params, bucket_gradient_views(buffer, params), strict=True))
@@ -120,6 +145,25 @@ class BucketLayouts:
         self._by_index[index] = layout
         return layout
 
+    def batch(self, indices: tuple[int, ...], parts: list[BucketLayout]) -> BatchLayout:
+        """The layout of the buckets ``indices`` stepped together, whose current layouts
+        are ``parts``: kept while they stay current, since the same runs of buckets
+        come back step after step (every bucket at once where nothing is left to wait
+        for at the end of backward, as on one rank)."""
+        batch = self._batches.get(indices)
+        if batch is not None and all(map(operator.is_, batch.parts, parts)) \
+                and batch.plan.version == self._engine.layout_version:
+            return batch
+        owned = [param for part in parts for param in part.owned]
+        batch = BatchLayout(parts=tuple(parts), owned=owned,
+                            views=[view for part in parts for view in part.views],
+                            plan=self._engine.plan(owned))
+        if len(self._batches) >= _MOST_BATCHES:  # where runs vary with timing (ranks)
+            self._batches.clear()
+        self._batches[indices] = batch
+        return batch
+
     def clear(self) -> None:
         """Forget every layout (and the buffers they hold)."""
         self._by_index.clear()
+        self._batches.clear()

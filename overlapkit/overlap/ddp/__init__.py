@@ -1,9 +1,11 @@
 """The DDP path: steps taken as each DDP gradient bucket's reduction completes.
 
 Its set-up (:mod:`~overlapkit.overlap.ddp.setup`: resolve the DDP model and the comm
-hook, check what only DDP asks, register the comm hook), the comm hook that steps each
-bucket (:mod:`~overlapkit.overlap.ddp.bucket_stepper`; a reduction that fails there is
-raised as one overlapkit error when backward ends:
+hook, check what only DDP asks, register the comm hook), the comm hook that decides
+when each bucket is stepped (:mod:`~overlapkit.overlap.ddp.bucket_stepper`; on CPU in the
+order :mod:`~overlapkit.overlap.ddp.inline_schedule` chooses), how runs of reduced
+buckets are stepped (:mod:`~overlapkit.overlap.ddp.bucket_steps`; a reduction that fails
+is raised as one overlapkit error when backward ends:
 :mod:`~overlapkit.overlap.ddp.failed_reductions`), the hooks on the parameters
 beside it (:mod:`~overlapkit.overlap.ddp.param_hooks`) and the optimizer
 ``overlap_ddp`` returns (:mod:`~overlapkit.overlap.ddp.optimizer`).

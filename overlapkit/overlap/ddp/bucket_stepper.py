@@ -8,9 +8,10 @@ what runs per bucket during backward; nothing here runs at set-up.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from typing import Any
 
 import torch
@@ -18,36 +19,48 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
+from overlapkit.comm_hooks import allreduce_hook, launch_allreduce
 from overlapkit.overlap.core.backward_scope import NEW, OUTSIDE, BackwardScope
 from overlapkit.overlap.core.bucket_layout import BucketLayouts, bucket_gradient_views
-from overlapkit.overlap.core.engine import OverlapEngine, StepPlan
+from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.overlap.core.side_stream import SideStream
-from overlapkit.overlap.ddp.failed_reductions import FailedReductions
+from overlapkit.overlap.ddp.bucket_steps import BucketSteps, PendingBucket
+from overlapkit.overlap.ddp.inline_schedule import AFTER, InlineSchedule
 from overlapkit.overlap.ddp.param_hooks import free_local_grads_once_bucketed, refuse_unfrozen
 from overlapkit.overlap.rules.clipping import GradClipping
 from overlapkit.overlap.rules.global_step import GlobalStep
 
 __all__ = ["STEP_THREADS", "BucketStepper", "bucket_gradient_views", "overlapped_comm_hook"]
 
-#: entered where a step runs inline (no side stream): stateless, so shared
-_INLINE = nullcontext()
-
 #: where bucket steps run: see overlap_ddp(step_thread=...)
 STEP_THREADS = ("backward", "comm")
 
 
-class BucketStepper(FailedReductions):
+class BucketStepper(BucketSteps):
     """The state of the registered comm hook: runs the inner hook, then steps.
 
-    ``step_thread="backward"``: a bucket whose reduction has completed is stepped on
-    the thread running backward, at the next bucket's hook or, at the latest, just
-    before DDP finalises backward. ``"comm"``: in the future's callback, which runs
-    on a gloo worker thread concurrently with autograd (measured on torch 2.13).
-    Either way the stepping goes through the engine's lock, and every bucket has
-    been stepped when ``backward()`` returns.
+    ``step_thread="backward"``: buckets are stepped on the thread running backward.
+
+    - With a side stream (an accelerator), a bucket whose reduction has completed
+      is stepped at the next bucket's hook: the step is enqueued on the side stream
+      and runs on the device beside backward's kernels.
+    - Inline (CPU), the thread that steps is the one that computes backward, so a step
+      between two hooks only delays backward, and the reductions launched after it.
+      Buckets are stepped once backward's computation is done, just before DDP
+      finalises it, while the reductions still in flight complete: every bucket
+      whose reduction has completed is stepped at once, in one call of the engine,
+      then the next one is waited for (:meth:`_drain`). On one rank, or where the
+      reductions keep up with backward, that is one call for the whole model, as
+      the plain ``step()``; where communication is slower, the steps fill the wait
+      for it.
+
+    ``"comm"``: in the future's callback, which runs on a gloo worker thread
+    concurrently with autograd (measured on torch 2.13). Either way the stepping
+    goes through the engine's lock, and every bucket has been stepped when
+    ``backward()`` returns.
 
     ``free_grads``: the stepped parameters' ``.grad`` are set to None once DDP has
-    finalised backward (see :meth:`_step_bucket` for what that frees, and when).
+    finalised backward (see :meth:`_step_reduced` for what that frees, and when).
 
     Under ``ddp_model.join()`` (uneven inputs) a rank that has run out of inputs
     only runs the inner hook on DDP's zero-filled shadow buckets, outside any
@@ -69,6 +82,7 @@ class BucketStepper(FailedReductions):
         global_step: GlobalStep | None = None,
         full_step: GlobalStep | None = None,
         technique: str = "overlap_ddp",
+        static_graph: bool = False,
     ) -> None:
         super().__init__(technique, "inside `with ddp_model.no_sync():`")
         self.engine = engine
@@ -82,6 +96,17 @@ class BucketStepper(FailedReductions):
         self.side_stream = side_stream
         # read per bucket: worked out once (a CPU run has no side stream)
         self._inline = side_stream is None or not side_stream.active
+        #: inline with the ``allreduce`` hook: the reduction is launched here and DDP
+        #: is answered with a future of this stepper's (see _launch). Not with
+        #: static_graph: DDP runs every hook of its first backward inside its own
+        #: end-of-backward callback and waits for the futures there, before this
+        #: stepper's end of backward could answer them (it hung, measured).
+        self._answers_itself = (self._inline and inner_hook is allreduce_hook
+                                and step_thread == "backward" and not static_graph)
+        #: bucket index -> the future DDP holds for it, completed once it is stepped
+        self._answers: dict[int, torch.futures.Future[torch.Tensor]] = {}
+        #: inline: the order of the steps at the end of backward
+        self.schedule = InlineSchedule()
         self._clips = clipping.enabled
         #: what is known of each bucket from the backwards before
         self.layouts = BucketLayouts(engine)
@@ -108,7 +133,7 @@ class BucketStepper(FailedReductions):
         #: set by register_bucket_stepper when parameters must free their local
         #: gradient once DDP has copied it (free_local_grads_once_bucketed)
         self.free_after_copy_model: DistributedDataParallel | None = None
-        self._pending: deque[tuple[dist.GradBucket, torch.futures.Future[Any]]] = deque()
+        self._pending: deque[PendingBucket] = deque()
         #: the first error a step raised during this backward; raised when it ends
         self._step_error: BaseException | None = None
         #: note each bucket's parameters until DDP has rebuilt its buckets (set at
@@ -140,6 +165,7 @@ class BucketStepper(FailedReductions):
         if entered == NEW:
             # buckets of a backward that raised before its end are not stepped
             self._pending.clear()
+            self._answers.clear()
             # a second stepping backward with no step() in between, in a loop that
             # calls step(), is refused: nothing is stepped in it, every bucket is still
             # reduced (step_accounting). The scope queued _before_finalize for its end:
@@ -148,6 +174,8 @@ class BucketStepper(FailedReductions):
             self._step_error = self.starting_backward()
         if self.recording_layout:
             self._seen_buckets[bucket.index()] = bucket.parameters()
+        if self._answers_itself and self.global_step is None and not self.deferring:
+            return self._launch(bucket)
         future = self.inner_hook(self.inner_state, bucket)
         if self.global_step is not None or self.deferring:
             # reduced now; stepped with every other after finalize, or (defer_steps())
@@ -156,17 +184,75 @@ class BucketStepper(FailedReductions):
         if self.step_thread == "comm":
             return self.keep(future.then(lambda fut: self._step_bucket(bucket, fut)))
         self._pending.append((bucket, future))
-        self._drain(wait=False)
+        if not self._inline:  # inline, buckets wait for backward's end (class docstring)
+            self._drain(wait=False)
         return future
 
     def _drain(self, wait: bool) -> None:
+        """Step the pending buckets whose reduction has completed, in bucket order;
+        with ``wait``, every pending bucket.
+
+        With a side stream, one bucket at a time, as each is enqueued. Inline, at the
+        end of backward: in the order :attr:`schedule` gives where reductions are still
+        in flight (:mod:`~overlapkit.overlap.ddp.inline_schedule`), timed until it has
+        chosen.
+        """
         pending = self._pending
+        if not self._inline:
+            while pending and (wait or pending[0][1].done()):
+                self._step_run([pending.popleft()])  # waits on the side stream
+            return
+        if not wait:
+            return
+        if all(future.done() for _, future in pending):
+            self._step_run(list(pending))  # everything reduced: one call
+            pending.clear()
+            return
+        order = self.schedule.order()
+        started = time.perf_counter()
+        if order == AFTER:
+            for _, future in pending:
+                with suppress(Exception):  # raised again where stepped, and kept
+                    future.wait()
         while pending:
-            bucket, future = pending[0]
-            if not wait and not future.done():
-                return
-            pending.popleft()
-            self._step_bucket(bucket, future)  # waits for the future on the side stream
+            head = pending[0][1]
+            if not head.done():
+                # wait here, then take every bucket ready by then with it
+                with suppress(Exception):  # raised again where stepped, and kept
+                    head.wait()
+            run = [pending.popleft()]
+            while pending and pending[0][1].done():
+                run.append(pending.popleft())
+            self._step_run(run)
+        self.schedule.timed(order, time.perf_counter() - started)
+
+    def _step_run(self, run: list[PendingBucket]) -> None:
+        """Step a run of consecutive buckets, and answer DDP's futures for them."""
+        buffers = self._step_buckets(run)
+        answers = self._answers
+        if answers:
+            for (bucket, _), buffer in zip(run, buffers, strict=True):
+                answers.pop(bucket.index()).set_result(buffer)
+
+    def _launch(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """Launch the bucket's reduction (the ``allreduce`` comm hook's), and answer DDP
+        with a future of this stepper's, completed once the bucket is stepped, before
+        DDP's finalize waits for it (:meth:`_drain`).
+
+        The hook's own future would complete through a Python callback run on gloo's
+        thread, which must take the GIL from the training thread, stepping or running
+        backward's hooks; measured on torch 2.13, 2 ranks on 2 cores: it more than
+        doubled the CPU time of gloo's network thread and added ~30 % to a step of
+        100 buckets (``docs/benchmarks.md``, engine overhead).
+        """
+        launched = launch_allreduce(self.inner_state, bucket)
+        if launched is None:  # one rank: the bucket is its own sum
+            launched = torch.futures.Future()
+            launched.set_result([bucket.buffer()])
+        answer: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self._answers[bucket.index()] = answer
+        self._pending.append((bucket, launched))
+        return answer
 
     def _before_finalize(self) -> None:
         self._drain(wait=True)
@@ -296,99 +382,6 @@ class BucketStepper(FailedReductions):
         # "used" here either (measured on torch 2.13).
         if param.grad is not None:
             self.used.add(param)
-
-    # -- on the autograd thread or a gloo worker thread ------------------------
-
-    def _step(self, params: list[torch.Tensor]) -> None:
-        """Step ``params`` whose gradients the compute stream produced (the side stream
-        waits for it first)."""
-        plan = self.engine.plan(params)
-        if self._inline:
-            self._apply_step(plan)
-            return
-        with self.side_stream.running(params):  # type: ignore[union-attr]
-            self._apply_step(plan)
-
-    def _apply_step(self, plan: StepPlan) -> None:
-        if self._clips:
-            self.clipping.apply(plan.params)
-        self.engine.step_plan(plan)
-
-    def _on_side_stream(self, bucket: dist.GradBucket) -> Any:
-        """The side stream of the bucket's device, entered without waiting for the
-        compute stream: the bucket's step waits for its comm future in it instead
-        (the allreduce already waited for the gradients)."""
-        if self._inline:
-            return _INLINE
-        return self.side_stream.running(  # type: ignore[union-attr]
-            bucket.parameters(), after_compute=False)
-
-    def _step_bucket(
-        self, bucket: dist.GradBucket, future: torch.futures.Future[Any]
-    ) -> torch.Tensor:
-        """Step the owned parameters of ``bucket`` with its reduced gradients.
-
-        Never raises: an error of the step (an optimizer or a step hook raising) is
-        kept and raised at the end of backward (:meth:`_after_backward`), and the
-        buckets after it are reduced but not stepped. Raising here, inside DDP's comm
-        hook, would abort backward on this rank after some reductions only, while the
-        other ranks launch a different number: every later collective would hang.
-        """
-        # On the side stream, as PyTorch's own optimizer-overlap hook does: waiting for
-        # an NCCL future makes the *current* stream wait for the allreduce, and only
-        # the side stream may (the compute stream goes on with backward).
-        with self._on_side_stream(bucket):
-            if not self.reduced(future, bucket.index()):  # raised when backward ends
-                return bucket.buffer()
-            if self._step_error is not None:
-                return self._reduced_buffer(bucket, future)
-            try:
-                return self._step_reduced_bucket(bucket, future)
-            except Exception as error:  # held until backward ends; see the docstring
-                self._step_error = error
-                return bucket.buffer()
-
-    @staticmethod
-    def _reduced_buffer(bucket: dist.GradBucket,
-                        future: torch.futures.Future[Any]) -> torch.Tensor:
-        result = future.value()
-        if isinstance(result, (list, tuple)):
-            result = result[0]
-        buffer = bucket.buffer()
-        if result.data_ptr() != buffer.data_ptr():
-            buffer.copy_(result)
-        return buffer
-
-    def _step_reduced_bucket(
-        self, bucket: dist.GradBucket, future: torch.futures.Future[Any]
-    ) -> torch.Tensor:
-        buffer = self._reduced_buffer(bucket, future)
-        layout = self.layouts.get(bucket, buffer)
-        chosen, views, plan = layout.owned, layout.views, layout.plan
-        if self.track_usage:
-            used = self.used
-            pairs = [(p, v) for p, v in zip(chosen, views, strict=True) if p in used]
-            chosen, views = [p for p, _ in pairs], [v for _, v in pairs]
-            plan = self.engine.plan(chosen)
-        # gradient_as_bucket_view=True: DDP has made each used .grad a view of the
-        # bucket. False: .grad is still the local gradient (DDP copies the reduced
-        # one into it after backward), so the reduced view is lent for the step.
-        # With free_grads the view stays: the local gradient is freed now, and
-        # DDP's copy after backward is a copy of the bucket onto itself.
-        restore: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        if not self.grads_are_bucket_views:
-            if not self.free_grads:
-                restore = [(param, param.grad) for param in chosen]
-            for param, grad in zip(chosen, views, strict=True):
-                param.grad = grad
-        self.last_buckets[bucket.index()] = chosen
-        try:
-            if chosen:
-                self._apply_step(plan)  # already on the side stream
-        finally:
-            for param, local_grad in restore:
-                param.grad = local_grad
-        return buffer
 
 
 def overlapped_comm_hook(state, bucket):  # type: ignore[no-untyped-def]

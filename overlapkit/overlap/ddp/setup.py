@@ -149,7 +149,7 @@ def set_up_on_ddp(
         grads_are_bucket_views=bool(model.gradient_as_bucket_view),
         technique=setup.model.technique, step_thread=setup.step_thread,
         clipping=setup.clipping, side_stream=SideStream(owned), global_step=global_step,
-        full_step=full_step, **stepper_options,
+        full_step=full_step, static_graph=bool(model.static_graph), **stepper_options,
     )
     try:
         model.register_comm_hook(stepper, overlapped_comm_hook)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from overlapkit.errors import ConfigurationError, OverlapkitError
 from overlapkit.overlap.core.backward_scope import OUTSIDE
 from overlapkit.overlap.ddp.bucket_stepper import BucketStepper
+from overlapkit.overlap.ddp.bucket_steps import PendingBucket
 from overlapkit.overlap.sharded.exchange import ParameterExchange
 
 __all__ = ["ShardedBucketStepper", "join_refusal"]
@@ -81,20 +82,22 @@ class ShardedBucketStepper(BucketStepper):
             self.advance()
         return refused
 
-    def _step_bucket(self, bucket: dist.GradBucket,
-                     future: torch.futures.Future[Any]) -> torch.Tensor:
-        buffer = super()._step_bucket(bucket, future)
+    def _step_buckets(self, items: list[PendingBucket]) -> list[torch.Tensor]:
+        buffers = super()._step_buckets(items)
         if self.per_bucket and self.reduction_error is None:
             # On every rank, whether or not it owns anything here, and whether or not
             # the step raised (it is raised at the end of backward): the broadcasts
-            # must match across ranks. On the steps' side stream, right after them.
-            # Not after a failed reduction: the ranks are out of step, and the error
-            # is raised at the end of backward.
-            with self._on_side_stream(bucket):
-                if self.clipping.value is not None:
-                    self._clamp_the_others(bucket, buffer, self.clipping.value)
-                self.exchange.launch_bucket(bucket.index(), bucket.parameters())
-        return buffer
+            # must match across ranks, bucket by bucket in bucket order (however the
+            # buckets were run together on each rank). On the steps' side stream,
+            # right after them. Not after a failed reduction: the ranks are out of
+            # step, and the error is raised at the end of backward.
+            for (bucket, _), buffer in zip(items, buffers, strict=True):
+                params = bucket.parameters()
+                with self._on_side_stream(params):
+                    if self.clipping.value is not None:
+                        self._clamp_the_others(bucket, buffer, self.clipping.value)
+                    self.exchange.launch_bucket(bucket.index(), params)
+        return buffers
 
     def comm_failure(self) -> BaseException | None:
         """The failed reduction of this backward, else a failed broadcast of the
