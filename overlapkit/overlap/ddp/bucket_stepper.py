@@ -194,8 +194,8 @@ class BucketStepper(BucketSteps):
 
         With a side stream, one bucket at a time, as each is enqueued. Inline, at the
         end of backward: in the order :attr:`schedule` gives where reductions are still
-        in flight (:mod:`~overlapkit.overlap.ddp.inline_schedule`), timed until it has
-        chosen.
+        in flight (:mod:`~overlapkit.overlap.ddp.inline_schedule`; its waits are
+        measured until it has chosen).
         """
         pending = self._pending
         if not self._inline:
@@ -208,12 +208,13 @@ class BucketStepper(BucketSteps):
             self._step_run(list(pending))  # everything reduced: one call
             pending.clear()
             return
-        order = self.schedule.order()
-        started = time.perf_counter()
-        if order == AFTER:
+        if self.schedule.order() == AFTER:
+            started, cpu_started = time.perf_counter(), time.process_time()
             for _, future in pending:
                 with suppress(Exception):  # raised again where stepped, and kept
                     future.wait()
+            self.schedule.waited(time.perf_counter() - started,
+                                 time.process_time() - cpu_started)
         while pending:
             head = pending[0][1]
             if not head.done():
@@ -224,7 +225,6 @@ class BucketStepper(BucketSteps):
             while pending and pending[0][1].done():
                 run.append(pending.popleft())
             self._step_run(run)
-        self.schedule.timed(order, time.perf_counter() - started)
 
     def _step_run(self, run: list[PendingBucket]) -> None:
         """Step a run of consecutive buckets, and answer DDP's futures for them."""

@@ -1,5 +1,6 @@
 """When a CPU rank steps its buckets at the end of backward: while the reductions still
-in flight complete, or once they all have. Chosen by measuring both.
+in flight complete, or once they all have. Chosen by what the rank's communication
+does while the rank waits for it.
 
 On CPU the thread that steps is the thread that runs backward, so the bucket stepper
 leaves every step to the end of backward's computation
@@ -7,36 +8,45 @@ leaves every step to the end of backward's computation
 a choice of order:
 
 - ``"fill"``: step each run of buckets whose reduction has completed while the others
-  are still in flight. This is the overlap: where the network is what the reductions
-  wait for, the steps take the time the rank would otherwise spend waiting.
+  are still in flight. This is the overlap: where the reductions wait for a network
+  (or for a slower peer), the steps take the time the rank would otherwise spend
+  waiting (measured on torch 2.13, 2 gloo ranks over a simulated 2 Gb/s link: saves
+  0.8-0.9 of the plain ``step()``).
 - ``"after"``: wait for every reduction, then step all the buckets in one call, as the
   plain loop's ``step()`` after backward does.
 
-Which is faster depends on what the reductions wait for, which a rank cannot see. Over
-a network, ``"fill"`` (measured on torch 2.13, 2 gloo ranks over a simulated 2 Gb/s
-link: saves 0.8-0.9 of the plain ``step()``). Where gloo's own threads are the
-bottleneck — ranks on the same machine with no core to spare for them, reducing over
-loopback — stepping beside them slows every reduction (measured, 2 ranks on 2 cores,
-100 buckets: 1.30 x the plain step with ``"fill"``, 1.07 x with ``"after"``; gloo's
-network thread used twice the CPU time). So each rank times both on its first backwards
-that end with reductions in flight (:data:`TRIALS` each, alternating) and keeps the
-faster (the fastest time of each: other load only adds to them); a rank whose
-reductions are always complete by then (one rank, or a network
-faster than backward) has nothing to choose, and both orders are the same. The choice
-changes only timings: both orders step the same parameters with the same gradients.
+Where the reductions are themselves work for this machine's cores — ranks on one
+machine reducing over loopback, gloo's threads copying and summing — stepping beside
+them slows every reduction down: measured, 2 ranks on 2 cores, 100 buckets, 1.30 x the
+plain step with ``"fill"`` and 1.07 x with ``"after"``; gloo's network thread used
+twice the CPU time. A rank cannot tell the two apart from wall-clock time (what it
+waits for is also when its peers arrive, which varies far more from step to step than
+the difference), but it can tell from CPU time: on its first ends of backward with
+reductions in flight it waits for them all (``"after"``) and measures the CPU time its
+own process spent meanwhile — its communication threads, since the training thread
+only waits. Where that keeps at least :data:`BUSY` of a core busy, the reductions are
+CPU work, and ``"after"`` is kept; otherwise the wait is idle and ``"fill"`` is
+(measured: 0.38-0.79 of a core over loopback, 2 ranks on 2 cores; 0.04-0.07 over the
+simulated link, whose transfers take no CPU time, as a network card's). A
+rank whose reductions are always complete by then (one rank, or a network faster than
+backward) has nothing to choose: both orders are the same. The choice changes only
+timings: both orders step the same parameters with the same gradients.
 
 .. versionadded:: 0.4
 """
 
 from __future__ import annotations
 
-__all__ = ["AFTER", "FILL", "TRIALS", "InlineSchedule"]
+__all__ = ["AFTER", "BUSY", "FILL", "TRIALS", "InlineSchedule"]
 
 FILL = "fill"
 AFTER = "after"
-#: timed ends of backward per order before choosing
-TRIALS = 4
-#: ends of backward with reductions in flight not timed first (DDP rebuilds its
+#: waits measured before choosing
+TRIALS = 3
+#: the share of a core the process keeps busy while it waits, from which its
+#: reductions count as CPU work
+BUSY = 0.25
+#: ends of backward with reductions in flight not measured first (DDP rebuilds its
 #: buckets after the first iteration; the first steps create the optimizer's state)
 _SKIPPED = 2
 
@@ -45,35 +55,36 @@ class InlineSchedule:
     """The order of one CPU bucket stepper's steps at the end of backward."""
 
     def __init__(self) -> None:
-        #: the order chosen, once both were timed
+        #: the order chosen, once the waits were measured
         self.chosen: str | None = None
         self._seen = 0
-        self._times: dict[str, list[float]] = {FILL: [], AFTER: []}
+        #: (wall seconds, process CPU seconds) of each wait measured
+        self._waits: list[tuple[float, float]] = []
 
     def order(self) -> str:
-        """The order for this end of backward, where reductions are still in flight."""
-        if self.chosen is not None:
-            return self.chosen
-        trial = self._seen - _SKIPPED
-        if trial < 0:
-            return FILL
-        return FILL if trial % 2 == 0 else AFTER
+        """The order for this end of backward, where reductions are still in flight:
+        ``"after"`` until chosen (the waits are measured in it)."""
+        return AFTER if self.chosen is None else self.chosen
 
-    def timed(self, order: str, seconds: float) -> None:
-        """The end of backward in ``order`` took ``seconds`` (reductions and steps)."""
+    def waited(self, wall_s: float, cpu_s: float) -> None:
+        """In ``"after"``, the wait for every reduction took ``wall_s`` seconds, and the
+        process used ``cpu_s`` seconds of CPU time meanwhile."""
         if self.chosen is not None:
             return
         self._seen += 1
         if self._seen <= _SKIPPED:
             return
-        times = self._times[order]
-        times.append(seconds)
-        if all(len(each) >= TRIALS for each in self._times.values()):
-            # the fastest of each: a machine's other load only ever adds time
-            fill, after = (min(self._times[each]) for each in (FILL, AFTER))
-            self.chosen = FILL if fill <= after else AFTER
+        self._waits.append((wall_s, cpu_s))
+        if len(self._waits) >= TRIALS:
+            self.chosen = AFTER if self.busy >= BUSY else FILL
 
     @property
-    def trials(self) -> dict[str, list[float]]:
-        """The times measured so far, in seconds, per order (for benchmarks and logs)."""
-        return {order: list(times) for order, times in self._times.items()}
+    def busy(self) -> float:
+        """The share of a core the process kept busy over the waits measured so far."""
+        wall = sum(wall for wall, _ in self._waits)
+        return sum(cpu for _, cpu in self._waits) / wall if wall > 0 else 0.0
+
+    @property
+    def waits(self) -> list[tuple[float, float]]:
+        """The waits measured so far: (wall seconds, process CPU seconds) each."""
+        return list(self._waits)
