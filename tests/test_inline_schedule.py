@@ -16,23 +16,46 @@ from overlapkit.distributed import run_distributed
 from overlapkit.overlap.ddp.inline_schedule import AFTER, BUSY, FILL, TRIALS, InlineSchedule
 
 
+def _measure(schedule: InlineSchedule, cpu_share: float, times: int) -> list[str]:
+    orders = []
+    for _ in range(times):
+        orders.append(schedule.order())
+        schedule.waited(0.05, 0.05 * cpu_share)
+    return orders
+
+
 @pytest.mark.parametrize(("cpu_share", "chosen"),
                          [(0.05, FILL), (BUSY - 0.01, FILL), (BUSY, AFTER), (0.8, AFTER)])
-def test_the_schedule_keeps_stepping_after_where_the_wait_keeps_a_core_busy(
-        cpu_share: float, chosen: str) -> None:
+def test_the_order_is_after_where_the_waits_keep_a_core_busy(cpu_share: float,
+                                                             chosen: str) -> None:
     schedule = InlineSchedule()
-    orders = []
-    for wall in [0.05] * 2 + [0.04, 0.06, 0.05][:TRIALS]:
-        orders.append(schedule.order())
-        schedule.waited(wall, wall * cpu_share)
-    # measured in "after": two ends of backward skipped (DDP's rebuild, the state's
-    # creation), then TRIALS waits
-    assert orders == [AFTER] * (2 + TRIALS)
-    assert schedule.chosen == chosen
+    # "after" until measured: two ends of backward skipped (DDP's rebuild, the state's
+    # creation), then TRIALS measured
+    assert _measure(schedule, cpu_share, 2 + TRIALS) == [AFTER] * (2 + TRIALS)
+    assert schedule.chosen == chosen and schedule.order() == chosen
     assert len(schedule.waits) == TRIALS
     assert schedule.busy == pytest.approx(cpu_share)
-    schedule.waited(1.0, 1.0)  # nothing changes once chosen
-    assert schedule.order() == chosen and len(schedule.waits) == TRIALS
+
+
+def test_the_order_follows_the_last_waits() -> None:
+    schedule = InlineSchedule()
+    _measure(schedule, 0.05, 2 + TRIALS)
+    assert schedule.order() == FILL
+    _measure(schedule, 0.9, 1)  # one busy end of backward among the last TRIALS
+    assert schedule.order() == (AFTER if (0.9 + 0.05 * (TRIALS - 1)) / TRIALS >= BUSY
+                                else FILL)
+    _measure(schedule, 0.9, TRIALS)  # the network got busy: stepping waits for it
+    assert schedule.order() == AFTER and schedule.busy == pytest.approx(0.9)
+    _measure(schedule, 0.0, TRIALS)  # and idle again
+    assert schedule.order() == FILL
+
+
+def test_an_end_of_backward_that_never_blocked_tells_nothing() -> None:
+    schedule = InlineSchedule()
+    _measure(schedule, 0.05, 2)
+    for _ in range(10):
+        schedule.waited(0.0, 0.0)
+    assert schedule.chosen is None and schedule.waits == []
 
 
 @pytest.fixture(scope="module")

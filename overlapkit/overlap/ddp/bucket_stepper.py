@@ -194,8 +194,8 @@ class BucketStepper(BucketSteps):
 
         With a side stream, one bucket at a time, as each is enqueued. Inline, at the
         end of backward: in the order :attr:`schedule` gives where reductions are still
-        in flight (:mod:`~overlapkit.overlap.ddp.inline_schedule`; its waits are
-        measured until it has chosen).
+        in flight (:mod:`~overlapkit.overlap.ddp.inline_schedule`, which the time
+        spent blocked here informs).
         """
         pending = self._pending
         if not self._inline:
@@ -208,23 +208,30 @@ class BucketStepper(BucketSteps):
             self._step_run(list(pending))  # everything reduced: one call
             pending.clear()
             return
+        blocked = [0.0, 0.0]  # wall and process CPU seconds spent waiting
         if self.schedule.order() == AFTER:
-            started, cpu_started = time.perf_counter(), time.process_time()
             for _, future in pending:
-                with suppress(Exception):  # raised again where stepped, and kept
-                    future.wait()
-            self.schedule.waited(time.perf_counter() - started,
-                                 time.process_time() - cpu_started)
+                self._block_on(future, blocked)
         while pending:
-            head = pending[0][1]
-            if not head.done():
-                # wait here, then take every bucket ready by then with it
-                with suppress(Exception):  # raised again where stepped, and kept
-                    head.wait()
+            # wait for the next reduction, then take every bucket ready by then with it
+            self._block_on(pending[0][1], blocked)
             run = [pending.popleft()]
             while pending and pending[0][1].done():
                 run.append(pending.popleft())
             self._step_run(run)
+        self.schedule.waited(*blocked)
+
+    @staticmethod
+    def _block_on(future: torch.futures.Future[Any], blocked: list[float]) -> None:
+        """Wait for ``future`` if it is not done, adding the wall and process CPU time
+        spent to ``blocked`` (see inline_schedule)."""
+        if future.done():
+            return
+        started, cpu_started = time.perf_counter(), time.process_time()
+        with suppress(Exception):  # raised again where the bucket is stepped, and kept
+            future.wait()
+        blocked[0] += time.perf_counter() - started
+        blocked[1] += time.process_time() - cpu_started
 
     def _step_run(self, run: list[PendingBucket]) -> None:
         """Step a run of consecutive buckets, and answer DDP's futures for them."""
