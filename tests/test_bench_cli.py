@@ -248,3 +248,16 @@ def test_device_cuda_is_checked_before_any_benchmark_runs(
     assert main(["bench", *argv]) == 2
     err = capsys.readouterr().err
     assert text in err and "[1/" not in err  # nothing started
+
+
+def test_a_full_run_s_closing_line_counts_every_goal_of_the_table() -> None:
+    from overlapkit.cli.bench.goals import goal
+    from overlapkit.cli.commands.bench import _summary
+
+    goals = [goal("a", 1.0, at_most=2.0), goal("b", 3.0, at_most=2.0),
+             goal("c", 1.0, at_most=2.0, judged=False), goal("d", None, at_most=2.0)]
+    line = _summary([{"benchmark": "x", "goals": goals}], 12.0, quick=False)
+    assert line == ("overlapkit bench: 1 benchmarks in 12 s; goals: 1 met, 1 missed, "
+                    "1 not judged, 1 not measured")
+    line = _summary([{"benchmark": "x", "goals": goals[:2]}], 12.0, quick=False)
+    assert line.endswith("goals: 1 met, 1 missed")
