@@ -59,7 +59,7 @@ def orders_run(rank: int, world_size: int) -> dict[str, Any]:
         opt = overlapkit.overlap_ddp(ours, torch.optim.Adam, lr=0.01)
         stepper = opt._stepper
         if order is not None:
-            stepper.schedule.chosen = order
+            stepper.schedule.fixed = order
         calls = _count_engine_calls(opt)
         per_backward = []
         for step in range(STEPS):

@@ -1,7 +1,6 @@
 """On CPU, ``overlap_ddp`` steps its buckets at the end of backward, in runs of buckets
 whose reductions have completed, one engine call per run; in the order each rank
-chooses from the CPU time its reductions take
-(:mod:`overlapkit.overlap.ddp.inline_schedule`). Whatever the
+chooses by measuring (:mod:`overlapkit.overlap.ddp.inline_schedule`). Whatever the
 order, the result is bitwise plain DDP's."""
 
 from __future__ import annotations
@@ -13,48 +12,80 @@ from helpers import failures
 from inline_schedule_ranks import STEPS, link_run, orders_run
 
 from overlapkit.distributed import run_distributed
-from overlapkit.overlap.ddp.inline_schedule import AFTER, BUSY, FILL, TRIALS, InlineSchedule
+from overlapkit.overlap.ddp.inline_schedule import (
+    AFTER,
+    BUSY,
+    FILL,
+    TIMED,
+    TRIALS,
+    InlineSchedule,
+)
 
 
-def _measure(schedule: InlineSchedule, cpu_share: float, times: int) -> list[str]:
+def _ends(schedule: InlineSchedule, cpu_share: float, times: int,
+          seconds: dict[str, float] | None = None) -> list[str]:
+    """``times`` ends of backward, each blocking 50 ms with ``cpu_share`` of a core busy
+    and lasting ``seconds[order]``."""
     orders = []
     for _ in range(times):
-        orders.append(schedule.order())
-        schedule.waited(0.05, 0.05 * cpu_share)
+        order = schedule.order()
+        orders.append(order)
+        schedule.ended(order, (seconds or {}).get(order, 0.1), 0.05, 0.05 * cpu_share)
     return orders
 
 
-@pytest.mark.parametrize(("cpu_share", "chosen"),
-                         [(0.05, FILL), (BUSY - 0.01, FILL), (BUSY, AFTER), (0.8, AFTER)])
-def test_the_order_is_after_where_the_waits_keep_a_core_busy(cpu_share: float,
-                                                             chosen: str) -> None:
+@pytest.mark.parametrize("cpu_share", [0.0, 0.05, BUSY - 0.01])
+def test_idle_waits_are_filled_with_steps(cpu_share: float) -> None:
     schedule = InlineSchedule()
     # "after" until measured: two ends of backward skipped (DDP's rebuild, the state's
     # creation), then TRIALS measured
-    assert _measure(schedule, cpu_share, 2 + TRIALS) == [AFTER] * (2 + TRIALS)
-    assert schedule.chosen == chosen and schedule.order() == chosen
-    assert len(schedule.waits) == TRIALS
+    assert _ends(schedule, cpu_share, 2 + TRIALS) == [AFTER] * (2 + TRIALS)
+    assert schedule.chosen == FILL and schedule.order() == FILL
     assert schedule.busy == pytest.approx(cpu_share)
+    assert schedule.trials == {FILL: [], AFTER: []}  # nothing to time
 
 
-def test_the_order_follows_the_last_waits() -> None:
+@pytest.mark.parametrize(("fill_s", "after_s", "faster"),
+                         [(0.05, 0.08, FILL), (0.08, 0.05, AFTER), (0.05, 0.05, FILL)])
+def test_where_the_waits_are_busy_both_orders_are_timed_in_turn(
+        fill_s: float, after_s: float, faster: str) -> None:
     schedule = InlineSchedule()
-    _measure(schedule, 0.05, 2 + TRIALS)
-    assert schedule.order() == FILL
-    _measure(schedule, 0.9, 1)  # one busy end of backward among the last TRIALS
-    assert schedule.order() == (AFTER if (0.9 + 0.05 * (TRIALS - 1)) / TRIALS >= BUSY
-                                else FILL)
-    _measure(schedule, 0.9, TRIALS)  # the network got busy: stepping waits for it
-    assert schedule.order() == AFTER and schedule.busy == pytest.approx(0.9)
-    _measure(schedule, 0.0, TRIALS)  # and idle again
-    assert schedule.order() == FILL
+    seconds = {FILL: fill_s, AFTER: after_s}
+    _ends(schedule, 0.6, 2 + TRIALS, seconds)
+    assert schedule.chosen is None  # busy: timed next
+    assert _ends(schedule, 0.6, 2 * TIMED, seconds) == [FILL, AFTER] * TIMED
+    assert schedule.chosen == faster and schedule.faster == faster
+    assert schedule.trials == {FILL: [fill_s] * TIMED, AFTER: [after_s] * TIMED}
+    assert _ends(schedule, 0.6, 3, seconds) == [faster] * 3
 
 
-def test_an_end_of_backward_that_never_blocked_tells_nothing() -> None:
+def test_the_median_of_the_turns_decides_not_one_slow_turn() -> None:
     schedule = InlineSchedule()
-    _measure(schedule, 0.05, 2)
+    _ends(schedule, 0.6, 2 + TRIALS)
+    for index in range(2 * TIMED):
+        order = schedule.order()
+        # fill is faster, but one of its turns met a peer arriving late
+        late = order == FILL and index == 2
+        schedule.ended(order, 0.9 if late else {FILL: 0.04, AFTER: 0.06}[order], 0.05, 0.03)
+    assert schedule.chosen == FILL
+
+
+def test_the_order_follows_the_busy_share_of_the_last_waits() -> None:
+    schedule = InlineSchedule()
+    _ends(schedule, 0.05, 2 + TRIALS)
+    assert schedule.order() == FILL
+    _ends(schedule, 0.9, TRIALS, {FILL: 0.09, AFTER: 0.05})  # the waits got busy
+    assert schedule.chosen is None  # timed now
+    _ends(schedule, 0.9, 2 * TIMED, {FILL: 0.09, AFTER: 0.05})
+    assert schedule.order() == AFTER
+    _ends(schedule, 0.0, TRIALS)  # and idle again
+    assert schedule.order() == FILL
+
+
+def test_an_end_of_backward_that_never_blocked_tells_nothing_of_the_waits() -> None:
+    schedule = InlineSchedule()
     for _ in range(10):
-        schedule.waited(0.0, 0.0)
+        schedule.ended(AFTER, 0.01, 0.0, 0.0)
     assert schedule.chosen is None and schedule.waits == []
 
 

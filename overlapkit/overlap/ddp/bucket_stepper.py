@@ -208,8 +208,10 @@ class BucketStepper(BucketSteps):
             self._step_run(list(pending))  # everything reduced: one call
             pending.clear()
             return
+        started = time.perf_counter()
         blocked = [0.0, 0.0]  # wall and process CPU seconds spent waiting
-        if self.schedule.order() == AFTER:
+        order = self.schedule.order()
+        if order == AFTER:
             for _, future in pending:
                 self._block_on(future, blocked)
         while pending:
@@ -219,7 +221,7 @@ class BucketStepper(BucketSteps):
             while pending and pending[0][1].done():
                 run.append(pending.popleft())
             self._step_run(run)
-        self.schedule.waited(*blocked)
+        self.schedule.ended(order, time.perf_counter() - started, *blocked)
 
     @staticmethod
     def _block_on(future: torch.futures.Future[Any], blocked: list[float]) -> None:

@@ -1,6 +1,5 @@
 """When a CPU rank steps its buckets at the end of backward: while the reductions still
-in flight complete, or once they all have. Chosen by what the rank's communication
-does while the rank waits for it.
+in flight complete, or once they all have. Chosen by measuring.
 
 On CPU the thread that steps is the thread that runs backward, so the bucket stepper
 leaves every step to the end of backward's computation
@@ -15,42 +14,54 @@ a choice of order:
 - ``"after"``: wait for every reduction, then step all the buckets in one call, as the
   plain loop's ``step()`` after backward does.
 
-Where the reductions are themselves work for this machine's cores — ranks on one
-machine reducing over loopback, gloo's threads copying and summing — stepping beside
-them slows every reduction down: measured, 2 ranks on 2 cores, 100 buckets, 1.30 x the
-plain step with ``"fill"`` and 1.07 x with ``"after"``; gloo's network thread used
-twice the CPU time. A rank cannot tell the two apart from wall-clock time (what it
-waits for is also when its peers arrive, which varies far more from step to step than
-the difference), but it can tell from CPU time: whenever it blocks waiting for a
-reduction, it measures the CPU time its own process spends meanwhile — its
-communication threads', since the training thread only waits. Where, over its last
-:data:`TRIALS` ends of backward, that kept at least :data:`BUSY` of a core busy, the
-reductions are CPU work and the order is ``"after"``; otherwise the waits are idle and
-it is ``"fill"`` (measured: 0.38-0.79 of a core over loopback, 2 ranks on 2 cores;
-0.04-0.07 over the simulated link, whose transfers take no CPU time, as a network
-card's). It is ``"after"`` until measured, and follows the measurements from then on
-(the network a run uses can change: another job on it, a benchmark's next row). A rank
-whose reductions are always complete by the end of backward (one rank, or a network
-faster than backward) never blocks and has nothing to choose: both orders are then the
-same. The order changes only timings: both step the same parameters with the same
-gradients.
+Which is faster depends on what the reductions wait for, which a rank cannot see
+directly:
+
+- over a network (or for a slower peer) the wait is idle, and ``"fill"`` hides the
+  steps in it;
+- where the reductions are themselves work for this machine's cores — ranks on one
+  machine reducing over loopback, gloo's threads copying and summing — stepping
+  beside them slows them down, and whether the steps still gain depends on the sizes
+  (measured on torch 2.13, 2 ranks on 2 cores: with 100 small buckets ``"fill"`` took
+  1.30 x the plain step and ``"after"`` 1.07 x; with 6 buckets of 4 MiB ``"fill"``
+  0.97 x and ``"after"`` 1.04 x).
+
+So the rank measures. Whenever it blocks waiting for a reduction, it notes the CPU
+time its own process spends meanwhile (its communication threads': the training thread
+only waits). Where, over its last :data:`TRIALS` ends of backward, that kept less than
+:data:`BUSY` of a core busy, the wait is idle and the order is ``"fill"`` (measured:
+0.04-0.07 of a core over the simulated link, whose transfers take no CPU time, as a
+network card's; 0.3-0.8 over loopback). Otherwise it times its ends of backward (from
+the end of backward's computation to the last step) in each order in turn,
+:data:`TIMED` of each, and keeps the one with the shorter median: wall-clock time alone
+would not do, since the wait also depends on when the peers arrive, which varies far
+more between steps than the difference; the turns take that variation in equal parts.
+Until measured, and while the first measurements are taken, the order is ``"after"``.
+The busy share is followed from then on: a network that gets busy or idle again
+changes the order. A rank whose reductions are always complete by the end of backward
+(one rank, or a network faster than backward) never blocks and has nothing to choose:
+both orders are then the same. The order changes only timings: both step the same
+parameters with the same gradients.
 
 .. versionadded:: 0.4
 """
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 
-__all__ = ["AFTER", "BUSY", "FILL", "TRIALS", "InlineSchedule"]
+__all__ = ["AFTER", "BUSY", "FILL", "TIMED", "TRIALS", "InlineSchedule"]
 
 FILL = "fill"
 AFTER = "after"
-#: the ends of backward whose waits decide the order
+#: the ends of backward whose waits say whether the reductions are CPU work
 TRIALS = 3
 #: the share of a core the process keeps busy while it waits, from which its
 #: reductions count as CPU work
 BUSY = 0.25
+#: ends of backward timed in each order where they are (alternating)
+TIMED = 5
 #: ends of backward not measured first (DDP rebuilds its buckets after the first
 #: iteration; the first steps create the optimizer's state)
 _SKIPPED = 2
@@ -60,26 +71,66 @@ class InlineSchedule:
     """The order of one CPU bucket stepper's steps at the end of backward."""
 
     def __init__(self) -> None:
-        #: the order the last :data:`TRIALS` measured ends of backward give (None
-        #: until there are that many)
-        self.chosen: str | None = None
         self._seen = 0
         #: (wall seconds, process CPU seconds) blocked waiting, per end of backward
         self._waits: deque[tuple[float, float]] = deque(maxlen=TRIALS)
+        #: the ends of backward timed in each order (seconds), while the waits are busy
+        self._times: dict[str, list[float]] = {FILL: [], AFTER: []}
+        #: the faster order of the timed ones, once timed
+        self.faster: str | None = None
+        #: an order set by hand (a benchmark comparing the two): no measurement then
+        self.fixed: str | None = None
+
+    @property
+    def busy_waits(self) -> bool | None:
+        """Whether the last waits kept :data:`BUSY` of a core busy (None: not known)."""
+        if self._seen < _SKIPPED or len(self._waits) < TRIALS:
+            return None
+        return self.busy >= BUSY
+
+    @property
+    def chosen(self) -> str | None:
+        """The order chosen by the measurements so far (None while they are taken)."""
+        if self.fixed is not None:
+            return self.fixed
+        busy = self.busy_waits
+        if busy is None:
+            return None
+        return self.faster if busy else FILL
 
     def order(self) -> str:
         """The order for this end of backward, where reductions are still in flight."""
-        return AFTER if self.chosen is None else self.chosen
+        if self.fixed is not None:
+            return self.fixed
+        busy = self.busy_waits
+        if busy is None:
+            return AFTER  # measured in the plain order first
+        if not busy:
+            return FILL
+        if self.faster is not None:
+            return self.faster
+        times = self._times
+        return FILL if len(times[FILL]) <= len(times[AFTER]) else AFTER
 
-    def waited(self, wall_s: float, cpu_s: float) -> None:
-        """At one end of backward, the rank blocked ``wall_s`` seconds in all waiting for
-        reductions, and its process used ``cpu_s`` seconds of CPU time meanwhile."""
-        self._seen += 1
-        if self._seen <= _SKIPPED or wall_s <= 0:
+    def ended(self, order: str, seconds: float, blocked_s: float, cpu_s: float) -> None:
+        """An end of backward in ``order`` took ``seconds``, of which the rank blocked
+        ``blocked_s`` in all waiting for reductions, while its process used ``cpu_s``
+        seconds of CPU time."""
+        if self.fixed is not None:
             return
-        self._waits.append((wall_s, cpu_s))
-        if len(self._waits) == TRIALS:
-            self.chosen = AFTER if self.busy >= BUSY else FILL
+        timing = self.busy_waits and self.faster is None
+        self._seen += 1
+        if self._seen <= _SKIPPED:
+            return
+        if blocked_s > 0:
+            self._waits.append((blocked_s, cpu_s))
+        if not timing:
+            return
+        times = self._times
+        times[order].append(seconds)
+        if min(len(times[FILL]), len(times[AFTER])) >= TIMED:
+            fill, after = (statistics.median(times[each]) for each in (FILL, AFTER))
+            self.faster = FILL if fill <= after else AFTER
 
     @property
     def busy(self) -> float:
@@ -91,3 +142,8 @@ class InlineSchedule:
     def waits(self) -> list[tuple[float, float]]:
         """The waits kept: (wall seconds, process CPU seconds) per end of backward."""
         return list(self._waits)
+
+    @property
+    def trials(self) -> dict[str, list[float]]:
+        """The ends of backward timed in each order (seconds)."""
+        return {order: list(times) for order, times in self._times.items()}
