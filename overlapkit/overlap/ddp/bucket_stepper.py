@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
-from contextlib import nullcontext, suppress
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from overlapkit.overlap.core.bucket_layout import BucketLayouts, bucket_gradient
 from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.overlap.core.side_stream import SideStream
 from overlapkit.overlap.ddp.bucket_steps import BucketSteps, PendingBucket
-from overlapkit.overlap.ddp.inline_schedule import AFTER, InlineSchedule
+from overlapkit.overlap.ddp.inline_schedule import AFTER, InlineSchedule, block_on
 from overlapkit.overlap.ddp.param_hooks import free_local_grads_once_bucketed, refuse_unfrozen
 from overlapkit.overlap.rules.clipping import GradClipping
 from overlapkit.overlap.rules.global_step import GlobalStep
@@ -213,27 +213,15 @@ class BucketStepper(BucketSteps):
         order = self.schedule.order()
         if order == AFTER:
             for _, future in pending:
-                self._block_on(future, blocked)
+                block_on(future, blocked)
         while pending:
             # wait for the next reduction, then take every bucket ready by then with it
-            self._block_on(pending[0][1], blocked)
+            block_on(pending[0][1], blocked)
             run = [pending.popleft()]
             while pending and pending[0][1].done():
                 run.append(pending.popleft())
             self._step_run(run)
         self.schedule.ended(order, time.perf_counter() - started, *blocked)
-
-    @staticmethod
-    def _block_on(future: torch.futures.Future[Any], blocked: list[float]) -> None:
-        """Wait for ``future`` if it is not done, adding the wall and process CPU time
-        spent to ``blocked`` (see inline_schedule)."""
-        if future.done():
-            return
-        started, cpu_started = time.perf_counter(), time.process_time()
-        with suppress(Exception):  # raised again where the bucket is stepped, and kept
-            future.wait()
-        blocked[0] += time.perf_counter() - started
-        blocked[1] += time.process_time() - cpu_started
 
     def _step_run(self, run: list[PendingBucket]) -> None:
         """Step a run of consecutive buckets, and answer DDP's futures for them."""

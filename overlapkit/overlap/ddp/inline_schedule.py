@@ -49,9 +49,12 @@ parameters with the same gradients.
 from __future__ import annotations
 
 import statistics
+import time
 from collections import deque
+from contextlib import suppress
+from typing import Any
 
-__all__ = ["AFTER", "BUSY", "FILL", "TIMED", "TRIALS", "InlineSchedule"]
+__all__ = ["AFTER", "BUSY", "FILL", "TIMED", "TRIALS", "InlineSchedule", "block_on"]
 
 FILL = "fill"
 AFTER = "after"
@@ -147,3 +150,17 @@ class InlineSchedule:
     def trials(self) -> dict[str, list[float]]:
         """The ends of backward timed in each order (seconds)."""
         return {order: list(times) for order, times in self._times.items()}
+
+
+def block_on(future: Any, blocked: list[float]) -> None:
+    """Wait for ``future`` (a reduction's) if it is not done, adding the wall and
+    process CPU seconds spent to ``blocked``: what :meth:`InlineSchedule.ended` is
+    told. A failed reduction is not raised here: it raises again where its bucket is
+    stepped, and is kept there (``FailedReductions.reduced``)."""
+    if future.done():
+        return
+    started, cpu_started = time.perf_counter(), time.process_time()
+    with suppress(Exception):
+        future.wait()
+    blocked[0] += time.perf_counter() - started
+    blocked[1] += time.process_time() - cpu_started
