@@ -54,7 +54,8 @@ from collections import deque
 from contextlib import suppress
 from typing import Any
 
-__all__ = ["AFTER", "BUSY", "FILL", "TIMED", "TRIALS", "InlineSchedule", "block_on"]
+__all__ = ["AFTER", "BUSY", "FILL", "SETTLED", "TIMED", "TRIALS", "InlineSchedule",
+           "block_on"]
 
 FILL = "fill"
 AFTER = "after"
@@ -68,6 +69,9 @@ TIMED = 5
 #: ends of backward not measured first (DDP rebuilds its buckets after the first
 #: iteration; the first steps create the optimizer's state)
 _SKIPPED = 2
+#: ends of backward after which a rank has chosen its order, however busy its waits
+#: (benchmarks warm up this long: the choice is a start-up cost, as DDP's rebuild)
+SETTLED = _SKIPPED + TRIALS + 2 * TIMED
 
 
 class InlineSchedule:
