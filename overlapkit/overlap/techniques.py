@@ -48,7 +48,8 @@ def overlap_ddp(
     **optim_kwargs: Any,
 ) -> DDPOverlapOptimizer | ShardedOverlapOptimizer:
     """Step ``optim_cls`` on each DDP gradient bucket as soon as its comm hook
-    completes, while backward still runs for the other buckets.
+    completes, while the other buckets still run backward or reduce (on CPU, from the
+    end of backward's computation: see ``step_thread``).
 
     Registers one comm hook on ``ddp_model``: the comm hook named ``comm_hook``
     (built with ``comm_hook_options``), then a step of exactly the bucket's

@@ -136,12 +136,16 @@ class BucketSteps(FailedReductions):
         else:
             step = layouts.batch(tuple(bucket.index() for bucket, _ in reduced), parts)
         chosen, views, plan = step.owned, step.views, step.plan
-        if self.track_usage:
+        if self.track_usage:  # only the parameters used since the last synced backward
             used = self.used
-            pairs = [(p, v) for p, v in zip(chosen, views, strict=True) if p in used]
-            chosen, views = [p for p, _ in pairs], [v for _, v in pairs]
+            stepped, views = [], []
+            for part in parts:
+                kept = [(p, v) for p, v in zip(part.owned, part.views, strict=True)
+                        if p in used]
+                stepped.append([p for p, _ in kept])
+                views += [v for _, v in kept]
+            chosen = [p for params in stepped for p in params]
             plan = self.engine.plan(chosen)
-            stepped = [[p for p in part.owned if p in used] for part in parts]
         else:
             stepped = [part.owned for part in parts]
         for (bucket, _), params in zip(reduced, stepped, strict=True):

@@ -91,7 +91,7 @@ class InlineSchedule:
     @property
     def busy_waits(self) -> bool | None:
         """Whether the last waits kept :data:`BUSY` of a core busy (None: not known)."""
-        if self._seen < _SKIPPED or len(self._waits) < TRIALS:
+        if len(self._waits) < TRIALS:
             return None
         return self.busy >= BUSY
 
@@ -107,16 +107,12 @@ class InlineSchedule:
 
     def order(self) -> str:
         """The order for this end of backward, where reductions are still in flight."""
-        if self.fixed is not None:
-            return self.fixed
-        busy = self.busy_waits
-        if busy is None:
-            return AFTER  # measured in the plain order first
-        if not busy:
-            return FILL
-        if self.faster is not None:
-            return self.faster
-        times = self._times
+        chosen = self.chosen
+        if chosen is not None:
+            return chosen
+        if not self.busy_waits:
+            return AFTER  # not measured yet: the waits are measured in the plain order
+        times = self._times  # busy waits, not timed yet: the orders take turns
         return FILL if len(times[FILL]) <= len(times[AFTER]) else AFTER
 
     def ended(self, order: str, seconds: float, blocked_s: float, cpu_s: float) -> None:
