@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 
 from overlapkit.distributed import run_distributed
 from overlapkit.errors import RanksLostError
@@ -131,6 +132,9 @@ def roll_call(rank: int, world_size: int) -> dict[str, Any]:
     from overlapkit.nodes import roll_call as roll
 
     roll.watch()
+    # every rank is watched before rank 3 goes silent and the others take the roll
+    # call (under load a rank could start late: not yet watched, not lost)
+    dist.barrier()
     if rank == 3:
         roll._HEARTBEAT_STOP.set()
         time.sleep(roll.ROLL_CALL_SECONDS + 3)
