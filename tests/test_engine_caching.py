@@ -2,7 +2,8 @@
 ``step()``, stay exactly plain ``step()``: step plans and bucket layouts are made again
 when parameters or DDP's buckets change; ``Adam``, ``AdamW`` and ``SGD`` stepped
 functionally are bitwise their ``step()``, and the shortcuts step aside for hooks, a
-profiler, a patched ``step``, a subclass, a ``GradScaler`` and multi-tensor settings.
+profiler, a patched ``step``, a subclass, a ``GradScaler``, ``fused``, ``capturable`` and a
+tensor ``lr`` with ``foreach``.
 """
 
 from __future__ import annotations
@@ -163,6 +164,12 @@ FUNCTIONAL: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "Adam-tensor-lr-betas": (torch.optim.Adam, {"lr": torch.tensor(0.1),
                                                 "betas": (torch.tensor(0.8), torch.tensor(0.9))}),
     "Adam-foreach-False": (torch.optim.Adam, {"lr": 0.1, "foreach": False}),
+    "Adam-foreach-True": (torch.optim.Adam, {"lr": 0.1, "foreach": True}),
+    "AdamW-foreach-amsgrad": (torch.optim.AdamW, {"lr": 0.1, "foreach": True,
+                                                  "amsgrad": True, "weight_decay": 0.1}),
+    "SGD-foreach": (torch.optim.SGD, {"lr": 0.1, "foreach": True}),
+    "SGD-foreach-momentum": (torch.optim.SGD, {"lr": 0.1, "foreach": True,
+                                               "momentum": 0.9, "nesterov": True}),
     "AdamW": (torch.optim.AdamW, {"lr": 0.1, "weight_decay": 0.2}),
     "SGD": (torch.optim.SGD, {"lr": 0.1}),
     "SGD-momentum-dampening": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9,
@@ -220,15 +227,18 @@ class AdamSubclass(torch.optim.Adam):
 
 
 @pytest.mark.parametrize("case", [
-    "foreach", "fused", "capturable", "differentiable", "subclass", "pre hook", "post hook",
-    "instance step", "grad_scale", "profiler"])
+    "foreach with a tensor lr", "fused", "capturable", "differentiable", "subclass",
+    "pre hook", "post hook", "instance step", "grad_scale", "profiler"])
 def test_the_functional_path_steps_aside(case: str) -> None:
     params = _params(2)
-    options = {"foreach": {"foreach": True}, "fused": {"fused": True},
+    options = {"foreach with a tensor lr": {"foreach": True},
+               "fused": {"fused": True},
                "capturable": {"capturable": True},
                "differentiable": {"differentiable": True}}.get(case, {})
-    optimizer = (AdamSubclass if case == "subclass" else torch.optim.Adam)(
-        params, lr=0.1, **options)
+    options.setdefault("lr", 0.1)
+    optimizer = (AdamSubclass if case == "subclass" else torch.optim.Adam)(params, **options)
+    if case == "foreach with a tensor lr":  # step() raises; Adam() refuses it at first
+        optimizer.param_groups[0]["lr"] = torch.tensor(0.1)
     if case == "pre hook":
         optimizer.register_step_pre_hook(lambda *args: None)
     if case == "post hook":

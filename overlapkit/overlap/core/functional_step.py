@@ -1,35 +1,41 @@
 """Stepping a subset of an ``Adam``, ``AdamW`` or ``SGD`` optimizer's parameters
-through torch's single-tensor implementation directly, instead of through ``step()``.
+through torch's own implementation directly, instead of through ``step()``.
 
-The generic engine steps one DDP bucket (or one parameter) per call, hundreds of times
-per training step. ``Adam.step()`` spends most of a small bucket's time around the
-arithmetic: torch's hook-and-profiler wrapper, grad-mode switching, the capture health
-check, the loop over groups and ``adam()``'s choice of implementation. For the three
-most used optimizers this module runs the same loop body as their ``step()`` —
-``_init_group`` (the lazy state initialisation and the tensor lists, torch's own
-method), then ``_single_tensor_adam`` / ``_single_tensor_sgd`` with the group's
-hyperparameters, then (SGD) the momentum buffers written back into the state — so the
-arithmetic, the state and the result are those of ``step()``, bitwise. Measured on
-torch 2.13, CPU, 1 rank, 400 one-parameter buckets (thread CPU time): 8 us less per
-bucket than the unwrapped ``step()`` of :mod:`overlapkit.overlap.core.direct_step`.
+The generic engine steps one DDP bucket, a run of buckets or one parameter per call,
+up to hundreds of times per training step. ``Adam.step()`` spends most of a small
+subset's time around the arithmetic: torch's hook-and-profiler wrapper, grad-mode
+switching, the capture health check, the loop over groups, ``_init_group`` (the
+tensor lists, built parameter by parameter) and ``adam()``'s choice of implementation.
+For the three most used optimizers this module runs the same loop body as their
+``step()`` — ``_init_group`` (torch's own method: the lazy state initialisation and
+the tensor lists), then the implementation ``step()`` would choose for the group
+(``_single_tensor_adam`` / ``_multi_tensor_adam``, ``_single_tensor_sgd`` /
+``_multi_tensor_sgd``) with its hyperparameters, then (SGD) the momentum buffers
+written back into the state — so the kernels, the state and the result are those of
+``step()``, bitwise. :class:`FunctionalSteps` keeps each subset's tensor lists and
+checks them at the next step instead of calling ``_init_group`` again
+(:mod:`overlapkit.overlap.core.tensor_lists`). Measured on torch 2.13, CPU, 1 rank, 400
+one-parameter buckets (thread CPU time): 8 us less per bucket than the unwrapped
+``step()`` of :mod:`overlapkit.overlap.core.direct_step`, before the lists were kept.
 
 Only where that loop body *is* what ``step()`` would run: the exact torch class (a
 subclass may override ``step``), the same conditions as
 :func:`~overlapkit.overlap.core.direct_step.unwrapped_step` (no step hook, no profiler, no
 ``step`` patched on the instance), no ``GradScaler`` attributes (``grad_scale``,
 ``found_inf``), not compiling, and for each group: not ``differentiable``, not
-``capturable``, not ``fused``, and ``foreach`` resolving, as ``adam()`` / ``sgd()``
-resolve it for these parameters, to the single-tensor implementation (it does on CPU;
-on CUDA ``foreach`` defaults to the multi-tensor one, which ``step()`` then runs).
-Otherwise, and on a torch whose private functions have other signatures, the engine
-calls ``step()``.
+``capturable``, not ``fused``, and no tensor ``lr`` with the multi-tensor
+implementation (``foreach`` resolved as ``adam()`` / ``sgd()`` resolve it: the
+single-tensor one on CPU by default, the multi-tensor one on CUDA). Otherwise, and on a
+torch whose private functions have other signatures, the engine calls ``step()``.
 """
+
 
 from __future__ import annotations
 
 import inspect
+import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import torch
@@ -38,50 +44,107 @@ from torch.optim import optimizer as torch_optimizer
 from torch.optim import sgd as torch_sgd
 
 from overlapkit.overlap.core.direct_step import unwrapped_step
+from overlapkit.overlap.core.tensor_lists import AdamLists, SgdLists
 
-__all__ = ["FUNCTIONAL_STEPS", "step_functionally"]
+__all__ = ["FUNCTIONAL_STEPS", "FunctionalSteps", "step_functionally"]
 
 ParamGroup = dict[str, Any]
-#: steps one group (a copy holding the subset's parameters) of the optimizer
-GroupStep = Callable[[torch.optim.Optimizer, ParamGroup], None]
+#: steps ``params`` of one live group of the optimizer: (optimizer, group, params,
+#: multi-tensor or not, the kept tensor lists)
+GroupStep = Callable[[Any, ParamGroup, list[torch.Tensor], bool, dict[int, Any]], None]
+_Lists = TypeVar("_Lists", AdamLists, SgdLists)
 
 
-def _adam_group(optimizer: Any, group: ParamGroup) -> None:
-    """``Adam.step``'s loop body (torch 2.13) for one group, single-tensor."""
-    params: list[torch.Tensor] = []
-    grads: list[torch.Tensor] = []
-    exp_avgs: list[torch.Tensor] = []
-    exp_avg_sqs: list[torch.Tensor] = []
-    max_exp_avg_sqs: list[torch.Tensor] = []
-    state_steps: list[torch.Tensor] = []
-    has_complex = optimizer._init_group(group, params, grads, exp_avgs, exp_avg_sqs,
-                                        max_exp_avg_sqs, state_steps)
+def _kept(kept: dict[int, Any], params: list[torch.Tensor], kind: type[_Lists],
+          optimizer: Any, group: ParamGroup) -> tuple[_Lists, list[torch.Tensor]] | None:
+    """The lists kept for ``params`` and the gradients to step with, if they are still
+    what ``_init_group`` would return; else None."""
+    lists = kept.get(id(params))
+    if not isinstance(lists, kind) or lists.params is not params:
+        return None
+    grads = lists.current_grads(optimizer, group)
+    return None if grads is None else (lists, grads)
+
+
+def _adam_group(optimizer: Any, group: ParamGroup, params: list[torch.Tensor],
+                multi_tensor: bool, kept: dict[int, Any]) -> None:
+    """``Adam.step``'s loop body (torch 2.13) for ``params`` of ``group``."""
+    found = _kept(kept, params, AdamLists, optimizer, group)
+    if found is None:
+        lists, grads, keep = AdamLists.gather(optimizer, group, params)
+        _keep(kept, params, lists if keep else None)
+    else:
+        lists, grads = found
     beta1, beta2 = group["betas"]
-    torch_adam._single_tensor_adam(
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, None, None,
-        amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2,
-        lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-        maximize=group["maximize"], capturable=False, differentiable=False,
+    implementation = torch_adam._multi_tensor_adam if multi_tensor \
+        else torch_adam._single_tensor_adam
+    implementation(
+        lists.params, grads, lists.exp_avgs, lists.exp_avg_sqs, lists.max_exp_avg_sqs,
+        lists.state_steps, None, None, amsgrad=group["amsgrad"],
+        has_complex=lists.has_complex, beta1=beta1, beta2=beta2, lr=group["lr"],
+        weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+        capturable=False, differentiable=False,
         decoupled_weight_decay=group["decoupled_weight_decay"],
     )
 
 
-def _sgd_group(optimizer: Any, group: ParamGroup) -> None:
-    """``SGD.step``'s loop body (torch 2.13) for one group, single-tensor."""
-    params: list[torch.Tensor] = []
-    grads: list[torch.Tensor] = []
-    momentum_buffers: list[torch.Tensor | None] = []
-    has_sparse_grad = optimizer._init_group(group, params, grads, momentum_buffers)
-    torch_sgd._single_tensor_sgd(
-        params, grads, momentum_buffers, None, None,
+def _sgd_group(optimizer: Any, group: ParamGroup, params: list[torch.Tensor],
+               multi_tensor: bool, kept: dict[int, Any]) -> None:
+    """``SGD.step``'s loop body (torch 2.13) for ``params`` of ``group``."""
+    found = _kept(kept, params, SgdLists, optimizer, group)
+    buffers: list[torch.Tensor | None]
+    if found is not None:
+        lists, grads = found
+        stepped, buffers, has_sparse_grad = lists.params, list(lists.momentum_buffers), False
+    else:
+        subset = dict(group)
+        subset["params"] = params
+        stepped, grads, buffers = [], [], []
+        has_sparse_grad = optimizer._init_group(subset, stepped, grads, buffers)
+    implementation = torch_sgd._multi_tensor_sgd if multi_tensor \
+        else torch_sgd._single_tensor_sgd
+    implementation(
+        stepped, grads, buffers, None, None,
         weight_decay=group["weight_decay"], momentum=group["momentum"], lr=group["lr"],
         dampening=group["dampening"], nesterov=group["nesterov"],
         maximize=group["maximize"], has_sparse_grad=has_sparse_grad,
     )
-    if group["momentum"] != 0:
+    if found is not None and _same_objects(buffers, found[0].momentum_buffers):
+        return  # buffers updated in place: the state holds them already
+    # as SGD.step(): the (new) momentum buffers into the state
+    with_momentum = group["momentum"] != 0
+    states: list[dict[str, Any]] = []
+    if with_momentum:
         state = optimizer.state
-        for param, buffer in zip(params, momentum_buffers, strict=True):
-            state[param]["momentum_buffer"] = buffer
+        for param, buffer in zip(stepped, buffers, strict=True):
+            states.append(state[param])
+            states[-1]["momentum_buffer"] = buffer
+    kept_buffers = [buffer for buffer in buffers if buffer is not None]
+    keep = len(stepped) == len(params) and not has_sparse_grad \
+        and (not with_momentum or len(kept_buffers) == len(params))
+    _keep(kept, params, SgdLists(
+        params=params, states=states, with_momentum=with_momentum,
+        momentum_buffers=kept_buffers if with_momentum else [],
+    ) if keep else None)
+
+
+def _same_objects(values: list[Any], kept: list[Any]) -> bool:
+    return len(values) == len(kept) and all(map(operator.is_, values, kept))
+
+
+#: subsets whose tensor lists are kept, at most (fresh subsets each step, as the
+#: parameters used in a backward with ``find_unused_parameters``, are dropped past it)
+_MOST_KEPT = 4096
+
+
+def _keep(kept: dict[int, Any], params: list[torch.Tensor], lists: Any) -> None:
+    """Keep ``lists`` for ``params`` (None: forget them)."""
+    if lists is None:
+        kept.pop(id(params), None)
+        return
+    if len(kept) >= _MOST_KEPT:
+        kept.clear()
+    kept[id(params)] = lists
 
 
 #: the signatures the loop bodies above were written against (torch 2.13)
@@ -93,8 +156,17 @@ _EXPECTED_SIGNATURES: dict[Callable[..., Any], tuple[str, ...]] = {
         "grad_scale", "found_inf", "amsgrad", "has_complex", "beta1", "beta2", "lr",
         "weight_decay", "eps", "maximize", "capturable", "differentiable",
         "decoupled_weight_decay"),
+    torch_adam._multi_tensor_adam: (
+        "params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps",
+        "grad_scale", "found_inf", "amsgrad", "has_complex", "beta1", "beta2", "lr",
+        "weight_decay", "eps", "maximize", "capturable", "differentiable",
+        "decoupled_weight_decay"),
     torch.optim.SGD._init_group: ("self", "group", "params", "grads", "momentum_buffer_list"),
     torch_sgd._single_tensor_sgd: (
+        "params", "grads", "momentum_buffer_list", "grad_scale", "found_inf",
+        "weight_decay", "momentum", "lr", "dampening", "nesterov", "maximize",
+        "has_sparse_grad"),
+    torch_sgd._multi_tensor_sgd: (
         "params", "grads", "momentum_buffer_list", "grad_scale", "found_inf",
         "weight_decay", "momentum", "lr", "dampening", "nesterov", "maximize",
         "has_sparse_grad"),
@@ -143,28 +215,37 @@ FUNCTIONAL_STEPS: dict[type[torch.optim.Optimizer], FunctionalStep] = (
 )
 
 
-def _single_tensor(group: ParamGroup, params: list[torch.Tensor]) -> bool:
-    """Whether ``adam()`` / ``sgd()`` would run the single-tensor implementation for
-    this group's ``params`` that have a gradient (and nothing here forbids it)."""
+def _multi_tensor(group: ParamGroup, params: list[torch.Tensor]) -> bool | None:
+    """Whether ``adam()`` / ``sgd()`` would run the multi-tensor (True) or the
+    single-tensor (False) implementation for this group's ``params`` that have a
+    gradient; None where ``step()`` must run (fused, capturable, differentiable, or a
+    tensor ``lr`` with ``foreach``, which ``step()`` refuses or steps aside from)."""
     if group["differentiable"] or group.get("capturable") or group["fused"]:
-        return False
+        return None
     foreach = group["foreach"]
     if foreach is None and group["fused"] is None:
         with_grad = [p for p in params if p.grad is not None]
         # torch's default is foreach only if *every* tensor is on a foreach device, and
         # those are accelerators: one CPU tensor decides (1 us less per call, measured)
         if with_grad and with_grad[0].device.type == "cpu":
-            return True
+            return False
         _, foreach = torch_optimizer._default_to_fused_or_foreach(with_grad, False,
                                                                   use_fused=False)
-    return not foreach
+    if foreach and torch.is_tensor(group["lr"]):
+        return None
+    return bool(foreach)
 
 
 def step_functionally(optimizer: torch.optim.Optimizer,
-                      groups: Sequence[tuple[ParamGroup, list[torch.Tensor]]]) -> bool:
+                      groups: Sequence[tuple[ParamGroup, list[torch.Tensor]]],
+                      kept: dict[int, Any] | None = None) -> bool:
     """Step each ``(live group, its parameters to step)`` of ``groups`` as ``step()``
-    would, through the single-tensor implementation; False, having changed nothing,
-    where that is not what ``step()`` would run (see the module's docstring)."""
+    would, through the implementation ``step()`` would choose; False, having changed
+    nothing, where that is not what ``step()`` would run (see the module's docstring).
+
+    :param kept: the tensor lists of the subsets stepped before, by ``id()`` of the
+        subset's list (:class:`FunctionalSteps` keeps it); None keeps nothing.
+    """
     functional = FUNCTIONAL_STEPS.get(type(optimizer))
     if functional is None or unwrapped_step(optimizer) is not functional.own_step:
         return False
@@ -173,17 +254,39 @@ def step_functionally(optimizer: torch.optim.Optimizer,
     attributes = optimizer.__dict__
     if attributes.get("grad_scale") is not None or attributes.get("found_inf") is not None:
         return False
-    if not all(_single_tensor(group, params) for group, params in groups):
+    implementations = [_multi_tensor(group, params) for group, params in groups]
+    if None in implementations:
         return False
     if functional.health_check:
         optimizer._accelerator_graph_capture_health_check()
+    lists = {} if kept is None else kept
     grad_was_enabled = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)  # what step() runs under (not differentiable)
     try:
-        for group, params in groups:
-            subset = dict(group)
-            subset["params"] = params
-            functional.group_step(optimizer, subset)
+        for (group, params), multi_tensor in zip(groups, implementations, strict=True):
+            functional.group_step(optimizer, group, params, bool(multi_tensor), lists)
     finally:
         torch._C._set_grad_enabled(grad_was_enabled)
     return True
+
+
+class FunctionalSteps:
+    """:func:`step_functionally` for one optimizer, keeping each subset's tensor lists
+    (:mod:`overlapkit.overlap.core.tensor_lists`) from one step to the next.
+
+    Not thread-safe by itself: the engine calls it with its lock held.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self._kept: dict[int, Any] = {}
+
+    def step(self, groups: Sequence[tuple[ParamGroup, list[torch.Tensor]]]) -> bool:
+        """Step ``groups`` functionally (see :func:`step_functionally`); False, having
+        changed nothing, where ``step()`` must run."""
+        return step_functionally(self.optimizer, groups, self._kept)
+
+    def forget(self) -> None:
+        """Drop every kept list (and the state tensors they hold): the engine's
+        parameters or their groups changed, or the state was loaded."""
+        self._kept.clear()

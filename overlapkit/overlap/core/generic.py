@@ -17,7 +17,7 @@ import torch
 
 from overlapkit.overlap.core.direct_step import step_optimizer
 from overlapkit.overlap.core.engine import OverlapEngine, ParamGroup
-from overlapkit.overlap.core.functional_step import step_functionally
+from overlapkit.overlap.core.functional_step import FunctionalSteps
 
 __all__ = ["GenericOverlapEngine"]
 
@@ -38,13 +38,23 @@ class GenericOverlapEngine(OverlapEngine):
     Optimizer step hooks (``register_step_pre_hook``) run once per subset stepped.
     Without any hook (and no profiler running) ``step()`` is called past torch's
     hook-and-profiler wrapper (:mod:`overlapkit.overlap.core.direct_step`), and ``Adam``,
-    ``AdamW`` and ``SGD`` run ``step()``'s own loop body on the subset directly
-    (:mod:`overlapkit.overlap.core.functional_step`): the same arithmetic, less Python.
+    ``AdamW`` and ``SGD`` run ``step()``'s own loop body on the subset directly, with
+    each subset's tensor lists kept from one step to the next
+    (:mod:`overlapkit.overlap.core.functional_step`): the same kernels, less Python.
     """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._functional = FunctionalSteps(optimizer)  # before reindex() runs
+        super().__init__(optimizer)
+
+    def reindex(self) -> None:
+        with self.lock:
+            super().reindex()
+            self._functional.forget()
 
     def step_groups(self, groups: Sequence[tuple[ParamGroup, list[torch.Tensor]]]) -> None:
         optimizer = self.optimizer
-        if step_functionally(optimizer, groups):
+        if self._functional.step(groups):
             return
         live = optimizer.param_groups
         before: list[ParamGroup] = []
