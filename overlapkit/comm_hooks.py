@@ -1,10 +1,10 @@
 """DDP comm hooks by name: :func:`build_comm_hook`, and the built-in plugin
 ``overlapkit.comm_hooks`` that registers the standard ones.
 
-``allreduce`` (DDP's default: average over the group), ``fp16_compress`` and
-``bf16_compress`` (cast to half precision for the allreduce, cast back after). They are
-torch's own hooks (``allreduce``: the same arithmetic, see :func:`allreduce_hook`), so
-results match DDP with the same hook registered by hand. Other packages register more
+``allreduce`` (DDP's default: average over the group, bitwise as plain DDP does it
+without a hook, see :func:`allreduce_hook`), ``fp16_compress`` and ``bf16_compress``
+(cast to half precision for the allreduce, cast back after: torch's own hooks, so
+results match DDP with the same hook registered by hand). Other packages register more
 (``post_local_sgd`` comes from :mod:`overlapkit.local_sgd`).
 """
 
@@ -42,8 +42,18 @@ def build_comm_hook(
 
 
 def allreduce_hook(process_group, bucket):  # type: ignore[no-untyped-def]
-    """torch's ``default_hooks.allreduce_hook`` (divide the bucket by the group size,
-    then sum it over the group: bitwise the same), with less work per bucket.
+    """DDP's own averaging, as a comm hook: the bucket multiplied by the inverse of the
+    group size, then summed over the group — bitwise the gradients of plain DDP
+    without a comm hook (which multiplies while it copies the gradients into the
+    bucket), with less work per bucket than torch's ``default_hooks.allreduce_hook``.
+
+    - torch's hook *divides* by the group size. For a group whose size is a power of
+      two that is the same bits; for another size (3, 6, 12 ranks) the two differ in
+      the last bit (measured on torch 2.13, 3 gloo ranks: every parameter of a small
+      MLP after one backward), and the plain loop this library is measured against is
+      DDP without a hook. (A ``gradient_as_bucket_view=True`` model whose gradients
+      are kept between iterations, ``zero_grad(set_to_none=False)``, is divided by
+      plain DDP itself: see ``docs/ddp_overlap.rst``.)
 
     - A group of one rank is not divided by 1. That division is an identity, but a
       separate pass over every bucket: plain DDP (no comm hook) folds it into its copy
@@ -87,15 +97,10 @@ def launch_allreduce(process_group: Any, bucket: dist.GradBucket) -> Any:
     size = group.size()
     if size == 1 and buffer.device.type == "cpu":
         return None
-    if size == 1:
-        pass  # see allreduce_hook: not divided by 1
-    elif size & (size - 1) == 0:
-        # a power of two: multiplying by its inverse is exact, as dividing is (the
-        # same bits), and takes half the time (measured on torch 2.13, CPU, 256 KiB:
-        # 3.5 against 7.3 us)
+    if size > 1:  # see allreduce_hook: a group of one rank is not divided by 1
+        # plain DDP's own averaging (no comm hook): the gradients multiplied by the
+        # inverse of the group size (see allreduce_hook)
         buffer.mul_(1.0 / size)
-    else:
-        buffer.div_(size)
     if buffer.is_complex():
         work = dist.all_reduce(buffer, group=group, async_op=True)
     else:

@@ -166,3 +166,23 @@ def one_rank_hook_run(rank: int, world_size: int) -> dict[str, Any]:
     return {"buckets": len(seen), "complete": all(done for done, _ in seen),
             "collectives": collectives,
             "the bucket itself": all(same for _, same in seen)}
+
+
+def three_ranks_run(rank: int, world_size: int) -> dict[str, Any]:
+    """overlap_ddp against plain DDP (no comm hook) at a group size that is not a power
+    of two, where averaging by dividing and by multiplying with the inverse differ in
+    the last bit: each (optimizer, DDP set-up) trained both ways.
+
+    Not ``gradient_as_bucket_view=True``: there the head's gradients, kept from one
+    iteration to the next until it joins the optimizer, are divided by plain DDP itself
+    (its gradient already is the bucket's view), which a comm hook cannot tell apart
+    (``docs/ddp_overlap.rst``)."""
+    results: dict[str, Any] = {}
+    for setup in ("default", "find_unused"):
+        for name in ("Adam", "SGD-nesterov", "Adam-foreach"):
+            optim_cls, kwargs = OPTIMIZERS[name]
+            ours, _ = _train(rank, True, optim_cls, kwargs, setup)
+            plain, _ = _train(rank, False, optim_cls, kwargs, setup)
+            results[f"{name} {setup}"] = compare(plain, ours)
+    dist.barrier()
+    return results

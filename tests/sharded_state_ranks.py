@@ -2,11 +2,11 @@
 shard_optimizer_state=True)`` against plain DDP + the same optimizer, on 2 and 3 gloo
 ranks.
 
-The reference is plain DDP, ``backward(); [clip]; step(); zero_grad()``. At 3 ranks it is
-plain DDP with torch's ``default_hooks.allreduce_hook``: DDP's built-in reduction sums
-three ranks' gradients in another order than a comm hook does (measured on torch 2.13:
-overlap_ddp without sharding is 5.96e-08 off it after 4 AdamW steps at 3 ranks, and
-bitwise equal to plain DDP with that hook); at 2 ranks both orders are the same sum.
+The reference is plain DDP, ``backward(); [clip]; step(); zero_grad()``, at 2 and at 3
+ranks. (Up to 0.3 it was plain DDP with torch's ``default_hooks.allreduce_hook`` at 3
+ranks, read then as another order of summation: it was the averaging, which torch's hook
+does by dividing and plain DDP by multiplying with the inverse; overlapkit's
+``allreduce`` now multiplies, as plain DDP does.)
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 from helpers import compare, values
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlapkit
@@ -59,12 +58,8 @@ def build(seed: int = 0, **ddp_options: Any) -> DDP:
 
 
 def build_reference(seed: int = 0, **ddp_options: Any) -> DDP:
-    """Plain DDP; at more than 2 ranks with torch's allreduce comm hook (module
-    docstring)."""
-    ddp = build(seed, **ddp_options)
-    if dist.get_world_size() > 2:
-        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-    return ddp
+    """Plain DDP, without a comm hook (module docstring)."""
+    return build(seed, **ddp_options)
 
 
 def param_groups(ddp: DDP, grouped: bool) -> Any:

@@ -4,7 +4,8 @@ What every overlapped technique shares, whatever the model: the engine
 (:mod:`~overlapkit.overlap.core.engine`, the base class plugins subclass, and
 :mod:`~overlapkit.overlap.core.generic`, the engine for any ``torch.optim`` optimizer,
 with the cheaper :mod:`~overlapkit.overlap.core.direct_step` and
-:mod:`~overlapkit.overlap.core.functional_step` calls of ``step()``), what is kept per
+:mod:`~overlapkit.overlap.core.functional_step` calls of ``step()``, whose tensor lists
+are kept per subset: :mod:`~overlapkit.overlap.core.tensor_lists`), what is kept per
 bucket between backwards (:mod:`~overlapkit.overlap.core.bucket_layout`), which
 backward a hook runs in (:mod:`~overlapkit.overlap.core.backward_scope`), where steps
 run on an accelerator (:mod:`~overlapkit.overlap.core.side_stream`), and the loop
