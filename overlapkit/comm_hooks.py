@@ -24,7 +24,7 @@ from overlapkit.plugin.manager import get_plugin_manager
 from overlapkit.plugin.records import CommHookRecord
 
 __all__ = ["allreduce_hook", "build_comm_hook", "launch_allreduce",
-           "overlapkit_register_comm_hooks"]
+           "overlapkit_register_comm_hooks", "reduce_bucket"]
 
 
 def build_comm_hook(
@@ -53,7 +53,8 @@ def allreduce_hook(process_group, bucket):  # type: ignore[no-untyped-def]
       MLP after one backward), and the plain loop this library is measured against is
       DDP without a hook. (A ``gradient_as_bucket_view=True`` model whose gradients
       are kept between iterations, ``zero_grad(set_to_none=False)``, is divided by
-      plain DDP itself: see ``docs/ddp_overlap.rst``.)
+      plain DDP itself: ``overlap_ddp`` follows it there, passing ``average``, see
+      :mod:`overlapkit.overlap.ddp.kept_gradients`.)
 
     - A group of one rank is not divided by 1. That division is an identity, but a
       separate pass over every bucket: plain DDP (no comm hook) folds it into its copy
@@ -75,18 +76,32 @@ def allreduce_hook(process_group, bucket):  # type: ignore[no-untyped-def]
     """
     # Left unannotated, as DDP's own check of a registered hook's signature wants
     # (``from __future__ import annotations`` would make the annotations strings).
-    launched = launch_allreduce(process_group, bucket)
+    return reduce_bucket(process_group, bucket)
+
+
+def reduce_bucket(process_group: Any, bucket: dist.GradBucket,
+                  average: Callable[[dist.GradBucket, int], None] | None = None,
+                  ) -> torch.futures.Future[torch.Tensor]:
+    """What :func:`allreduce_hook` returns for ``bucket``, averaged by ``average``
+    where given (see :func:`launch_allreduce`)."""
+    launched = launch_allreduce(process_group, bucket, average)
     if launched is None:
-        done = torch.futures.Future()
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         done.set_result(bucket.buffer())
         return done
     return launched.then(reduced_tensor)
 
 
-def launch_allreduce(process_group: Any, bucket: dist.GradBucket) -> Any:
+def launch_allreduce(process_group: Any, bucket: dist.GradBucket,
+                     average: Callable[[dist.GradBucket, int], None] | None = None) -> Any:
     """Launch :func:`allreduce_hook`'s reduction of ``bucket``: its process group's
     future (its value the list ``[reduced buffer]``), or None where there is nothing
     to reduce (a group of one rank, on the CPU: the buffer is its own sum).
+
+    :param average: averages the bucket's buffer in place, given the group size,
+        instead of the multiplication by its inverse (the bucket stepper's, where
+        plain DDP divides gradients kept as bucket views:
+        :mod:`overlapkit.overlap.ddp.kept_gradients`).
 
     For a caller that waits for the future itself (the bucket stepper): without
     :func:`allreduce_hook`'s ``then``, no Python callback runs on the process group's
@@ -97,7 +112,9 @@ def launch_allreduce(process_group: Any, bucket: dist.GradBucket) -> Any:
     size = group.size()
     if size == 1 and buffer.device.type == "cpu":
         return None
-    if size > 1:  # see allreduce_hook: a group of one rank is not divided by 1
+    if size > 1 and average is not None:
+        average(bucket, size)
+    elif size > 1:  # see allreduce_hook: a group of one rank is not divided by 1
         # plain DDP's own averaging (no comm hook): the gradients multiplied by the
         # inverse of the group size (see allreduce_hook)
         buffer.mul_(1.0 / size)

@@ -171,18 +171,37 @@ def one_rank_hook_run(rank: int, world_size: int) -> dict[str, Any]:
 def three_ranks_run(rank: int, world_size: int) -> dict[str, Any]:
     """overlap_ddp against plain DDP (no comm hook) at a group size that is not a power
     of two, where averaging by dividing and by multiplying with the inverse differ in
-    the last bit: each (optimizer, DDP set-up) trained both ways.
-
-    Not ``gradient_as_bucket_view=True``: there the head's gradients, kept from one
-    iteration to the next until it joins the optimizer, are divided by plain DDP itself
-    (its gradient already is the bucket's view), which a comm hook cannot tell apart
-    (``docs/ddp_overlap.rst``)."""
+    the last bit: each (optimizer, DDP set-up) trained both ways. With
+    ``gradient_as_bucket_view=True`` the head's gradients, kept from one iteration to
+    the next until it joins the optimizer, are divided by plain DDP itself (they are
+    the bucket's views), the others multiplied (overlap/ddp/kept_gradients.py)."""
     results: dict[str, Any] = {}
-    for setup in ("default", "find_unused"):
+    for setup in DDP_SETUPS:
         for name in ("Adam", "SGD-nesterov", "Adam-foreach"):
             optim_cls, kwargs = OPTIMIZERS[name]
             ours, _ = _train(rank, True, optim_cls, kwargs, setup)
             plain, _ = _train(rank, False, optim_cls, kwargs, setup)
             results[f"{name} {setup}"] = compare(plain, ours)
+    for set_to_none in (False, True):
+        ours = _kept_grads_train(rank, True, set_to_none)
+        plain = _kept_grads_train(rank, False, set_to_none)
+        results[f"gradient_as_bucket_view, zero_grad(set_to_none={set_to_none})"] = \
+            compare(plain, ours)
     dist.barrier()
     return results
+
+
+def _kept_grads_train(rank: int, overlap: bool, set_to_none: bool) -> list[torch.Tensor]:
+    """A ``gradient_as_bucket_view=True`` loop zeroing gradients in place (or freeing
+    them), with a branch no rank uses (its gradient is kept, never recomputed)."""
+    model = _model(with_unused=True)
+    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB, gradient_as_bucket_view=True,
+              find_unused_parameters=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt: Any = (overlapkit.overlap_ddp(ddp, torch.optim.AdamW, lr=0.01, params=params)
+                if overlap else torch.optim.AdamW(params, lr=0.01))
+    for x in rank_batches(rank, 4, shape=(8, 12)):
+        ddp(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+    return values(model)

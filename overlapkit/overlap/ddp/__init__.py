@@ -7,7 +7,8 @@ order :mod:`~overlapkit.overlap.ddp.inline_schedule` chooses), how runs of reduc
 buckets are stepped (:mod:`~overlapkit.overlap.ddp.bucket_steps`; a reduction that fails
 is raised as one overlapkit error when backward ends:
 :mod:`~overlapkit.overlap.ddp.failed_reductions`), the hooks on the parameters
-beside it (:mod:`~overlapkit.overlap.ddp.param_hooks`) and the optimizer
+beside it (:mod:`~overlapkit.overlap.ddp.param_hooks`; where plain DDP divides gradients
+kept as bucket views: :mod:`~overlapkit.overlap.ddp.kept_gradients`) and the optimizer
 ``overlap_ddp`` returns (:mod:`~overlapkit.overlap.ddp.optimizer`).
 ``optimizer_in_backward`` on a DDP model and sharded state
 (:mod:`overlapkit.overlap.sharded`) take this path too.

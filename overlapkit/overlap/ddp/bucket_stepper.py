@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from typing import Any
 
@@ -103,6 +103,9 @@ class BucketStepper(BucketSteps):
         #: stepper's end of backward could answer them (it hung, measured).
         self._answers_itself = (self._inline and inner_hook is allreduce_hook
                                 and step_thread == "backward" and not static_graph)
+        #: averages each bucket where plain DDP divides gradients kept as bucket views
+        #: (set at set-up: :mod:`~overlapkit.overlap.ddp.kept_gradients`)
+        self.average: Callable[[dist.GradBucket, int], None] | None = None
         #: bucket index -> the future DDP holds for it, completed once it is stepped
         self._answers: dict[int, torch.futures.Future[torch.Tensor]] = {}
         #: inline: the order of the steps at the end of backward
@@ -242,7 +245,7 @@ class BucketStepper(BucketSteps):
         doubled the CPU time of gloo's network thread and added ~30 % to a step of
         100 buckets (``docs/benchmarks.md``, engine overhead).
         """
-        launched = launch_allreduce(self.inner_state, bucket)
+        launched = launch_allreduce(self.inner_state, bucket, self.average)
         if launched is None:  # one rank: the bucket is its own sum
             launched = torch.futures.Future()
             launched.set_result([bucket.buffer()])

@@ -11,15 +11,18 @@ Everything here runs once, at set-up, and every check before the one change.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from functools import partial
 from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
+from overlapkit.comm_hooks import allreduce_hook, reduce_bucket
 from overlapkit.errors import ConfigurationError, UnsupportedModelError
 from overlapkit.ft.refusals import refuse_torchft_ddp
 from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.overlap.core.side_stream import SideStream
 from overlapkit.overlap.ddp.bucket_stepper import BucketStepper, overlapped_comm_hook
+from overlapkit.overlap.ddp.kept_gradients import KeptGradientAveraging
 from overlapkit.overlap.resolved import ModelFacts, ResolvedSetup, resolve_setup
 from overlapkit.overlap.rules.clipping import GradClipping
 from overlapkit.overlap.rules.global_step import step_rules
@@ -160,6 +163,12 @@ def set_up_on_ddp(
             "comm_hook=."
         ) from exc
     setattr(model, _MARKER, setup.model.technique)
+    # hooks on the parameters only once the comm hook is in (as below)
+    averaging = KeptGradientAveraging.for_model(model) if inner_hook is allreduce_hook \
+        else None
+    if averaging is not None:  # 3, 6, 12 ... ranks and gradient_as_bucket_view=True
+        stepper.average = averaging.average
+        stepper.inner_hook = partial(reduce_bucket, average=averaging.average)
     stepper.model_before_rebuild = model
     # DDP lays its buckets out again after the first backward, except where it tracks
     # parameter usage; checkpoints record that second layout (checkpoint.ddp_buckets)
