@@ -3,8 +3,10 @@
 One process, no process group: ``n`` parameters of ``size`` floats with gradients set,
 stepped (a) by the plain ``Adam.step()``, (b) by the engine's functional path with the
 lists worked out by ``_init_group`` at every call (overlapkit up to this change:
-``step_functionally`` with nothing kept), (c) the same with the lists kept per subset
-and checked (:class:`overlapkit.overlap.core.functional_step.FunctionalSteps`). Each in
+``step_functionally`` with nothing kept), (c) the engine's ``step_plan`` of each
+subset's kept plan, whose lists are kept and checked
+(:class:`overlapkit.overlap.core.functional_step.FunctionalSteps`; its lock and plan
+check included). Each in
 one call over every parameter (one rank at the end of backward) and in one call per
 parameter (a bucket per parameter, as on a side stream), ``foreach`` False (the CPU
 default) and True (the multi-tensor implementation, CUDA's default). Medians of 5
@@ -22,7 +24,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from overlapkit.overlap.core.functional_step import FunctionalSteps, step_functionally
+from overlapkit.overlap.core.functional_step import step_functionally
+from overlapkit.overlap.core.generic import GenericOverlapEngine
 
 ROUNDS, STEPS, WARM_UP = 5, 200, 10
 
@@ -36,17 +39,19 @@ def _stepper(count: int, size: int, foreach: bool, per_parameter: bool,
     optimizer = torch.optim.Adam(params, lr=1e-3, foreach=foreach)
     group = optimizer.param_groups[0]
     subsets = [[param] for param in params] if per_parameter else [params]
-    kept = FunctionalSteps(optimizer)
+    engine = GenericOverlapEngine(optimizer)
+    plans = [engine.plan(subset) for subset in subsets]
 
     def step() -> None:
         if variant == "plain step()":
             optimizer.step()
             return
+        if variant == "lists kept":
+            for plan in plans:
+                engine.step_plan(plan)
+            return
         for subset in subsets:
-            if variant == "lists kept":
-                kept.step([(group, subset)])
-            else:
-                step_functionally(optimizer, [(group, subset)])
+            step_functionally(optimizer, [(group, subset)])
 
     return step
 

@@ -51,7 +51,8 @@ def allreduce_hook(process_group, bucket):  # type: ignore[no-untyped-def]
       two that is the same bits; for another size (3, 6, 12 ranks) the two differ in
       the last bit (measured on torch 2.13, 3 gloo ranks: every parameter of a small
       MLP after one backward), and the plain loop this library is measured against is
-      DDP without a hook. (A ``gradient_as_bucket_view=True`` model whose gradients
+      DDP without a hook. A sparse gradient's bucket (``nn.Embedding(sparse=True)``)
+      is divided, as plain DDP divides it. (A ``gradient_as_bucket_view=True`` model whose gradients
       are kept between iterations, ``zero_grad(set_to_none=False)``, is divided by
       plain DDP itself: ``overlap_ddp`` follows it there, passing ``average``, see
       :mod:`overlapkit.overlap.ddp.kept_gradients`.)
@@ -112,7 +113,9 @@ def launch_allreduce(process_group: Any, bucket: dist.GradBucket,
     size = group.size()
     if size == 1 and buffer.device.type == "cpu":
         return None
-    if size > 1 and average is not None:
+    if size > 1 and buffer.is_sparse:
+        buffer.div_(size)  # as plain DDP averages a sparse gradient (it divides)
+    elif size > 1 and average is not None:
         average(bucket, size)
     elif size > 1:  # see allreduce_hook: a group of one rank is not divided by 1
         # plain DDP's own averaging (no comm hook): the gradients multiplied by the

@@ -187,6 +187,9 @@ def three_ranks_run(rank: int, world_size: int) -> dict[str, Any]:
         plain = _kept_grads_train(rank, False, set_to_none)
         results[f"gradient_as_bucket_view, zero_grad(set_to_none={set_to_none})"] = \
             compare(plain, ours)
+    for case in ("create_graph", "unused"):
+        results[f"gradient_as_bucket_view, {case}"] = compare(
+            _tested_late_train(rank, False, case), _tested_late_train(rank, True, case))
     dist.barrier()
     return results
 
@@ -205,3 +208,70 @@ def _kept_grads_train(rank: int, overlap: bool, set_to_none: bool) -> list[torch
         opt.step()
         opt.zero_grad(set_to_none=set_to_none)
     return values(model)
+
+
+class _TwoBranches(nn.Module):
+    """A first layer always used, a second one only while ``use_b``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        x = self.a(x)
+        return self.b(x) if use_b else x
+
+
+def _tested_late_train(rank: int, overlap: bool, case: str) -> list[torch.Tensor]:
+    """``gradient_as_bucket_view=True`` loops where what DDP tests differs from what
+    ``.grad`` was when backward began: ``create_graph=True`` (accumulated out of place:
+    a gradient of its own), and a branch unused in the last iteration whose ``.grad``
+    was set to a tensor of its own (tested when backward reaches the first parameter)."""
+    # create_graph: one linear layer, whose gradients need no gradient themselves
+    torch.manual_seed(0)
+    model: nn.Module = _TwoBranches() if case == "unused" else nn.Linear(8, 8)
+    ddp = DDP(model, gradient_as_bucket_view=True,
+              find_unused_parameters=case == "unused")
+    opt: Any = (overlapkit.overlap_ddp(ddp, torch.optim.SGD, lr=0.1) if overlap
+                else torch.optim.SGD(model.parameters(), lr=0.1))
+    generator = torch.Generator().manual_seed(rank)
+    for step in range(3):
+        use_b = case != "unused" or step < 2
+        if not use_b:
+            for param in model.get_submodule("b").parameters():
+                param.grad = torch.randn(param.shape,
+                                         generator=torch.Generator().manual_seed(1))
+        batch = torch.randn(4, 8, generator=generator)
+        loss = (ddp(batch, use_b=use_b) if case == "unused" else ddp(batch)).sum()
+        loss.backward(create_graph=case == "create_graph")
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    return values(model)
+
+
+class _SparseNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(50, 8, sparse=True)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(tokens)).sum()
+
+
+def sparse_hook_run(rank: int, world_size: int) -> dict[str, Any]:
+    """overlapkit's ``allreduce`` hook on a model with a sparse gradient, against plain
+    DDP: gradients after one backward (the sparse one divided, as DDP divides it)."""
+    tokens = torch.randint(0, 50, (40,), generator=torch.Generator().manual_seed(rank))
+    grads = {}
+    for name in ("plain", "overlapkit"):
+        ddp = DDP(_SparseNet())
+        if name == "overlapkit":
+            ddp.register_comm_hook(*overlapkit.build_comm_hook("allreduce"))
+        ddp(tokens).backward()
+        grads[name] = [p.grad.coalesce().to_dense() if p.grad.is_sparse else p.grad
+                       for p in ddp.module.parameters()]
+    return {"equal": compare(grads["plain"], grads["overlapkit"])}

@@ -19,6 +19,7 @@ from engine_caching_ranks import (
     comm_hook_run,
     many_buckets_run,
     one_rank_hook_run,
+    sparse_hook_run,
     three_ranks_run,
 )
 from helpers import compare, failures
@@ -51,8 +52,12 @@ def test_three_ranks_stay_bitwise_plain_ddp() -> None:
     # plain DDP averages by multiplying with 1/3 (or, a gradient kept as a bucket
     # view, by dividing), torch's allreduce_hook by dividing
     (result, *others) = run_distributed(three_ranks_run, 3, timeout=300)
-    assert len(result) == 3 * len(DDP_SETUPS) + 2
+    assert len(result) == 3 * len(DDP_SETUPS) + 4
     assert [key for key in result if failures([result, *others], key)] == []
+
+
+def test_a_sparse_gradient_is_averaged_as_plain_ddp_averages_it() -> None:
+    assert failures(run_distributed(sparse_hook_run, 3), "equal") == {}
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])

@@ -8,6 +8,8 @@ plain ``step()`` steps it."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -182,10 +184,42 @@ def test_loading_through_the_engine_drops_the_kept_lists() -> None:
     plan = engine.plan(params)
     _grads(params, seed=0)
     engine.step_plan(plan)
-    kept = engine._functional._kept
-    assert len(kept) == 1
+    assert len(plan.kept) == 1
     engine.load_state_dict(engine.state_dict())
-    assert kept == {}  # the old state tensors are not held past the load
+    assert plan.kept == {}  # the old state tensors are not held past the load
+
+
+def test_a_subset_stepped_once_keeps_nothing() -> None:
+    # a global step (clipping, a GradScaler) steps a new subset list every iteration
+    params, engine, _, _ = _engine_and_plain("Adam")
+    _grads(params, seed=0)
+    engine.step_params(params)
+    tracked = weakref.ref(engine.optimizer.state[params[0]]["exp_avg"])
+    for _ in range(3):
+        engine.step_params(params)
+    assert len(engine._functional._plans) == 0
+    engine.optimizer.state.clear()
+    gc.collect()
+    assert tracked() is None  # nothing holds the dropped state
+
+
+def test_a_step_count_that_is_not_a_tensor_raises_as_plain_step_raises() -> None:
+    params, engine, reference, plain = _engine_and_plain("Adam")
+    plan = engine.plan(params)
+    for step in range(3):
+        _grads(params, seed=step)
+        _grads(reference, seed=step)
+        if step == 2:  # an old checkpoint's float step count, set by hand
+            engine.optimizer.state[params[0]]["step"] = 2.0
+            plain.state[reference[0]]["step"] = 2.0
+            with pytest.raises(RuntimeError, match="state_steps") as ours:
+                engine.step_plan(plan)
+            with pytest.raises(RuntimeError, match="state_steps") as theirs:
+                plain.step()
+            assert str(ours.value) == str(theirs.value)
+            return
+        engine.step_plan(plan)
+        plain.step()
 
 
 class ForeachKernels(TorchDispatchMode):

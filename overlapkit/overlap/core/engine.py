@@ -55,12 +55,17 @@ class StepPlan:
     :param params: the owned ones, in the caller's order.
     :param groups: ``(index in param_groups, that group's parameters of the subset)``,
         by increasing index.
+
+    ``kept`` is where an engine keeps what it works out for this subset from one step
+    to the next (the generic engine: the optimizer's tensor lists,
+    :mod:`overlapkit.overlap.core.tensor_lists`): it lives, and is freed, with the plan.
     """
 
     version: int
     requested: list[torch.Tensor]
     params: list[torch.Tensor]
     groups: list[tuple[int, list[torch.Tensor]]]
+    kept: dict[int, Any] = attrs.field(factory=dict, init=False, repr=False)
 
 
 class OverlapEngine:
@@ -207,7 +212,15 @@ class OverlapEngine:
                 plan = self.plan(plan.requested)
             if plan.groups:
                 groups = self.optimizer.param_groups
-                self.step_groups([(groups[index], params) for index, params in plan.groups])
+                self.step_planned(plan, [(groups[index], params)
+                                         for index, params in plan.groups])
+
+    def step_planned(self, plan: StepPlan,
+                     groups: Sequence[tuple[ParamGroup, list[torch.Tensor]]]) -> None:
+        """Step ``groups``, the live groups of ``plan`` (current) with its parameters:
+        :meth:`step_groups`, for an engine that keeps nothing in :attr:`StepPlan.kept`.
+        Called with :attr:`lock` held."""
+        self.step_groups(groups)
 
     def step_params(self, params: Iterable[torch.Tensor]) -> None:
         """Step exactly ``params`` (each must have ``.grad`` set); the ones this

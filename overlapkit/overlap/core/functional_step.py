@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -44,6 +45,7 @@ from torch.optim import optimizer as torch_optimizer
 from torch.optim import sgd as torch_sgd
 
 from overlapkit.overlap.core.direct_step import unwrapped_step
+from overlapkit.overlap.core.engine import StepPlan
 from overlapkit.overlap.core.tensor_lists import AdamLists, SgdLists
 
 __all__ = ["FUNCTIONAL_STEPS", "FunctionalSteps", "step_functionally"]
@@ -132,19 +134,12 @@ def _same_objects(values: list[Any], kept: list[Any]) -> bool:
     return len(values) == len(kept) and all(map(operator.is_, values, kept))
 
 
-#: subsets whose tensor lists are kept, at most (fresh subsets each step, as the
-#: parameters used in a backward with ``find_unused_parameters``, are dropped past it)
-_MOST_KEPT = 4096
-
-
 def _keep(kept: dict[int, Any], params: list[torch.Tensor], lists: Any) -> None:
     """Keep ``lists`` for ``params`` (None: forget them)."""
     if lists is None:
         kept.pop(id(params), None)
-        return
-    if len(kept) >= _MOST_KEPT:
-        kept.clear()
-    kept[id(params)] = lists
+    else:
+        kept[id(params)] = lists
 
 
 #: the signatures the loop bodies above were written against (torch 2.13)
@@ -272,21 +267,34 @@ def step_functionally(optimizer: torch.optim.Optimizer,
 
 class FunctionalSteps:
     """:func:`step_functionally` for one optimizer, keeping each subset's tensor lists
-    (:mod:`overlapkit.overlap.core.tensor_lists`) from one step to the next.
+    (:mod:`overlapkit.overlap.core.tensor_lists`) from one step to the next in the
+    subset's :class:`~overlapkit.overlap.core.engine.StepPlan` (``kept``): they are
+    freed with the plan, and a subset stepped once (a plan made for one call) keeps
+    nothing past it.
 
     Not thread-safe by itself: the engine calls it with its lock held.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        self._kept: dict[int, Any] = {}
+        #: the plans holding kept lists (weakly: a plan dropped frees its lists)
+        self._plans: weakref.WeakSet[StepPlan] = weakref.WeakSet()
 
-    def step(self, groups: Sequence[tuple[ParamGroup, list[torch.Tensor]]]) -> bool:
-        """Step ``groups`` functionally (see :func:`step_functionally`); False, having
-        changed nothing, where ``step()`` must run."""
-        return step_functionally(self.optimizer, groups, self._kept)
+    def step(self, groups: Sequence[tuple[ParamGroup, list[torch.Tensor]]],
+             plan: StepPlan | None = None) -> bool:
+        """Step ``groups`` functionally (see :func:`step_functionally`), keeping their
+        lists in ``plan`` where given; False, having changed nothing, where ``step()``
+        must run."""
+        if plan is None:
+            return step_functionally(self.optimizer, groups)
+        kept = plan.kept
+        if not kept:
+            self._plans.add(plan)
+        return step_functionally(self.optimizer, groups, kept)
 
     def forget(self) -> None:
         """Drop every kept list (and the state tensors they hold): the engine's
-        parameters or their groups changed, or the state was loaded."""
-        self._kept.clear()
+        parameters or their groups changed, or its state was loaded."""
+        for plan in list(self._plans):
+            plan.kept.clear()
+        self._plans.clear()

@@ -16,7 +16,7 @@ from operator import is_
 import torch
 
 from overlapkit.overlap.core.direct_step import step_optimizer
-from overlapkit.overlap.core.engine import OverlapEngine, ParamGroup
+from overlapkit.overlap.core.engine import OverlapEngine, ParamGroup, StepPlan
 from overlapkit.overlap.core.functional_step import FunctionalSteps
 
 __all__ = ["GenericOverlapEngine"]
@@ -52,10 +52,18 @@ class GenericOverlapEngine(OverlapEngine):
             super().reindex()
             self._functional.forget()
 
+    def step_planned(self, plan: StepPlan,
+                     groups: Sequence[tuple[ParamGroup, list[torch.Tensor]]]) -> None:
+        if not self._functional.step(groups, plan):
+            self._step_through_step(groups)
+
     def step_groups(self, groups: Sequence[tuple[ParamGroup, list[torch.Tensor]]]) -> None:
+        if not self._functional.step(groups):
+            self._step_through_step(groups)
+
+    def _step_through_step(self,
+                           groups: Sequence[tuple[ParamGroup, list[torch.Tensor]]]) -> None:
         optimizer = self.optimizer
-        if self._functional.step(groups):
-            return
         live = optimizer.param_groups
         before: list[ParamGroup] = []
         subset: list[ParamGroup] = []

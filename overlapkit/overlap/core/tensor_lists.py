@@ -22,8 +22,12 @@ only checks, in C-level passes over the kept lists, that they are still what
   zero or not) have not changed.
 
 Anything else — a new parameter without state yet, a gradient gone — goes through
-``_init_group`` again, so whatever it would do (initialise, raise) it does. Measured on
-torch 2.13, CPU: see ``docs/benchmarks.md`` ("Tensor lists kept per layout").
+``_init_group`` again, so whatever it would do (initialise, raise) it does. The lists
+live in the subset's step plan (``StepPlan.kept``) and are freed with it; a state
+dropped by hand (``optimizer.state.clear()``) stays referenced by a kept plan until
+that subset's next step or the engine's next ``reindex()`` (a ``load_state_dict``
+through the engine), since nothing tells the engine before. Measured on torch 2.13,
+CPU: see ``docs/benchmarks.md`` ("Tensor lists kept per layout").
 """
 
 from __future__ import annotations
@@ -95,6 +99,9 @@ class AdamLists:
         state_steps: list[torch.Tensor] = []
         has_complex = optimizer._init_group(subset, with_grad, grads, exp_avgs, exp_avg_sqs,
                                             max_exp_avg_sqs, state_steps)
+        if not all(map(torch.is_tensor, state_steps)):  # adam()'s check, as step() runs it
+            raise RuntimeError("API has changed, `state_steps` argument must contain a list "
+                               "of singleton tensors")
         complete = len(with_grad) == len(params)
         state = optimizer.state
         lists = cls(params=params if complete else with_grad,

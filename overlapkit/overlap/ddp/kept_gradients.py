@@ -14,19 +14,26 @@ Plain DDP (no comm hook) averages each parameter's gradient in one of two ways
 
 For a group whose size is a power of two both give the same bits. For another size (3,
 6, 12 ranks) they differ in the last bit, and a comm hook sees only the bucket. So
-where it matters — ``gradient_as_bucket_view=True`` at such a size — the stepper notes,
-for each parameter, whether its gradient was a bucket view when backward reached it (a
-hook on the parameter, run before autograd accumulates into ``.grad``), and divides
-those views, multiplying the others (measured on torch 2.13, 3 gloo ranks: bitwise plain
-DDP in both cases, ``tests/test_engine_caching.py``).
+where it matters — ``gradient_as_bucket_view=True`` at such a size — the stepper notes
+what DDP tests (``grad.is_alias_of(bucket_view)``, once backward has accumulated into
+``.grad``), and divides those views, multiplying the others:
+
+- for a parameter backward reaches, a hook run right after autograd accumulated its
+  gradient, before DDP's own hook (an out-of-place accumulation, under
+  ``create_graph=True``, leaves a gradient of its own: multiplied, as DDP does);
+- for a parameter it does not reach (unused, ``find_unused_parameters=True``), DDP
+  tests it when backward reaches the first parameter: the first such hook of each
+  backward notes every parameter's gradient then.
+
+Measured on torch 2.13, 3 gloo ranks: bitwise plain DDP in each case
+(``tests/test_engine_caching.py``).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
+from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.overlap.core.bucket_layout import bucket_gradient_views
@@ -47,10 +54,13 @@ class KeptGradientAveraging:
     """
 
     def __init__(self, params: list[torch.Tensor]) -> None:
-        #: id(parameter) -> its gradient's data pointer when backward reached it (0: none)
-        self._before: dict[int, int] = {}
+        self._params = params
+        #: id(parameter) -> its gradient's data pointer when DDP tested it (0: none)
+        self._tested: dict[int, int] = {}
+        #: no hook has run yet in the current backward
+        self._first = True
         for param in params:  # for the model's life, as the comm hook
-            param.register_hook(self._noter(param))
+            param.register_post_accumulate_grad_hook(self._note)
 
     @classmethod
     def for_model(cls, model: DistributedDataParallel) -> KeptGradientAveraging | None:
@@ -61,14 +71,20 @@ class KeptGradientAveraging:
             return None
         return cls([p for p in model.parameters() if p.requires_grad])
 
-    def _noter(self, param: torch.Tensor) -> Any:
-        before = self._before
+    def _note(self, param: torch.Tensor) -> None:
+        tested = self._tested
+        if self._first:  # DDP tests the parameters backward will not reach now
+            self._first = False
+            tested.clear()
+            for each in self._params:
+                grad = each.grad
+                tested[id(each)] = 0 if grad is None else grad.data_ptr()
+            Variable._execution_engine.queue_callback(self._backward_ended)
+        grad = param.grad
+        tested[id(param)] = 0 if grad is None else grad.data_ptr()
 
-        def note(grad: torch.Tensor) -> None:
-            kept = param.grad
-            before[id(param)] = 0 if kept is None else kept.data_ptr()
-
-        return note
+    def _backward_ended(self) -> None:
+        self._first = True
 
     def average(self, bucket: dist.GradBucket, size: int) -> None:
         """Average ``bucket``'s buffer (before its sum over the group) as plain DDP
@@ -76,15 +92,9 @@ class KeptGradientAveraging:
         buffer = bucket.buffer()
         params = bucket.parameters()
         views = bucket_gradient_views(buffer, params)
-        before = self._before
-        kept = []
-        for param, view in zip(params, views, strict=True):
-            # a parameter backward did not reach (unused) still holds what it held
-            noted = before.pop(id(param), None)
-            if noted is None:
-                grad = param.grad
-                noted = 0 if grad is None else grad.data_ptr()
-            kept.append(noted == view.data_ptr() and view.numel() > 0)
+        tested = self._tested
+        kept = [view.numel() > 0 and tested.get(id(param), 0) == view.data_ptr()
+                for param, view in zip(params, views, strict=True)]
         if not any(kept):
             buffer.mul_(1.0 / size)
         elif all(kept):
