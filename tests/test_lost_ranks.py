@@ -149,6 +149,30 @@ def roll_call(rank: int, world_size: int) -> dict[str, Any]:
             "host": os.uname().nodename}
 
 
+def group_after_destroy(rank: int, world_size: int) -> dict[str, Any]:
+    """Whether the default process group still exists once destroyed, with the roll
+    call's heartbeat beating."""
+    import gc
+    import weakref
+
+    from overlapkit.nodes import roll_call as roll
+
+    roll.watch()
+    group = weakref.ref(dist.distributed_c10d._get_default_group())
+    dist.destroy_process_group()
+    gc.collect()
+    return {"heartbeat alive": any(t.is_alive() for t in roll._HEARTBEATS),
+            "group alive": group() is not None}
+
+
+def test_the_heartbeat_does_not_keep_a_destroyed_process_group() -> None:
+    # held by the heartbeat thread, a gloo group outlived destroy_process_group() and
+    # was destroyed by that thread or at interpreter exit, where its destructor aborts
+    # ("terminate called without an active exception"): a finished torchrun job failed
+    for result in run_distributed(group_after_destroy, 2):
+        assert not result["group alive"], result  # (the heartbeat beats once a second)
+
+
 def test_the_roll_call_names_the_silent_rank_only() -> None:
     results = run_distributed(roll_call, 4, timeout=120)
     for result in results[:2]:

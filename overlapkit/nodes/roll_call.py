@@ -27,6 +27,7 @@ import datetime
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -131,8 +132,11 @@ def watch() -> None:
             store.add(f"beat/{rank}", 1)
         except Exception:  # the roll call then knows this rank by its answer alone
             return
-        thread = threading.Thread(target=_beat, args=(store, rank, group), daemon=True,
-                                  name="overlapkit-heartbeat")
+        # a weak reference: the process group must go with destroy_process_group(),
+        # on the thread calling it, not when this daemon thread next wakes (or at
+        # interpreter exit, where a gloo group's destructor aborts the process)
+        thread = threading.Thread(target=_beat, args=(store, rank, weakref.ref(group)),
+                                  daemon=True, name="overlapkit-heartbeat")
         thread.start()
         _WATCHED[id(group)] = thread
         _HEARTBEATS.append(thread)
@@ -140,14 +144,14 @@ def watch() -> None:
         atexit.register(_leave_note)
 
 
-def _beat(store: Any, rank: int, group: Any) -> None:
+def _beat(store: Any, rank: int, group: weakref.ref[Any]) -> None:
     """Beat until the process group is destroyed (or replaced), the store is gone, or
     the process exits."""
     import torch.distributed as dist
 
     while not _HEARTBEAT_STOP.wait(HEARTBEAT_SECONDS):
         try:
-            if not _initialized() or dist.distributed_c10d._get_default_group() is not group:
+            if not _initialized() or dist.distributed_c10d._get_default_group() is not group():
                 return
             store.add(f"beat/{rank}", 1)
         except Exception:  # the group was destroyed meanwhile, or the store is gone
