@@ -264,8 +264,10 @@ def test_a_node_lost_while_saving_leaves_the_last_complete_checkpoint(
     errors = job.agents[0].stderr
     assert re.search(r"RanksLostError: ranks 2, 3 \(torchrun node 1 on host \S+\) were lost "
                      r"while saving the checkpoint to \S+lost-while-saving", errors)
-    output = job.agents[0].stdout
-    assert "step 5: loss" in output and "resumed from" in output
+    # after the restart, global rank 0 is on whichever node the rendezvous numbers 0:
+    # the survivor's agent or the one started again
+    output = job.output()
+    assert "step 5: loss" in output
     assert f"resumed from {workdir / 'lost-while-saving'} at step 5" in output  # not 10
     assert not (workdir / ".lost-while-saving.saving").exists()  # cleaned by the next save
 
