@@ -33,7 +33,6 @@ torch whose private functions have other signatures, the engine calls ``step()``
 from __future__ import annotations
 
 import inspect
-import operator
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -46,7 +45,7 @@ from torch.optim import sgd as torch_sgd
 
 from overlapkit.overlap.core.direct_step import unwrapped_step
 from overlapkit.overlap.core.engine import StepPlan
-from overlapkit.overlap.core.tensor_lists import AdamLists, SgdLists
+from overlapkit.overlap.core.tensor_lists import AdamLists, SgdLists, same_objects
 
 __all__ = ["FUNCTIONAL_STEPS", "FunctionalSteps", "step_functionally"]
 
@@ -111,27 +110,10 @@ def _sgd_group(optimizer: Any, group: ParamGroup, params: list[torch.Tensor],
         dampening=group["dampening"], nesterov=group["nesterov"],
         maximize=group["maximize"], has_sparse_grad=has_sparse_grad,
     )
-    if found is not None and _same_objects(buffers, found[0].momentum_buffers):
+    if found is not None and same_objects(buffers, found[0].momentum_buffers):
         return  # buffers updated in place: the state holds them already
-    # as SGD.step(): the (new) momentum buffers into the state
-    with_momentum = group["momentum"] != 0
-    states: list[dict[str, Any]] = []
-    if with_momentum:
-        state = optimizer.state
-        for param, buffer in zip(stepped, buffers, strict=True):
-            states.append(state[param])
-            states[-1]["momentum_buffer"] = buffer
-    kept_buffers = [buffer for buffer in buffers if buffer is not None]
-    keep = len(stepped) == len(params) and not has_sparse_grad \
-        and (not with_momentum or len(kept_buffers) == len(params))
-    _keep(kept, params, SgdLists(
-        params=params, states=states, with_momentum=with_momentum,
-        momentum_buffers=kept_buffers if with_momentum else [],
-    ) if keep else None)
-
-
-def _same_objects(values: list[Any], kept: list[Any]) -> bool:
-    return len(values) == len(kept) and all(map(operator.is_, values, kept))
+    _keep(kept, params, SgdLists.written_back(optimizer, group, params, stepped, buffers,
+                                              has_sparse_grad))
 
 
 def _keep(kept: dict[int, Any], params: list[torch.Tensor], lists: Any) -> None:

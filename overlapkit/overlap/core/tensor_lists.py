@@ -39,7 +39,7 @@ from typing import Any
 import attrs
 import torch
 
-__all__ = ["AdamLists", "SgdLists"]
+__all__ = ["AdamLists", "SgdLists", "same_objects"]
 
 ParamGroup = dict[str, Any]
 
@@ -53,7 +53,7 @@ _STEP = itemgetter("step")
 _MOMENTUM_BUFFER = methodcaller("get", "momentum_buffer")
 
 
-def _same(values: Any, kept: list[Any]) -> bool:
+def same_objects(values: Any, kept: list[Any]) -> bool:
     """Whether ``values`` (an iterable) are ``kept``, object for object."""
     return all(map(is_, values, kept))
 
@@ -121,12 +121,12 @@ class AdamLists:
             return None
         states = self.states
         try:
-            if not (_same(map(optimizer.state.get, self.params), states)
-                    and _same(map(_EXP_AVG, states), self.exp_avgs)
-                    and _same(map(_EXP_AVG_SQ, states), self.exp_avg_sqs)
-                    and _same(map(_STEP, states), self.state_steps)
+            if not (same_objects(map(optimizer.state.get, self.params), states)
+                    and same_objects(map(_EXP_AVG, states), self.exp_avgs)
+                    and same_objects(map(_EXP_AVG_SQ, states), self.exp_avg_sqs)
+                    and same_objects(map(_STEP, states), self.state_steps)
                     and (not self.amsgrad
-                         or _same(map(_MAX_EXP_AVG_SQ, states), self.max_exp_avg_sqs))):
+                         or same_objects(map(_MAX_EXP_AVG_SQ, states), self.max_exp_avg_sqs))):
                 return None
         except KeyError:  # a state entry was deleted
             return None
@@ -157,7 +157,29 @@ class SgdLists:
         if grads is None:
             return None
         if self.with_momentum and not (
-                _same(map(optimizer.state.get, self.params), self.states)
-                and _same(map(_MOMENTUM_BUFFER, self.states), self.momentum_buffers)):
+                same_objects(map(optimizer.state.get, self.params), self.states)
+                and same_objects(map(_MOMENTUM_BUFFER, self.states), self.momentum_buffers)):
             return None
         return grads
+
+    @classmethod
+    def written_back(cls, optimizer: Any, group: ParamGroup, params: list[torch.Tensor],
+                     stepped: list[torch.Tensor], buffers: list[torch.Tensor | None],
+                     has_sparse_grad: bool) -> SgdLists | None:
+        """What ``SGD.step()`` does after its arithmetic — the (new) momentum buffers
+        into the state — for the ``stepped`` parameters of ``params`` gathered by
+        ``_init_group``; the lists to keep, or None where they may not be kept (a
+        parameter without a gradient, a sparse gradient)."""
+        with_momentum = group["momentum"] != 0
+        states: list[dict[str, Any]] = []
+        if with_momentum:
+            state = optimizer.state
+            for param, buffer in zip(stepped, buffers, strict=True):
+                states.append(state[param])
+                states[-1]["momentum_buffer"] = buffer
+        kept_buffers = [buffer for buffer in buffers if buffer is not None]
+        if len(stepped) != len(params) or has_sparse_grad \
+                or (with_momentum and len(kept_buffers) != len(params)):
+            return None
+        return cls(params=params, states=states, with_momentum=with_momentum,
+                   momentum_buffers=kept_buffers if with_momentum else [])
