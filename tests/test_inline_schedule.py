@@ -5,9 +5,12 @@ order, the result is bitwise plain DDP's."""
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import pytest
+import torch
 from helpers import failures
 from inline_schedule_ranks import STEPS, link_run, orders_run
 
@@ -16,9 +19,12 @@ from overlapkit.overlap.ddp.inline_schedule import (
     AFTER,
     BUSY,
     FILL,
+    SPIN,
     TIMED,
     TRIALS,
     InlineSchedule,
+    block_on,
+    fill_wins,
 )
 
 
@@ -46,7 +52,7 @@ def test_idle_waits_are_filled_with_steps(cpu_share: float) -> None:
 
 
 @pytest.mark.parametrize(("fill_s", "after_s", "faster"),
-                         [(0.05, 0.08, FILL), (0.08, 0.05, AFTER), (0.05, 0.05, FILL)])
+                         [(0.05, 0.08, FILL), (0.08, 0.05, AFTER), (0.05, 0.05, AFTER)])
 def test_where_the_waits_are_busy_both_orders_are_timed_in_turn(
         fill_s: float, after_s: float, faster: str) -> None:
     schedule = InlineSchedule()
@@ -70,6 +76,27 @@ def test_the_median_of_the_turns_decides_not_one_slow_turn() -> None:
     assert schedule.chosen == FILL
 
 
+@pytest.mark.parametrize(("fill", "after", "kept"), [
+    # the turns of the 100-bucket model above, rank 0 (ms): fill's median is the
+    # shorter, but the turns overlap: noise, and "after" is kept
+    ([40, 53, 72, 143, 54], [129, 44, 83, 56, 46], AFTER),
+    ([20, 30, 27, 18, 31], [22, 17, 19, 21, 20], AFTER),
+    # fill faster in 20 of 25 pairs (one slow turn): kept
+    ([40, 41, 42, 43, 90], [50, 51, 52, 53, 54], FILL),
+    ([40, 41, 42, 50.5, 90], [50, 51, 52, 53, 54], AFTER),  # 19 of 25: not
+])
+def test_fill_is_kept_only_where_its_turns_are_faster_beyond_noise(
+        fill: list[float], after: list[float], kept: str) -> None:
+    assert (FILL if fill_wins(fill, after) else AFTER) == kept
+    schedule = InlineSchedule()
+    _ends(schedule, 0.6, 2 + TRIALS)
+    turns = {FILL: iter(fill), AFTER: iter(after)}
+    for _ in range(2 * TIMED):
+        order = schedule.order()
+        schedule.ended(order, next(turns[order]) / 1000, 0.05, 0.03)
+    assert schedule.chosen == kept
+
+
 def test_the_order_follows_the_busy_share_of_the_last_waits() -> None:
     schedule = InlineSchedule()
     _ends(schedule, 0.05, 2 + TRIALS)
@@ -87,6 +114,58 @@ def test_an_end_of_backward_that_never_blocked_tells_nothing_of_the_waits() -> N
     for _ in range(10):
         schedule.ended(AFTER, 0.01, 0.0, 0.0)
     assert schedule.chosen is None and schedule.waits == []
+
+
+def _completed_after(seconds: float) -> torch.futures.Future[None]:
+    """A future another thread completes after ``seconds``, sleeping meanwhile: a
+    reduction that waits for a network (no CPU time in this process)."""
+    future: torch.futures.Future[None] = torch.futures.Future()
+    threading.Timer(seconds, future.set_result, args=(None,)).start()
+    return future
+
+
+@pytest.mark.parametrize("spin", [True, False])
+def test_a_wait_spins_only_where_asked_and_counts_only_the_other_threads(
+        spin: bool) -> None:
+    blocked = [0.0, 0.0]
+    own = time.thread_time()
+    block_on(_completed_after(0.03), blocked, spin)
+    own = time.thread_time() - own
+    assert blocked[0] >= 0.03
+    # spinning, the waiting thread keeps its core (yielding it to any thread ready to
+    # run); blocked, it gives it up
+    assert (own > 0.5 * blocked[0]) if spin else (own < 0.2 * blocked[0]), (own, blocked)
+    # the busy share is the other threads': a wait on an idle network reads idle,
+    # spinning or not
+    assert blocked[1] < BUSY * blocked[0], blocked
+
+
+def test_a_long_wait_spins_for_a_while_then_blocks() -> None:
+    blocked = [0.0, 0.0]
+    own = time.thread_time()
+    block_on(_completed_after(SPIN + 0.25), blocked, spin=True)
+    own = time.thread_time() - own
+    assert blocked[0] >= SPIN + 0.25
+    assert own < SPIN + 0.1, own  # not a core spent on the whole wait
+
+
+def test_a_wait_on_a_failed_reduction_returns_and_leaves_the_error_to_its_step() -> None:
+    future: torch.futures.Future[None] = torch.futures.Future()
+    threading.Timer(0.01, future.set_exception, args=(RuntimeError("lost peer"),)).start()
+    blocked = [0.0, 0.0]
+    block_on(future, blocked, spin=True)
+    assert future.done()
+    with pytest.raises(RuntimeError, match="lost peer"):
+        future.wait()
+
+
+def test_only_idle_waits_end_the_spinning() -> None:
+    schedule = InlineSchedule()
+    assert schedule.spins  # not measured yet
+    _ends(schedule, 0.6, 2 + TRIALS)
+    assert schedule.spins  # busy: reductions that are this machine's work
+    _ends(schedule, 0.0, TRIALS)
+    assert not schedule.spins  # idle, as over a network: a blocked thread loses nothing
 
 
 @pytest.fixture(scope="module")

@@ -213,13 +213,13 @@ class BucketStepper(BucketSteps):
             return
         started = time.perf_counter()
         blocked = [0.0, 0.0]  # wall and process CPU seconds spent waiting
-        order = self.schedule.order()
+        order, spin = self.schedule.order(), self.schedule.spins
         if order == AFTER:
             for _, future in pending:
-                block_on(future, blocked)
+                block_on(future, blocked, spin)
         while pending:
             # wait for the next reduction, then take every bucket ready by then with it
-            block_on(pending[0][1], blocked)
+            block_on(pending[0][1], blocked, spin)
             run = [pending.popleft()]
             while pending and pending[0][1].done():
                 run.append(pending.popleft())

@@ -21,41 +21,45 @@ directly:
   steps in it;
 - where the reductions are themselves work for this machine's cores — ranks on one
   machine reducing over loopback, gloo's threads copying and summing — stepping
-  beside them slows them down, and whether the steps still gain depends on the sizes
-  (measured on torch 2.13, 2 ranks on 2 cores: with 100 small buckets ``"fill"`` took
-  1.30 x the plain step and ``"after"`` 1.07 x; with 6 buckets of 4 MiB ``"fill"``
-  0.97 x and ``"after"`` 1.04 x).
+  beside them slows them down, and the steps gain little or lose (measured on torch
+  2.13, 2 ranks on a 2-core VM, waiting as :func:`block_on` waits, ms per training
+  step: 400 buckets of 16 KiB "after" 92, "fill" 118; 100 of 256 KiB 85 and 98; 50 of
+  1 MiB 107 and 106-112; 6 of 4 MiB 47-48 either way).
 
-So the rank measures. Whenever it blocks waiting for a reduction, it notes the CPU
-time its own process spends meanwhile (its communication threads': the training thread
-only waits). Where, over its last :data:`TRIALS` ends of backward, that kept less than
-:data:`BUSY` of a core busy, the wait is idle and the order is ``"fill"`` (measured:
-0.04-0.07 of a core over the simulated link, whose transfers take no CPU time, as a
-network card's; 0.3-0.8 over loopback). Otherwise it times its ends of backward (from
-the end of backward's computation to the last step) in each order in turn,
-:data:`TIMED` of each, and keeps the one with the shorter median: wall-clock time alone
-would not do, since the wait also depends on when the peers arrive, which varies far
-more between steps than the difference; the turns take that variation in equal parts.
-Until measured, and while the first measurements are taken, the order is ``"after"``.
-The busy share is followed from then on: a network that gets busy or idle again
-changes the order. A rank whose reductions are always complete by the end of backward
-(one rank, or a network faster than backward) never blocks and has nothing to choose:
-both orders are then the same. The order changes only timings: both step the same
-parameters with the same gradients.
+So the rank measures. Whenever it waits for a reduction, it notes the CPU time its
+process's other threads (its communication threads) spend meanwhile. Where, over its
+last :data:`TRIALS` ends of backward, that kept less than :data:`BUSY` of a core busy,
+the wait is idle and the order is ``"fill"`` (measured: 0.04-0.07 of a core over the
+simulated link, whose transfers take no CPU time, as a network card's; 0.3-0.9 over
+loopback). Otherwise it times its ends of backward (from the end of backward's
+computation to the last step) in each order in turn, :data:`TIMED` of each, and keeps
+``"fill"`` only where its turns were the faster in at least :data:`FILL_WINS` of the
+pairs of one turn of each order (a rank-sum comparison, Mann-Whitney's: a difference
+that is only noise passes it about 7 % of the time); otherwise ``"after"``. Wall-clock
+time alone would not do: the wait also depends on when the peers arrive, which varies
+far more between steps (10-37 ms on the 6 buckets above) than the orders differ, so
+that the shorter median of five turns picked the slower order on 100 buckets in 4 of
+6 rank-runs; ``"after"`` is kept where the turns cannot tell, since over loopback it
+was never the slower by more than noise. Until measured, and while the first
+measurements are taken, the order is ``"after"``. The busy share is followed from then
+on: a network that gets busy or idle again changes the order. A rank whose reductions
+are always complete by the end of backward (one rank, or a network faster than
+backward) never waits and has nothing to choose: both orders are then the same. The
+order changes only timings: both step the same parameters with the same gradients.
 
 .. versionadded:: 0.4
 """
 
 from __future__ import annotations
 
-import statistics
+import os
 import time
 from collections import deque
 from contextlib import suppress
 from typing import Any
 
-__all__ = ["AFTER", "BUSY", "FILL", "SETTLED", "TIMED", "TRIALS", "InlineSchedule",
-           "block_on"]
+__all__ = ["AFTER", "BUSY", "FILL", "FILL_WINS", "SETTLED", "SPIN", "TIMED", "TRIALS",
+           "InlineSchedule", "block_on"]
 
 FILL = "fill"
 AFTER = "after"
@@ -66,12 +70,18 @@ TRIALS = 3
 BUSY = 0.25
 #: ends of backward timed in each order where they are (alternating)
 TIMED = 5
+#: the share of the pairs (one timed turn of each order) in which "fill" must be the
+#: faster for it to be kept: 20 of 25 (at most 5 pairs the other way round), which
+#: orders as fast as each other reach with a probability of 0.075
+FILL_WINS = 0.8
 #: ends of backward not measured first (DDP rebuilds its buckets after the first
 #: iteration; the first steps create the optimizer's state)
 _SKIPPED = 2
 #: ends of backward after which a rank has chosen its order, however busy its waits
 #: (benchmarks warm up this long: the choice is a start-up cost, as DDP's rebuild)
 SETTLED = _SKIPPED + TRIALS + 2 * TIMED
+#: the longest a rank spins waiting for one reduction before it blocks (seconds)
+SPIN = 0.05
 
 
 class InlineSchedule:
@@ -94,6 +104,13 @@ class InlineSchedule:
         if len(self._waits) < TRIALS:
             return None
         return self.busy >= BUSY
+
+    @property
+    def spins(self) -> bool:
+        """Whether a wait for a reduction spins (:func:`block_on`): unless the waits
+        are known to be idle, as over a network, where a blocked thread loses
+        nothing."""
+        return self.busy_waits is not False
 
     @property
     def chosen(self) -> str | None:
@@ -132,8 +149,7 @@ class InlineSchedule:
         times = self._times
         times[order].append(seconds)
         if min(len(times[FILL]), len(times[AFTER])) >= TIMED:
-            fill, after = (statistics.median(times[each]) for each in (FILL, AFTER))
-            self.faster = FILL if fill <= after else AFTER
+            self.faster = FILL if fill_wins(times[FILL], times[AFTER]) else AFTER
 
     @property
     def busy(self) -> float:
@@ -152,15 +168,40 @@ class InlineSchedule:
         return {order: list(times) for order, times in self._times.items()}
 
 
-def block_on(future: Any, blocked: list[float]) -> None:
-    """Wait for ``future`` (a reduction's) if it is not done, adding the wall and
-    process CPU seconds spent to ``blocked``: what :meth:`InlineSchedule.ended` is
-    told. A failed reduction is not raised here: it raises again where its bucket is
-    stepped, and is kept there (``FailedReductions.reduced``)."""
+def fill_wins(fill: list[float], after: list[float]) -> bool:
+    """Whether the turns in ``"fill"`` order were the faster in at least
+    :data:`FILL_WINS` of the pairs of one turn of each order (a tie counts half)."""
+    faster = sum(1.0 if f < a else 0.5 if f == a else 0.0 for f in fill for a in after)
+    return faster >= FILL_WINS * len(fill) * len(after)
+
+
+def block_on(future: Any, blocked: list[float], spin: bool = True) -> None:
+    """Wait for ``future`` (a reduction's) if it is not done, adding the wall seconds
+    spent, and the CPU seconds the process's other threads spent meanwhile, to
+    ``blocked``: what :meth:`InlineSchedule.ended` is told. A failed reduction is not
+    raised here: it raises again where its bucket is stepped, and is kept there
+    (``FailedReductions.reduced``).
+
+    With ``spin``, the thread keeps its core for up to :data:`SPIN` seconds, yielding
+    it to any thread ready to run (``os.sched_yield``, without the GIL), before it
+    blocks. A blocked thread gives its core up, and where the reductions are work
+    for this machine's cores (ranks on one machine, gloo's threads passing each
+    bucket between them) every reduction then waits for a core to wake: measured on
+    torch 2.13, 2 gloo ranks on a 2-core VM, 400 buckets of 16 KiB took 290 ms to
+    reduce and step blocked, as plain DDP's own wait does, and 92 ms spinning; 100
+    buckets of 256 KiB 95 against 85 ms; 6 of 4 MiB 51 against 47 ms
+    (``docs/benchmarks.md``).
+    """
     if future.done():
         return
-    started, cpu_started = time.perf_counter(), time.process_time()
-    with suppress(Exception):
-        future.wait()
+    started = time.perf_counter()
+    others_started = time.process_time() - time.thread_time()
+    if spin:
+        deadline = started + SPIN
+        while not future.done() and time.perf_counter() < deadline:
+            os.sched_yield()
+    if not future.done():
+        with suppress(Exception):
+            future.wait()
     blocked[0] += time.perf_counter() - started
-    blocked[1] += time.process_time() - cpu_started
+    blocked[1] += time.process_time() - time.thread_time() - others_started
