@@ -97,6 +97,8 @@ class InlineSchedule:
         self.faster: str | None = None
         #: an order set by hand (a benchmark comparing the two): no measurement then
         self.fixed: str | None = None
+        #: whether waits spin, set by hand (a benchmark comparing): None, as measured
+        self.fixed_spin: bool | None = None
 
     @property
     def busy_waits(self) -> bool | None:
@@ -110,6 +112,8 @@ class InlineSchedule:
         """Whether a wait for a reduction spins (:func:`block_on`): unless the waits
         are known to be idle, as over a network, where a blocked thread loses
         nothing."""
+        if self.fixed_spin is not None:
+            return self.fixed_spin
         return self.busy_waits is not False
 
     @property
