@@ -5,6 +5,7 @@ order, the result is bitwise plain DDP's."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -15,105 +16,104 @@ from helpers import failures
 from inline_schedule_ranks import STEPS, link_run, orders_run
 
 from overlapkit.distributed import run_distributed
+from overlapkit.overlap.ddp import inline_schedule
 from overlapkit.overlap.ddp.inline_schedule import (
     AFTER,
     BUSY,
     FILL,
+    FILL_FROM_BYTES,
+    SETTLED,
     SPIN,
-    TIMED,
     TRIALS,
     InlineSchedule,
     block_on,
-    fill_wins,
+    mean_bucket_bytes,
 )
+
+MIB = float(1 << 20)
 
 
 def _ends(schedule: InlineSchedule, cpu_share: float, times: int,
-          seconds: dict[str, float] | None = None) -> list[str]:
-    """``times`` ends of backward, each blocking 50 ms with ``cpu_share`` of a core busy
-    and lasting ``seconds[order]``."""
+          bucket_bytes: float = MIB) -> list[str]:
+    """``times`` ends of backward, each waiting 50 ms with ``cpu_share`` of a core busy
+    (the other threads'), in buckets of ``bucket_bytes``."""
     orders = []
     for _ in range(times):
-        order = schedule.order()
-        orders.append(order)
-        schedule.ended(order, (seconds or {}).get(order, 0.1), 0.05, 0.05 * cpu_share)
+        orders.append(schedule.order(lambda: bucket_bytes))
+        schedule.ended(0.05, 0.05 * cpu_share)
     return orders
 
 
 @pytest.mark.parametrize("cpu_share", [0.0, 0.05, BUSY - 0.01])
-def test_idle_waits_are_filled_with_steps(cpu_share: float) -> None:
+@pytest.mark.parametrize("bucket_bytes", [16 * 1024, 4 * MIB])
+def test_idle_waits_are_filled_with_steps(cpu_share: float, bucket_bytes: float) -> None:
     schedule = InlineSchedule()
     # "after" until measured: two ends of backward skipped (DDP's rebuild, the state's
     # creation), then TRIALS measured
-    assert _ends(schedule, cpu_share, 2 + TRIALS) == [AFTER] * (2 + TRIALS)
-    assert schedule.chosen == FILL and schedule.order() == FILL
+    assert _ends(schedule, cpu_share, SETTLED, bucket_bytes) == [AFTER] * SETTLED
+    assert schedule.chosen == FILL and schedule.order(lambda: bucket_bytes) == FILL
     assert schedule.busy == pytest.approx(cpu_share)
-    assert schedule.trials == {FILL: [], AFTER: []}  # nothing to time
 
 
-@pytest.mark.parametrize(("fill_s", "after_s", "faster"),
-                         [(0.05, 0.08, FILL), (0.08, 0.05, AFTER), (0.05, 0.05, AFTER)])
-def test_where_the_waits_are_busy_both_orders_are_timed_in_turn(
-        fill_s: float, after_s: float, faster: str) -> None:
+@pytest.mark.parametrize(("bucket_bytes", "order"), [
+    (16 * 1024, AFTER), (256 * 1024, AFTER), (FILL_FROM_BYTES - 1, AFTER),
+    (FILL_FROM_BYTES, FILL), (4 * MIB, FILL), (25 * MIB, FILL)])
+def test_where_the_waits_are_busy_the_bucket_size_decides(
+        bucket_bytes: float, order: str) -> None:
     schedule = InlineSchedule()
-    seconds = {FILL: fill_s, AFTER: after_s}
-    _ends(schedule, 0.6, 2 + TRIALS, seconds)
-    assert schedule.chosen is None  # busy: timed next
-    assert _ends(schedule, 0.6, 2 * TIMED, seconds) == [FILL, AFTER] * TIMED
-    assert schedule.chosen == faster and schedule.faster == faster
-    assert schedule.trials == {FILL: [fill_s] * TIMED, AFTER: [after_s] * TIMED}
-    assert _ends(schedule, 0.6, 3, seconds) == [faster] * 3
+    assert _ends(schedule, 0.6, SETTLED, bucket_bytes) == [AFTER] * SETTLED
+    assert _ends(schedule, 0.6, 3, bucket_bytes) == [order] * 3
+    assert schedule.chosen == order and schedule.bucket_bytes == bucket_bytes
 
 
-def test_the_median_of_the_turns_decides_not_one_slow_turn() -> None:
+def test_the_bucket_sizes_are_asked_once_and_only_where_they_decide() -> None:
     schedule = InlineSchedule()
-    _ends(schedule, 0.6, 2 + TRIALS)
-    for index in range(2 * TIMED):
-        order = schedule.order()
-        # fill is faster, but one of its turns met a peer arriving late
-        late = order == FILL and index == 2
-        schedule.ended(order, 0.9 if late else {FILL: 0.04, AFTER: 0.06}[order], 0.05, 0.03)
-    assert schedule.chosen == FILL
+    asked = []
 
+    def sizes() -> float:
+        asked.append(1)
+        return 4 * MIB
 
-@pytest.mark.parametrize(("fill", "after", "kept"), [
-    # the turns of the 100-bucket model above, rank 0 (ms): fill's median is the
-    # shorter, but the turns overlap: noise, and "after" is kept
-    ([40, 53, 72, 143, 54], [129, 44, 83, 56, 46], AFTER),
-    ([20, 30, 27, 18, 31], [22, 17, 19, 21, 20], AFTER),
-    # fill faster in 20 of 25 pairs (one slow turn): kept
-    ([40, 41, 42, 43, 90], [50, 51, 52, 53, 54], FILL),
-    ([40, 41, 42, 50.5, 90], [50, 51, 52, 53, 54], AFTER),  # 19 of 25: not
-])
-def test_fill_is_kept_only_where_its_turns_are_faster_beyond_noise(
-        fill: list[float], after: list[float], kept: str) -> None:
-    assert (FILL if fill_wins(fill, after) else AFTER) == kept
-    schedule = InlineSchedule()
-    _ends(schedule, 0.6, 2 + TRIALS)
-    turns = {FILL: iter(fill), AFTER: iter(after)}
-    for _ in range(2 * TIMED):
-        order = schedule.order()
-        schedule.ended(order, next(turns[order]) / 1000, 0.05, 0.03)
-    assert schedule.chosen == kept
+    for _ in range(SETTLED):
+        schedule.order(sizes)
+        schedule.ended(0.05, 0.0)  # idle: the sizes do not matter
+    assert schedule.order(sizes) == FILL and asked == []
+    for _ in range(TRIALS):
+        schedule.order(sizes)
+        schedule.ended(0.05, 0.05)  # busy now
+    for _ in range(5):
+        assert schedule.order(sizes) == FILL
+    assert asked == [1]
 
 
 def test_the_order_follows_the_busy_share_of_the_last_waits() -> None:
     schedule = InlineSchedule()
-    _ends(schedule, 0.05, 2 + TRIALS)
-    assert schedule.order() == FILL
-    _ends(schedule, 0.9, TRIALS, {FILL: 0.09, AFTER: 0.05})  # the waits got busy
-    assert schedule.chosen is None  # timed now
-    _ends(schedule, 0.9, 2 * TIMED, {FILL: 0.09, AFTER: 0.05})
-    assert schedule.order() == AFTER
-    _ends(schedule, 0.0, TRIALS)  # and idle again
-    assert schedule.order() == FILL
+    _ends(schedule, 0.05, SETTLED, 256 * 1024)
+    assert schedule.order(lambda: 256 * 1024) == FILL
+    _ends(schedule, 0.9, TRIALS, 256 * 1024)  # the waits got busy
+    assert schedule.order(lambda: 256 * 1024) == AFTER
+    _ends(schedule, 0.0, TRIALS, 256 * 1024)  # and idle again
+    assert schedule.order(lambda: 256 * 1024) == FILL
 
 
 def test_an_end_of_backward_that_never_blocked_tells_nothing_of_the_waits() -> None:
     schedule = InlineSchedule()
     for _ in range(10):
-        schedule.ended(AFTER, 0.01, 0.0, 0.0)
+        schedule.ended(0.0, 0.0)
     assert schedule.chosen is None and schedule.waits == []
+
+
+def test_buckets_mean_size_in_bytes() -> None:
+    class Bucket:
+        def __init__(self, tensor: torch.Tensor) -> None:
+            self._tensor = tensor
+
+        def buffer(self) -> torch.Tensor:
+            return self._tensor
+
+    pending = [(Bucket(torch.zeros(256)), None), (Bucket(torch.zeros(128, dtype=torch.half)),
+                                                   None)]
+    assert mean_bucket_bytes(pending) == (256 * 4 + 128 * 2) / 2
 
 
 def _completed_after(seconds: float) -> torch.futures.Future[None]:
@@ -124,29 +124,40 @@ def _completed_after(seconds: float) -> torch.futures.Future[None]:
     return future
 
 
+@pytest.fixture
+def yields(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """When the waiting thread yields its core (``os.sched_yield``, still called)."""
+    at: list[float] = []
+    sched_yield = os.sched_yield
+
+    def counted() -> None:
+        at.append(time.perf_counter())
+        sched_yield()
+
+    monkeypatch.setattr(inline_schedule.os, "sched_yield", counted)
+    return at
+
+
 @pytest.mark.parametrize("spin", [True, False])
 def test_a_wait_spins_only_where_asked_and_counts_only_the_other_threads(
-        spin: bool) -> None:
+        spin: bool, yields: list[float]) -> None:
     blocked = [0.0, 0.0]
-    own = time.thread_time()
-    block_on(_completed_after(0.03), blocked, spin)
-    own = time.thread_time() - own
-    assert blocked[0] >= 0.03
-    # spinning, the waiting thread keeps its core (yielding it to any thread ready to
-    # run); blocked, it gives it up
-    assert (own > 0.5 * blocked[0]) if spin else (own < 0.2 * blocked[0]), (own, blocked)
+    block_on(_completed_after(0.1), blocked, spin)
+    assert blocked[0] >= 0.09  # the timer started just before the wait
+    # spinning, the waiting thread keeps its core, yielding it to any thread ready to
+    # run, again and again; blocked, it gives it up once
+    assert (len(yields) > 10) if spin else yields == [], len(yields)
     # the busy share is the other threads': a wait on an idle network reads idle,
     # spinning or not
     assert blocked[1] < BUSY * blocked[0], blocked
 
 
-def test_a_long_wait_spins_for_a_while_then_blocks() -> None:
+def test_a_long_wait_spins_for_a_while_then_blocks(yields: list[float]) -> None:
     blocked = [0.0, 0.0]
-    own = time.thread_time()
+    started = time.perf_counter()
     block_on(_completed_after(SPIN + 0.25), blocked, spin=True)
-    own = time.thread_time() - own
-    assert blocked[0] >= SPIN + 0.25
-    assert own < SPIN + 0.1, own  # not a core spent on the whole wait
+    assert blocked[0] >= SPIN + 0.2
+    assert yields and yields[-1] - started < SPIN + 0.01  # not a core spent on it all
 
 
 def test_a_wait_on_a_failed_reduction_returns_and_leaves_the_error_to_its_step() -> None:

@@ -8,7 +8,6 @@ what runs per bucket during backward; nothing here runs at set-up.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
@@ -25,7 +24,12 @@ from overlapkit.overlap.core.bucket_layout import BucketLayouts, bucket_gradient
 from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.overlap.core.side_stream import SideStream
 from overlapkit.overlap.ddp.bucket_steps import BucketSteps, PendingBucket
-from overlapkit.overlap.ddp.inline_schedule import AFTER, InlineSchedule, block_on
+from overlapkit.overlap.ddp.inline_schedule import (
+    AFTER,
+    InlineSchedule,
+    block_on,
+    mean_bucket_bytes,
+)
 from overlapkit.overlap.ddp.param_hooks import free_local_grads_once_bucketed, refuse_unfrozen
 from overlapkit.overlap.rules.clipping import GradClipping
 from overlapkit.overlap.rules.global_step import GlobalStep
@@ -211,9 +215,9 @@ class BucketStepper(BucketSteps):
             self._step_run(list(pending))  # everything reduced: one call
             pending.clear()
             return
-        started = time.perf_counter()
         blocked = [0.0, 0.0]  # wall and process CPU seconds spent waiting
-        order, spin = self.schedule.order(), self.schedule.spins
+        order = self.schedule.order(lambda: mean_bucket_bytes(pending))
+        spin = self.schedule.spins
         if order == AFTER:
             for _, future in pending:
                 block_on(future, blocked, spin)
@@ -224,7 +228,7 @@ class BucketStepper(BucketSteps):
             while pending and pending[0][1].done():
                 run.append(pending.popleft())
             self._step_run(run)
-        self.schedule.ended(order, time.perf_counter() - started, *blocked)
+        self.schedule.ended(*blocked)
 
     def _step_run(self, run: list[PendingBucket]) -> None:
         """Step a run of consecutive buckets, and answer DDP's futures for them."""

@@ -14,34 +14,35 @@ a choice of order:
 - ``"after"``: wait for every reduction, then step all the buckets in one call, as the
   plain loop's ``step()`` after backward does.
 
-Which is faster depends on what the reductions wait for, which a rank cannot see
-directly:
+Which is faster depends on what the reductions wait for, and on their size (measured
+on torch 2.13, 2 gloo ranks on a 2-core VM, waiting as :func:`block_on` waits, ms per
+training step, ``benchmarks/inline_waits.py``, two runs):
 
 - over a network (or for a slower peer) the wait is idle, and ``"fill"`` hides the
-  steps in it;
+  steps in it (simulated 5, 2, 1 Gb/s links: 0.75-0.85 of the plain ``step()`` saved);
 - where the reductions are themselves work for this machine's cores — ranks on one
-  machine reducing over loopback, gloo's threads copying and summing — stepping
-  beside them slows them down, and the steps gain little or lose (measured on torch
-  2.13, 2 ranks on a 2-core VM, waiting as :func:`block_on` waits, ms per training
-  step: 400 buckets of 16 KiB "after" 92, "fill" 118; 100 of 256 KiB 85 and 98; 50 of
-  1 MiB 107 and 106-112; 6 of 4 MiB 47-48 either way).
+  machine reducing over loopback, gloo's threads copying and summing — it depends on
+  the buckets. A chain of small reductions is held up by steps taken beside it:
+  100 buckets of 256 KiB "after" 81 ms, "fill" 88-91; 400 of 16 KiB 96-112 and
+  108-117. Big buckets' reductions leave gaps the steps fill: 6 buckets of 4 MiB
+  "fill" 47-48, "after" 48-51; 4 MB buckets over a simulated 10 Gb/s link (whose
+  waits keep gloo's threads busy too) 82 and 87; 50 buckets of 1 MiB tie (103-106).
 
-So the rank measures. Whenever it waits for a reduction, it notes the CPU time its
-process's other threads (its communication threads) spend meanwhile. Where, over its
-last :data:`TRIALS` ends of backward, that kept less than :data:`BUSY` of a core busy,
-the wait is idle and the order is ``"fill"`` (measured: 0.04-0.07 of a core over the
-simulated link, whose transfers take no CPU time, as a network card's; 0.3-0.9 over
-loopback). Otherwise it times its ends of backward (from the end of backward's
-computation to the last step) in each order in turn, :data:`TIMED` of each, and keeps
-``"fill"`` only where its turns were the faster in at least :data:`FILL_WINS` of the
-pairs of one turn of each order (a rank-sum comparison, Mann-Whitney's: a difference
-that is only noise passes it about 7 % of the time); otherwise ``"after"``. Wall-clock
-time alone would not do: the wait also depends on when the peers arrive, which varies
-far more between steps (10-37 ms on the 6 buckets above) than the orders differ, so
-that the shorter median of five turns picked the slower order on 100 buckets in 4 of
-6 rank-runs; ``"after"`` is kept where the turns cannot tell, since over loopback it
-was never the slower by more than noise. Until measured, and while the first
-measurements are taken, the order is ``"after"``. The busy share is followed from then
+So the rank measures what its waits are. Whenever it waits for a reduction, it notes
+the CPU time its process's other threads (its communication threads) spend meanwhile.
+Where, over its last :data:`TRIALS` ends of backward, that kept less than :data:`BUSY`
+of a core busy, the wait is idle and the order is ``"fill"`` (measured: 0.02-0.13 of a
+core over the simulated links, whose transfers take no CPU time, as a network card's;
+0.19-0.92 over loopback). Otherwise the order follows the size of the buckets: ``"fill"``
+where they hold :data:`FILL_FROM_BYTES` or more on average, ``"after"`` below.
+
+Not timed turns of each order: an earlier version timed five ends of backward in each
+order and kept the shorter median, and on every model above it picked the slower order
+in a third to all of the rank-runs (the ends of backward vary with when the peer
+arrives far more than the orders differ, and an end of backward in ``"fill"`` leaves
+part of what it costs to the peer and to the next one): the measurements are in
+``docs/benchmarks.md``. The bucket sizes are the same on every rank, so the ranks
+agree. Until measured, the order is ``"after"``. The busy share is followed from then
 on: a network that gets busy or idle again changes the order. A rank whose reductions
 are always complete by the end of backward (one rank, or a network faster than
 backward) never waits and has nothing to choose: both orders are then the same. The
@@ -55,31 +56,31 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from contextlib import suppress
 from typing import Any
 
-__all__ = ["AFTER", "BUSY", "FILL", "FILL_WINS", "SETTLED", "SPIN", "TIMED", "TRIALS",
-           "InlineSchedule", "block_on"]
+__all__ = ["AFTER", "BUSY", "FILL", "FILL_FROM_BYTES", "SETTLED", "SPIN", "TRIALS",
+           "InlineSchedule", "block_on", "mean_bucket_bytes"]
 
 FILL = "fill"
 AFTER = "after"
 #: the ends of backward whose waits say whether the reductions are CPU work
 TRIALS = 3
-#: the share of a core the process keeps busy while it waits, from which its
-#: reductions count as CPU work
-BUSY = 0.25
-#: ends of backward timed in each order where they are (alternating)
-TIMED = 5
-#: the share of the pairs (one timed turn of each order) in which "fill" must be the
-#: faster for it to be kept: 20 of 25 (at most 5 pairs the other way round), which
-#: orders as fast as each other reach with a probability of 0.075
-FILL_WINS = 0.8
+#: the share of a core the process's other threads keep busy while it waits, from
+#: which its reductions count as CPU work (measured: 0.02-0.13 over simulated links,
+#: 0.19-0.92 over loopback, 0.25-0.51 over a simulated 10 Gb/s link)
+BUSY = 0.16
+#: where the reductions are CPU work: the mean bucket size (bytes) from which the
+#: order is "fill" (measured: "after" faster at 16 and 256 KiB, a tie at 1 MiB,
+#: "fill" faster at 4 MiB)
+FILL_FROM_BYTES = 1 << 20
 #: ends of backward not measured first (DDP rebuilds its buckets after the first
 #: iteration; the first steps create the optimizer's state)
 _SKIPPED = 2
-#: ends of backward after which a rank has chosen its order, however busy its waits
-#: (benchmarks warm up this long: the choice is a start-up cost, as DDP's rebuild)
-SETTLED = _SKIPPED + TRIALS + 2 * TIMED
+#: ends of backward after which a rank has chosen its order (benchmarks warm up this
+#: long: the choice is a start-up cost, as DDP's rebuild)
+SETTLED = _SKIPPED + TRIALS
 #: the longest a rank spins waiting for one reduction before it blocks (seconds)
 SPIN = 0.05
 
@@ -89,12 +90,10 @@ class InlineSchedule:
 
     def __init__(self) -> None:
         self._seen = 0
-        #: (wall seconds, process CPU seconds) blocked waiting, per end of backward
+        #: (wall seconds, other threads' CPU seconds) waiting, per end of backward
         self._waits: deque[tuple[float, float]] = deque(maxlen=TRIALS)
-        #: the ends of backward timed in each order (seconds), while the waits are busy
-        self._times: dict[str, list[float]] = {FILL: [], AFTER: []}
-        #: the faster order of the timed ones, once timed
-        self.faster: str | None = None
+        #: the mean size of the buckets (bytes), once asked (:meth:`order`)
+        self.bucket_bytes: float | None = None
         #: an order set by hand (a benchmark comparing the two): no measurement then
         self.fixed: str | None = None
         #: whether waits spin, set by hand (a benchmark comparing): None, as measured
@@ -124,59 +123,47 @@ class InlineSchedule:
         busy = self.busy_waits
         if busy is None:
             return None
-        return self.faster if busy else FILL
+        if not busy:
+            return FILL
+        big = self.bucket_bytes is not None and self.bucket_bytes >= FILL_FROM_BYTES
+        return FILL if big else AFTER
 
-    def order(self) -> str:
-        """The order for this end of backward, where reductions are still in flight."""
+    def order(self, bucket_bytes: Callable[[], float]) -> str:
+        """The order for this end of backward, where reductions are still in flight;
+        ``bucket_bytes()`` gives their buckets' mean size, asked once where it
+        decides (DDP's buckets are fixed from its rebuild after the first
+        iteration, before the waits are measured)."""
+        if self.bucket_bytes is None and self.busy_waits and self.fixed is None:
+            self.bucket_bytes = bucket_bytes()
         chosen = self.chosen
-        if chosen is not None:
-            return chosen
-        if not self.busy_waits:
-            return AFTER  # not measured yet: the waits are measured in the plain order
-        times = self._times  # busy waits, not timed yet: the orders take turns
-        return FILL if len(times[FILL]) <= len(times[AFTER]) else AFTER
+        return AFTER if chosen is None else chosen  # measured in the plain order
 
-    def ended(self, order: str, seconds: float, blocked_s: float, cpu_s: float) -> None:
-        """An end of backward in ``order`` took ``seconds``, of which the rank blocked
-        ``blocked_s`` in all waiting for reductions, while its process used ``cpu_s``
-        seconds of CPU time."""
+    def ended(self, blocked_s: float, cpu_s: float) -> None:
+        """An end of backward with reductions in flight waited ``blocked_s`` for them
+        in all, while the process's other threads used ``cpu_s`` seconds of CPU."""
         if self.fixed is not None:
             return
-        timing = self.busy_waits and self.faster is None
         self._seen += 1
-        if self._seen <= _SKIPPED:
-            return
-        if blocked_s > 0:
+        if self._seen > _SKIPPED and blocked_s > 0:
             self._waits.append((blocked_s, cpu_s))
-        if not timing:
-            return
-        times = self._times
-        times[order].append(seconds)
-        if min(len(times[FILL]), len(times[AFTER])) >= TIMED:
-            self.faster = FILL if fill_wins(times[FILL], times[AFTER]) else AFTER
 
     @property
     def busy(self) -> float:
-        """The share of a core the process kept busy over the waits kept."""
+        """The share of a core the other threads kept busy over the waits kept."""
         wall = sum(wall for wall, _ in self._waits)
         return sum(cpu for _, cpu in self._waits) / wall if wall > 0 else 0.0
 
     @property
     def waits(self) -> list[tuple[float, float]]:
-        """The waits kept: (wall seconds, process CPU seconds) per end of backward."""
+        """The waits kept: (wall seconds, other threads' CPU seconds) per end of
+        backward."""
         return list(self._waits)
 
-    @property
-    def trials(self) -> dict[str, list[float]]:
-        """The ends of backward timed in each order (seconds)."""
-        return {order: list(times) for order, times in self._times.items()}
 
-
-def fill_wins(fill: list[float], after: list[float]) -> bool:
-    """Whether the turns in ``"fill"`` order were the faster in at least
-    :data:`FILL_WINS` of the pairs of one turn of each order (a tie counts half)."""
-    faster = sum(1.0 if f < a else 0.5 if f == a else 0.0 for f in fill for a in after)
-    return faster >= FILL_WINS * len(fill) * len(after)
+def mean_bucket_bytes(pending: Iterable[tuple[Any, Any]]) -> float:
+    """The mean size in bytes of the buckets of ``pending`` ((bucket, future) pairs)."""
+    buffers = [bucket.buffer() for bucket, _ in pending]
+    return sum(b.numel() * b.element_size() for b in buffers) / max(len(buffers), 1)
 
 
 def block_on(future: Any, blocked: list[float], spin: bool = True) -> None:
