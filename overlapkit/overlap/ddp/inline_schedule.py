@@ -160,6 +160,10 @@ class InlineSchedule:
         return list(self._waits)
 
 
+def _sleep_zero() -> None:
+    time.sleep(0)
+
+
 def mean_bucket_bytes(pending: Iterable[tuple[Any, Any]]) -> float:
     """The mean size in bytes of the buckets of ``pending`` ((bucket, future) pairs)."""
     buffers = [bucket.buffer() for bucket, _ in pending]
@@ -189,8 +193,9 @@ def block_on(future: Any, blocked: list[float], spin: bool = True) -> None:
     others_started = time.process_time() - time.thread_time()
     if spin:
         deadline = started + SPIN
+        pause = getattr(os, "sched_yield", _sleep_zero)  # not on Windows
         while not future.done() and time.perf_counter() < deadline:
-            os.sched_yield()
+            pause()
     if not future.done():
         with suppress(Exception):
             future.wait()
