@@ -1,8 +1,9 @@
 """How a CPU rank waits for its reductions at the end of backward, and in which order
 it steps: ms per training step of `overlap_ddp` with the order and the wait forced,
-beside plain DDP, 2 gloo ranks.
+beside plain DDP, 2 gloo ranks (``--ranks``: more ranks on the same cores).
 
     PYTHONPATH=$PWD python benchmarks/inline_waits.py [--steps 50] [--models mlp,100,400]
+        [--ranks 2]
 
 Each (model, variant) runs in fresh processes: 20 warm-up steps, then the median of
 ``--steps`` steps per rank. "spin": waits keep the core, yielding it (what a rank does
@@ -76,13 +77,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--models", default="mlp,50,100,400,1,link10")
+    parser.add_argument("--ranks", type=int, default=2)
     args = parser.parse_args()
     print("| model | " + " | ".join(VARIANTS) + " |")
     print("|---|" + "---:|" * len(VARIANTS))
     for model in args.models.split(","):
         cells = []
         for variant in VARIANTS:
-            per_rank = run_distributed(_rank, 2, args=(model, variant, args.steps),
+            per_rank = run_distributed(_rank, args.ranks, args=(model, variant, args.steps),
                                        timeout=600)
             cells.append(f"{max(per_rank):.1f}")
         print(f"| {model} | " + " | ".join(cells) + " |", flush=True)

@@ -6,13 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from helpers import compare
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlapkit
 from overlapkit.cli.bench.link import HOOK_NAME, SimulatedLink, link_hook, register
-from overlapkit.overlap.ddp.inline_schedule import AFTER, FILL, TRIALS
+from overlapkit.overlap.ddp.comm_threads import CommThreads
+from overlapkit.overlap.ddp.inline_schedule import AFTER, FILL, SETTLED, TRIALS
 
 STEPS = 4
 
@@ -109,3 +111,58 @@ def link_run(rank: int, world_size: int) -> dict[str, Any]:
     schedule = opt._stepper.schedule
     return {"chosen": schedule.chosen, "busy": schedule.busy, "waits": schedule.waits,
             "params": compare(list(plain.parameters()), list(ours.parameters()))}
+
+
+def sizes_run(rank: int, world_size: int) -> dict[str, Any]:
+    """The buckets' mean size the stepper gives its schedule, on real DDP buckets after
+    DDP's rebuild, against the parameters' bytes over the buckets DDP made."""
+    ours = _model()
+    opt = overlapkit.overlap_ddp(ours, torch.optim.Adam, lr=0.01)
+    schedule = opt._stepper.schedule
+    asked: list[float] = []
+    order = schedule.order
+
+    def recorded(bucket_bytes: Any) -> str:
+        asked.append(bucket_bytes())
+        return order(bucket_bytes)
+
+    schedule.order = recorded
+    for step in range(SETTLED + 2):
+        ours(_batch(rank, step)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    param_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
+    return {"asked": asked, "expected": param_bytes / len(opt._stepper.last_buckets)}
+
+
+def threads_link_run(rank: int, world_size: int) -> dict[str, Any]:
+    """100 buckets of 256 KiB over an idle simulated link, with 2 intra-op threads per
+    rank (as a job with one rank per machine has more): the waits read idle."""
+    torch.set_num_threads(2)
+    register()
+    torch.manual_seed(0)
+    ddp = DDP(nn.Sequential(*(nn.Linear(256, 256) for _ in range(100))), bucket_cap_mb=0.1)
+    opt = overlapkit.overlap_ddp(ddp, torch.optim.Adam, lr=1e-3, comm_hook=HOOK_NAME,
+                                 comm_hook_options={"link": SimulatedLink(gbps=1.0)})
+    x = torch.randn(32, 256, generator=torch.Generator().manual_seed(rank))
+    for _ in range(SETTLED + 2):
+        ddp(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    schedule = opt._stepper.schedule
+    return {"chosen": schedule.chosen, "spins": schedule.spins, "busy": schedule.busy,
+            "waits": schedule.waits}
+
+
+def comm_threads_run(rank: int, world_size: int) -> dict[str, Any]:
+    """gloo's threads, found by name, and their CPU time across some allreduces."""
+    threads = CommThreads()
+    before_any = threads.cpu_seconds()  # none found yet: the fallback
+    tensor = torch.ones(1 << 18)
+    dist.all_reduce(tensor)  # gloo starts its worker threads at the first collective
+    threads.refresh()
+    started = threads.cpu_seconds()
+    for _ in range(20):
+        dist.all_reduce(tensor)
+    return {"found": len(threads.clocks), "spent": threads.cpu_seconds() - started,
+            "fallback": isinstance(before_any, float)}

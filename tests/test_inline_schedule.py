@@ -13,7 +13,14 @@ from typing import Any
 import pytest
 import torch
 from helpers import failures
-from inline_schedule_ranks import STEPS, link_run, orders_run
+from inline_schedule_ranks import (
+    STEPS,
+    comm_threads_run,
+    link_run,
+    orders_run,
+    sizes_run,
+    threads_link_run,
+)
 
 from overlapkit.distributed import run_distributed
 from overlapkit.overlap.ddp import inline_schedule
@@ -28,6 +35,7 @@ from overlapkit.overlap.ddp.inline_schedule import (
     InlineSchedule,
     block_on,
     mean_bucket_bytes,
+    spare_cores,
 )
 
 MIB = float(1 << 20)
@@ -47,7 +55,7 @@ def _ends(schedule: InlineSchedule, cpu_share: float, times: int,
 @pytest.mark.parametrize("cpu_share", [0.0, 0.05, BUSY - 0.01])
 @pytest.mark.parametrize("bucket_bytes", [16 * 1024, 4 * MIB])
 def test_idle_waits_are_filled_with_steps(cpu_share: float, bucket_bytes: float) -> None:
-    schedule = InlineSchedule()
+    schedule = InlineSchedule(spare=True)
     # "after" until measured: two ends of backward skipped (DDP's rebuild, the state's
     # creation), then TRIALS measured
     assert _ends(schedule, cpu_share, SETTLED, bucket_bytes) == [AFTER] * SETTLED
@@ -60,14 +68,14 @@ def test_idle_waits_are_filled_with_steps(cpu_share: float, bucket_bytes: float)
     (FILL_FROM_BYTES, FILL), (4 * MIB, FILL), (25 * MIB, FILL)])
 def test_where_the_waits_are_busy_the_bucket_size_decides(
         bucket_bytes: float, order: str) -> None:
-    schedule = InlineSchedule()
+    schedule = InlineSchedule(spare=True)
     assert _ends(schedule, 0.6, SETTLED, bucket_bytes) == [AFTER] * SETTLED
     assert _ends(schedule, 0.6, 3, bucket_bytes) == [order] * 3
     assert schedule.chosen == order and schedule.bucket_bytes == bucket_bytes
 
 
 def test_the_bucket_sizes_are_asked_once_and_only_where_they_decide() -> None:
-    schedule = InlineSchedule()
+    schedule = InlineSchedule(spare=True)
     asked = []
 
     def sizes() -> float:
@@ -87,7 +95,7 @@ def test_the_bucket_sizes_are_asked_once_and_only_where_they_decide() -> None:
 
 
 def test_the_order_follows_the_busy_share_of_the_last_waits() -> None:
-    schedule = InlineSchedule()
+    schedule = InlineSchedule(spare=True)
     _ends(schedule, 0.05, SETTLED, 256 * 1024)
     assert schedule.order(lambda: 256 * 1024) == FILL
     _ends(schedule, 0.9, TRIALS, 256 * 1024)  # the waits got busy
@@ -97,7 +105,7 @@ def test_the_order_follows_the_busy_share_of_the_last_waits() -> None:
 
 
 def test_an_end_of_backward_that_never_blocked_tells_nothing_of_the_waits() -> None:
-    schedule = InlineSchedule()
+    schedule = InlineSchedule(spare=True)
     for _ in range(10):
         schedule.ended(0.0, 0.0)
     assert schedule.chosen is None and schedule.waits == []
@@ -154,24 +162,68 @@ def test_a_wait_spins_only_where_asked_and_counts_only_the_other_threads(
 
 def test_a_long_wait_spins_for_a_while_then_blocks(yields: list[float]) -> None:
     blocked = [0.0, 0.0]
+    future = _completed_after(SPIN + 0.25)
     started = time.perf_counter()
-    block_on(_completed_after(SPIN + 0.25), blocked, spin=True)
+    block_on(future, blocked, spin=True)
     assert blocked[0] >= SPIN + 0.2
     assert yields and yields[-1] - started < SPIN + 0.01  # not a core spent on it all
 
 
-def test_a_wait_on_a_failed_reduction_returns_and_leaves_the_error_to_its_step() -> None:
+@pytest.mark.parametrize(("spin", "after_s"), [(True, 0.01), (True, SPIN + 0.05),
+                                               (False, 0.01)])
+def test_a_wait_on_a_failed_reduction_returns_and_leaves_the_error_to_its_step(
+        spin: bool, after_s: float) -> None:
     future: torch.futures.Future[None] = torch.futures.Future()
-    threading.Timer(0.01, future.set_exception, args=(RuntimeError("lost peer"),)).start()
+    threading.Timer(after_s, future.set_exception,
+                    args=(RuntimeError("lost peer"),)).start()
     blocked = [0.0, 0.0]
-    block_on(future, blocked, spin=True)
+    block_on(future, blocked, spin=spin)
     assert future.done()
     with pytest.raises(RuntimeError, match="lost peer"):
         future.wait()
 
 
+def test_the_first_ends_of_backward_are_not_measured() -> None:
+    schedule = InlineSchedule(spare=True)
+    schedule.ended(0.05, 0.05)  # DDP's rebuild, the optimizer state's creation:
+    schedule.ended(0.05, 0.05)  # what they wait for says nothing of the network
+    assert schedule.waits == []
+    schedule.ended(0.05, 0.0)
+    assert schedule.waits == [(0.05, 0.0)]
+
+
+def test_the_order_is_not_reported_before_the_bucket_sizes_are_known() -> None:
+    schedule = InlineSchedule(spare=True)
+    for _ in range(SETTLED):
+        schedule.ended(0.05, 0.05)  # busy, but no order asked yet
+    assert schedule.busy_waits and schedule.chosen is None
+    assert schedule.order(lambda: 4 * MIB) == FILL and schedule.chosen == FILL
+
+
+def test_without_a_core_per_thread_a_wait_never_spins() -> None:
+    schedule = InlineSchedule(spare=False)
+    assert not schedule.spins
+    _ends(schedule, 0.9, SETTLED)
+    assert not schedule.spins  # busy, but another rank needs the core
+
+
+@pytest.mark.parametrize(("local_ranks", "spare"), [("1", True), ("4096", False)])
+def test_a_core_per_thread_counts_the_ranks_on_the_machine(
+        monkeypatch: pytest.MonkeyPatch, local_ranks: str, spare: bool) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert spare_cores() is spare
+        assert InlineSchedule().spare_cores is spare
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_only_idle_waits_end_the_spinning() -> None:
-    schedule = InlineSchedule()
+    schedule = InlineSchedule(spare=True)
     assert schedule.spins  # not measured yet
     _ends(schedule, 0.6, 2 + TRIALS)
     assert schedule.spins  # busy: reductions that are this machine's work
@@ -206,3 +258,24 @@ def test_over_a_slow_link_each_rank_keeps_stepping_while_the_link_is_busy() -> N
     for result in results:
         # the transfers take no CPU time (measured: 0.04-0.07 of a core while waiting)
         assert result["chosen"] == FILL, (result["busy"], result["waits"])
+
+
+def test_the_schedule_is_given_the_mean_size_of_the_real_buckets() -> None:
+    for result in run_distributed(sizes_run, 2, timeout=300):
+        assert len(result["asked"]) >= 3  # the ends of backward with reductions in flight
+        assert result["asked"][-1] == pytest.approx(result["expected"]), result
+
+
+def test_torchs_intra_op_threads_do_not_make_a_network_wait_read_busy() -> None:
+    # they spin for milliseconds after each parallel kernel: counted as the process's
+    # CPU time, an idle wait read 0.28-0.36 of a core busy here, and the rank stepped
+    # "after", spinning, over a slow link
+    for result in run_distributed(threads_link_run, 2, timeout=300):
+        assert result["chosen"] == FILL and not result["spins"], result
+
+
+def test_glooes_threads_are_found_by_name_and_their_cpu_time_read() -> None:
+    for result in run_distributed(comm_threads_run, 2, timeout=120):
+        assert result["found"] >= 2, result  # gloo's loop and run-loop threads
+        assert result["spent"] > 0, result  # 20 allreduces of 1 MiB over loopback
+        assert result["fallback"]

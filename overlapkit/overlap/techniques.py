@@ -73,7 +73,8 @@ def overlap_ddp(
         the next bucket's hook (the step runs on a side stream beside backward); on
         CPU once backward's computation is done, the buckets reduced by then in one
         call, the others as their reductions complete, or all of them once every
-        reduction has, whichever each rank measures as faster
+        reduction has: the first where the waits are idle (a network) or the
+        buckets big, the second for small buckets reduced over loopback
         (:mod:`overlapkit.overlap.ddp.inline_schedule`). ``"comm"``: in the comm
         future's callback, on the communication worker thread, concurrently with
         autograd (slower on CPU, where they compete for the same cores).

@@ -24,6 +24,7 @@ from overlapkit.overlap.core.bucket_layout import BucketLayouts, bucket_gradient
 from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.overlap.core.side_stream import SideStream
 from overlapkit.overlap.ddp.bucket_steps import BucketSteps, PendingBucket
+from overlapkit.overlap.ddp.comm_threads import COMM_THREADS
 from overlapkit.overlap.ddp.inline_schedule import (
     AFTER,
     InlineSchedule,
@@ -215,7 +216,8 @@ class BucketStepper(BucketSteps):
             self._step_run(list(pending))  # everything reduced: one call
             pending.clear()
             return
-        blocked = [0.0, 0.0]  # wall and process CPU seconds spent waiting
+        COMM_THREADS.refresh()
+        blocked = [0.0, 0.0]  # wall and communication threads' CPU seconds waiting
         order = self.schedule.order(lambda: mean_bucket_bytes(pending))
         spin = self.schedule.spins
         if order == AFTER:
