@@ -3,7 +3,8 @@
 Its set-up (:mod:`~overlapkit.overlap.ddp.setup`: resolve the DDP model and the comm
 hook, check what only DDP asks, register the comm hook), the comm hook that decides
 when each bucket is stepped (:mod:`~overlapkit.overlap.ddp.bucket_stepper`; on CPU in the
-order :mod:`~overlapkit.overlap.ddp.inline_schedule` chooses), how runs of reduced
+order :mod:`~overlapkit.overlap.ddp.inline_schedule` chooses, from what gloo's threads
+spend while a rank waits: :mod:`~overlapkit.overlap.ddp.comm_threads`), how runs of reduced
 buckets are stepped (:mod:`~overlapkit.overlap.ddp.bucket_steps`; a reduction that fails
 is raised as one overlapkit error when backward ends:
 :mod:`~overlapkit.overlap.ddp.failed_reductions`), the hooks on the parameters
