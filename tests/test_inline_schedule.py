@@ -207,7 +207,9 @@ def test_without_a_core_per_thread_a_wait_never_spins() -> None:
     assert not schedule.spins  # busy, but another rank needs the core
 
 
-@pytest.mark.parametrize(("local_ranks", "spare"), [("1", True), ("4096", False)])
+@pytest.mark.parametrize(("local_ranks", "spare"), [
+    ("1", True), ("4096", False),
+    ("", True), ("two", True), ("0", True)])  # not a count: the group's size (1 here)
 def test_a_core_per_thread_counts_the_ranks_on_the_machine(
         monkeypatch: pytest.MonkeyPatch, local_ranks: str, spare: bool) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)

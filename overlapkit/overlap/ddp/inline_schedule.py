@@ -193,7 +193,8 @@ def spare_cores() -> bool:
     if cores < machine:  # pinned: this rank's own cores
         return threads <= cores
     ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    local = int(raw) if raw.isdigit() and int(raw) > 0 else ranks  # unset or not a count
     return local * threads <= cores
 
 
