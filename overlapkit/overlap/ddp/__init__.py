@@ -5,7 +5,9 @@ hook, check what only DDP asks, register the comm hook), the comm hook that deci
 when each bucket is stepped (:mod:`~overlapkit.overlap.ddp.bucket_stepper`; on CPU in the
 order :mod:`~overlapkit.overlap.ddp.inline_schedule` chooses, from what gloo's threads
 spend while a rank waits: :mod:`~overlapkit.overlap.ddp.comm_threads`), how runs of reduced
-buckets are stepped (:mod:`~overlapkit.overlap.ddp.bucket_steps`; a reduction that fails
+buckets are stepped (:mod:`~overlapkit.overlap.ddp.bucket_steps`; their reduced gradients
+copied into ``.grad`` while later reductions are in flight:
+:mod:`~overlapkit.overlap.ddp.filled_grads`; a reduction that fails
 is raised as one overlapkit error when backward ends:
 :mod:`~overlapkit.overlap.ddp.failed_reductions`), the hooks on the parameters
 beside it (:mod:`~overlapkit.overlap.ddp.param_hooks`; where plain DDP divides gradients

@@ -25,6 +25,7 @@ from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.overlap.core.side_stream import SideStream
 from overlapkit.overlap.ddp.bucket_steps import BucketSteps, PendingBucket
 from overlapkit.overlap.ddp.comm_threads import COMM_THREADS
+from overlapkit.overlap.ddp.filled_grads import FilledGradients
 from overlapkit.overlap.ddp.inline_schedule import (
     AFTER,
     InlineSchedule,
@@ -118,8 +119,7 @@ class BucketStepper(BucketSteps):
         self._clips = clipping.enabled
         #: what is known of each bucket from the backwards before
         self.layouts = BucketLayouts(engine)
-        #: the DDP model, while it has not rebuilt its buckets yet (set at set-up)
-        self.model_before_rebuild: DistributedDataParallel | None = None
+        self.model_before_rebuild: DistributedDataParallel | None = None  # until rebuilt
         #: set when steps wait for a global decision (global norm clipping, a
         #: GradScaler): buckets are only reduced, everything steps after finalize
         self.global_step = global_step
@@ -142,6 +142,7 @@ class BucketStepper(BucketSteps):
         #: gradient once DDP has copied it (free_local_grads_once_bucketed)
         self.free_after_copy_model: DistributedDataParallel | None = None
         self._pending: deque[PendingBucket] = deque()
+        self.filled_grads = FilledGradients()
         #: the first error a step raised during this backward; raised when it ends
         self._step_error: BaseException | None = None
         #: note each bucket's parameters until DDP has rebuilt its buckets (set at
@@ -152,8 +153,7 @@ class BucketStepper(BucketSteps):
         #: checkpoints so that a resumed run lays them out the same
         #: (overlapkit.checkpoint.ddp_buckets); None until known
         self.rebuilt_layout: list[list[torch.Tensor]] | None = None
-        #: set while a checkpoint load replays that layout: buckets are neither
-        #: reduced nor stepped
+        #: set while a checkpoint load replays that layout: nothing reduced or stepped
         self.replaying = False
 
     # -- on the autograd thread -------------------------------------------------
@@ -174,6 +174,7 @@ class BucketStepper(BucketSteps):
             # buckets of a backward that raised before its end are not stepped
             self._pending.clear()
             self._answers.clear()
+            self.filled_grads.give_back()
             # a second stepping backward with no step() in between, in a loop that
             # calls step(), is refused: nothing is stepped in it, every bucket is still
             # reduced (step_accounting). The scope queued _before_finalize for its end:
@@ -229,7 +230,9 @@ class BucketStepper(BucketSteps):
             run = [pending.popleft()]
             while pending and pending[0][1].done():
                 run.append(pending.popleft())
+            self.fills_grads = bool(pending)  # the rank waits next: fill .grad meanwhile
             self._step_run(run)
+        self.fills_grads = False
         self.schedule.ended(*blocked)
 
     def _step_run(self, run: list[PendingBucket]) -> None:
@@ -245,11 +248,9 @@ class BucketStepper(BucketSteps):
         with a future of this stepper's, completed once the bucket is stepped, before
         DDP's finalize waits for it (:meth:`_drain`).
 
-        The hook's own future would complete through a Python callback run on gloo's
-        thread, which must take the GIL from the training thread, stepping or running
-        backward's hooks; measured on torch 2.13, 2 ranks on 2 cores: it more than
-        doubled the CPU time of gloo's network thread and added ~30 % to a step of
-        100 buckets (``docs/benchmarks.md``, engine overhead).
+        The hook's own future would complete through a Python callback on gloo's thread,
+        taking the GIL from the training thread (torch 2.13, 2 ranks on 2 cores: twice
+        gloo's CPU time, +30 % on a step of 100 buckets; ``docs/benchmarks.md``).
         """
         launched = launch_allreduce(self.inner_state, bucket, self.average)
         if launched is None:  # one rank: the bucket is its own sum
@@ -263,10 +264,10 @@ class BucketStepper(BucketSteps):
     def _before_finalize(self) -> None:
         self._drain(wait=True)
         self.raise_failed_reduction()  # a reduction failed: raised here (failed_reductions)
-        # Before DDP's finalize, which copies the buckets back into .grad on the
-        # compute stream: those copies must come after the side stream's steps read
-        # (and clipping rewrote) the bucket memory.
+        # Before DDP's finalize, which copies the buckets back into .grad on the compute
+        # stream, after the side stream's steps read (and clipping rewrote) the buckets.
         self.synchronize()
+        self.filled_grads.lend()  # DDP's finalize, next, has nothing left to copy there
         Variable._execution_engine.queue_callback(self._after_backward)
 
     def synchronize(self) -> None:
@@ -275,6 +276,7 @@ class BucketStepper(BucketSteps):
             self.side_stream.join()
 
     def _after_backward(self) -> None:
+        self.filled_grads.give_back()
         model = self.model_before_rebuild
         if model is not None:
             # DDP rebuilds its buckets at the next forward, allocating the new ones

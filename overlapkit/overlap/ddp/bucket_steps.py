@@ -24,6 +24,7 @@ from overlapkit.overlap.core.bucket_layout import BucketLayouts
 from overlapkit.overlap.core.engine import OverlapEngine, StepPlan
 from overlapkit.overlap.core.side_stream import SideStream
 from overlapkit.overlap.ddp.failed_reductions import FailedReductions
+from overlapkit.overlap.ddp.filled_grads import FilledGradients
 from overlapkit.overlap.rules.clipping import GradClipping
 
 __all__ = ["BucketSteps", "PendingBucket"]
@@ -54,6 +55,10 @@ class BucketSteps(FailedReductions):
     #: no side stream: steps run inline, on the thread that asks
     _inline: bool
     _clips: bool
+    #: the own .grad of parameters stepped while later reductions were in flight,
+    #: filled then (``fills_grads``), so that DDP's finalize need not copy them
+    filled_grads: FilledGradients
+    fills_grads: bool = False
 
     def _step(self, params: list[torch.Tensor]) -> None:
         """Step ``params`` whose gradients the compute stream produced (the side stream
@@ -167,6 +172,8 @@ class BucketSteps(FailedReductions):
                     self.clipping.apply(params)
             if chosen:
                 self.engine.step_plan(plan)  # already on the side stream
+            if restore and self.fills_grads:
+                self.filled_grads.fill(restore, views)
         finally:
             for param, local_grad in restore:
                 param.grad = local_grad

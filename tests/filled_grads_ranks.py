@@ -1,0 +1,80 @@
+"""The rank side of tests/test_filled_grads.py: ``overlap_ddp`` over the simulated link,
+its steps filling the parameters' own ``.grad`` while later buckets are on the wire,
+against plain DDP over the same link."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from helpers import compare
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import overlapkit
+from overlapkit.cli.bench.link import HOOK_NAME, SimulatedLink, link_hook, register
+
+#: 3 buckets of one 4 MiB weight each: ~30 ms apiece on the link, a few ms of backward
+LAYERS = 3
+STEPS = 3
+
+
+def _model() -> DDP:
+    torch.manual_seed(0)
+    return DDP(nn.Sequential(*(nn.Linear(1024, 1024, bias=False) for _ in range(LAYERS))),
+               bucket_cap_mb=4)
+
+
+def filled_over_the_link(rank: int, world_size: int, order: str, clip_value: float | None,
+                         poison: bool) -> dict[str, Any]:
+    """``STEPS`` steps of plain DDP and of ``overlap_ddp`` (its order fixed), both over
+    a 2 Gb/s link, with ``clip_grad_value`` or not. After each backward and each step:
+    the gradients, bitwise, and whether each is a tensor of its own (not a view of
+    DDP's bucket). How many parameters the stepper lent DDP's finalize, per backward.
+
+    ``poison``: just before the lend, the filled parameters' own gradients are set to
+    NaN, so that a gradient DDP's finalize wrote after all would show (it writes the
+    bucket's view instead, onto itself): whether each ``.grad`` is NaN after backward.
+    """
+    register()
+    link = SimulatedLink(gbps=2.0)
+    x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(rank))
+    plain = _model()
+    plain.register_comm_hook(*link_hook(link))
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=0.01)
+    ours = _model()
+    ours_opt = overlapkit.overlap_ddp(ours, torch.optim.Adam, lr=0.01, comm_hook=HOOK_NAME,
+                                      comm_hook_options={"link": link},
+                                      clip_grad_value=clip_value)
+    stepper = ours_opt._stepper
+    stepper.schedule.fixed = order
+    filled = stepper.filled_grads
+    lend = filled.lend
+    lent_counts: list[int] = []
+
+    def counted_lend() -> None:
+        if poison:  # before the lend: a lend that left them .grad lets DDP overwrite them
+            for _, local, _ in filled._filled:
+                local.fill_(float("nan"))
+        lend()
+        lent_counts.append(len(filled._lent))
+
+    filled.lend = counted_lend  # type: ignore[method-assign]
+    grads_after_backward, grads_own, poisoned = [], [], []
+    for _ in range(STEPS):
+        plain(x).square().mean().backward()
+        if clip_value is not None:
+            nn.utils.clip_grad_value_(plain.parameters(), clip_value)
+        expected = [p.grad.clone() for p in plain.parameters()]
+        plain_opt.step()
+        plain_opt.zero_grad()
+        ours(x).square().mean().backward()
+        got = [p.grad for p in ours.parameters()]
+        poisoned.append([bool(g.isnan().all()) for g in got])
+        grads_after_backward.append(compare(expected, got))
+        grads_own.append(all(g._base is None for g in got))
+        ours_opt.step()
+        ours_opt.zero_grad()
+    return {"grads": grads_after_backward, "grads_own": grads_own, "lent": lent_counts,
+            "poisoned": poisoned,
+            "params": compare(list(plain.parameters()), list(ours.parameters()))}
