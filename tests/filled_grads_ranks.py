@@ -25,8 +25,19 @@ def _model() -> DDP:
                bucket_cap_mb=4)
 
 
+def _fresh(hook: Any) -> Any:
+    """``hook``, its future holding a copy of the reduced bucket (a tensor of its own,
+    as some compression hooks return), not the bucket itself."""
+    def fresh(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
+        def copied(fut: Any) -> torch.Tensor:
+            value = fut.value()
+            return (value[0] if isinstance(value, list) else value).clone()
+        return hook(state, bucket).then(copied)
+    return fresh
+
+
 def filled_over_the_link(rank: int, world_size: int, order: str, clip_value: float | None,
-                         poison: bool) -> dict[str, Any]:
+                         poison: bool, fresh_result: bool = False) -> dict[str, Any]:
     """``STEPS`` steps of plain DDP and of ``overlap_ddp`` (its order fixed), both over
     a 2 Gb/s link, with ``clip_grad_value`` or not. After each backward and each step:
     the gradients, bitwise, and whether each is a tensor of its own (not a view of
@@ -35,12 +46,16 @@ def filled_over_the_link(rank: int, world_size: int, order: str, clip_value: flo
     ``poison``: just before the lend, the filled parameters' own gradients are set to
     NaN, so that a gradient DDP's finalize wrote after all would show (it writes the
     bucket's view instead, onto itself): whether each ``.grad`` is NaN after backward.
+
+    ``fresh_result``: both run the link's hook with its future holding a tensor of its
+    own (:func:`_fresh`), which DDP's finalize copies into ``.grad``.
     """
     register()
     link = SimulatedLink(gbps=2.0)
     x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(rank))
     plain = _model()
-    plain.register_comm_hook(*link_hook(link))
+    state, hook = link_hook(link)
+    plain.register_comm_hook(state, _fresh(hook) if fresh_result else hook)
     plain_opt = torch.optim.Adam(plain.parameters(), lr=0.01)
     ours = _model()
     ours_opt = overlapkit.overlap_ddp(ours, torch.optim.Adam, lr=0.01, comm_hook=HOOK_NAME,
@@ -48,6 +63,8 @@ def filled_over_the_link(rank: int, world_size: int, order: str, clip_value: flo
                                       clip_grad_value=clip_value)
     stepper = ours_opt._stepper
     stepper.schedule.fixed = order
+    if fresh_result:  # the same wrapping around the stepper's inner hook
+        stepper.inner_hook = _fresh(stepper.inner_hook)
     filled = stepper.filled_grads
     lend = filled.lend
     lent_counts: list[int] = []

@@ -65,6 +65,18 @@ def test_give_back_leaves_a_gradient_set_after_the_lend() -> None:
     assert param.grad is None
 
 
+def test_recovering_gives_back_what_the_loop_wrote_into_the_lent_view() -> None:
+    # a final callback after the lend raised, so the give-back after DDP's finalize
+    # never ran; the loop's zero_grad(set_to_none=False) then zeroed the lent view
+    param, local, view = _param_with_grad()
+    filled = FilledGradients()
+    filled.fill([(param, local)], [view])
+    filled.lend()
+    param.grad.zero_()
+    filled.give_back(recovering=True)  # the next backward's first hook
+    assert param.grad is local and torch.equal(local, torch.zeros(4))
+
+
 def test_give_back_forgets_what_was_filled_and_never_lent() -> None:
     param, local, view = _param_with_grad()
     filled = FilledGradients()
@@ -88,6 +100,15 @@ def test_over_a_slow_link_gradients_and_parameters_are_plain_ddps_bitwise(
         # first backward runs in DDP's buckets from before it rebuilds them (one here)
         assert out["lent"][0] == 0 and len(out["lent"]) == STEPS, out
         assert all(0 < n < LAYERS for n in out["lent"][1:]), out
+
+
+def test_clipped_gradients_reach_grad_where_the_hooks_future_holds_its_own_tensor() -> None:
+    # DDP's finalize copies the future's tensor into .grad, not the bucket the step
+    # clipped: the stepper gives it the clipped values, as the plain loop's clip leaves
+    for rank, out in enumerate(run_distributed(
+            filled_over_the_link, args=(FILL, 1e-4, False, True), timeout=180)):
+        assert all(out["grads"]), (rank, out["grads"])
+        assert out["params"], (rank, out["params"])
 
 
 def test_ddps_finalize_writes_nothing_into_a_filled_gradient() -> None:

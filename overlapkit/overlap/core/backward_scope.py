@@ -87,6 +87,10 @@ class BackwardScope:
         self._generation = 0
         #: a backward has started and its end has not run
         self.open = False
+        #: a hook of the backward under way ran in a nested graph task (reentrant
+        #: activation checkpointing), where one parameter can be accumulated once per
+        #: nested backward
+        self.nested = False
 
     def enter(self) -> int:
         """Called by every hook: :data:`OUTSIDE`, :data:`CURRENT` or :data:`NEW` (the
@@ -102,10 +106,12 @@ class BackwardScope:
         node = enclosing_node()
         if node is not None and self.open:
             self._tasks.add(task)  # nested in the backward under way
+            self.nested = True
             return CURRENT
         self._generation += 1
         self._tasks = {task}
         self.open = True
+        self.nested = node is not None
         if node is None:
             Variable._execution_engine.queue_callback(self._end)
         else:

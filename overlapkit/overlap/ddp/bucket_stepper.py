@@ -174,7 +174,7 @@ class BucketStepper(BucketSteps):
             # buckets of a backward that raised before its end are not stepped
             self._pending.clear()
             self._answers.clear()
-            self.filled_grads.give_back()
+            self.filled_grads.give_back(recovering=True)
             # a second stepping backward with no step() in between, in a loop that
             # calls step(), is refused: nothing is stepped in it, every bucket is still
             # reduced (step_accounting). The scope queued _before_finalize for its end:

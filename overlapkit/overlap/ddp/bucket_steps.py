@@ -108,9 +108,17 @@ class BucketSteps(FailedReductions):
         with self._on_side_stream(params):
             buffers: list[torch.Tensor] = []
             reduced: list[tuple[dist.GradBucket, torch.Tensor]] = []
+            #: (a future's tensor of its own, the bucket it was copied into)
+            results: list[tuple[torch.Tensor, torch.Tensor]] = []
             for bucket, future in items:
                 if self.reduced(future, bucket.index()):
-                    buffer = self._reduced_buffer(bucket, future)
+                    buffer = bucket.buffer()
+                    result = future.value()
+                    if isinstance(result, (list, tuple)):
+                        result = result[0]
+                    if result.data_ptr() != buffer.data_ptr():
+                        buffer.copy_(result)
+                        results.append((result, buffer))
                     reduced.append((bucket, buffer))
                 else:  # raised when backward ends
                     buffer = bucket.buffer()
@@ -120,18 +128,12 @@ class BucketSteps(FailedReductions):
                     self._step_reduced(reduced)
                 except Exception as error:  # held until backward ends; see the docstring
                     self._step_error = error
+                if results and self._clips:
+                    # DDP's finalize copies the future's tensor into .grad: it gets the
+                    # clipped gradients the step used, as .grad after the plain clip
+                    for result, buffer in results:
+                        result.copy_(buffer)
         return buffers
-
-    @staticmethod
-    def _reduced_buffer(bucket: dist.GradBucket,
-                        future: torch.futures.Future[Any]) -> torch.Tensor:
-        result = future.value()
-        if isinstance(result, (list, tuple)):
-            result = result[0]
-        buffer = bucket.buffer()
-        if result.data_ptr() != buffer.data_ptr():
-            buffer.copy_(result)
-        return buffer
 
     def _step_reduced(self, reduced: list[tuple[dist.GradBucket, torch.Tensor]]) -> None:
         layouts = self.layouts

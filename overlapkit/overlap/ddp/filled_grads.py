@@ -57,11 +57,17 @@ class FilledGradients:
                 param.grad = view
                 self._lent.append((param, local, view))
 
-    def give_back(self) -> None:
-        """Right after DDP's finalize (and at the start of a backward, after one that
-        raised before its end): each lent ``.grad`` is its own tensor again."""
+    def give_back(self, *, recovering: bool = False) -> None:
+        """Right after DDP's finalize: each lent ``.grad`` is its own tensor again.
+
+        ``recovering``: at the start of a backward, after one whose end did not run (a
+        final callback queued after the stepper's raised). The loop may have written
+        the lent view since (``zero_grad(set_to_none=False)`` zeroes it), so the
+        own tensor takes the view's values before it is given back."""
         self._filled = []
         lent, self._lent = self._lent, []
         for param, local, view in lent:
             if param.grad is view:
+                if recovering:
+                    local.copy_(view)
                 param.grad = local
