@@ -1,17 +1,18 @@
 """On CPU, ``optimizer_in_backward`` on a plain module steps the parameters whose
-gradients are complete in batches of :data:`~overlapkit.overlap.in_backward.param_stepper.
+gradients are complete in batches of :data:`~overlapkit.overlap.in_backward.param_batch.
 BATCH_BYTES` of gradient, one engine call each, instead of one call per parameter
-(``overlapkit.overlap.in_backward.param_stepper``): bitwise the plain loop, with at most
+(``overlapkit.overlap.in_backward.param_batch``): bitwise the plain loop, with at most
 a batch of gradients alive at a time."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import compare
 from torch import nn
 
 import overlapkit
-from overlapkit.overlap.in_backward.param_stepper import BATCH_BYTES
+from overlapkit.overlap.in_backward.param_batch import BATCH_BYTES
 
 LAYER_BYTES = 256 * 256 * 4  # one Linear(256, 256) weight: 256 KiB
 LAYERS = 40  # 10.3 MB of gradient in all: three batches
@@ -61,3 +62,107 @@ def test_one_engine_call_per_batch_and_at_most_a_batch_of_gradients_alive() -> N
     assert max(alive) < BATCH_BYTES + LAYER_BYTES
     assert max(alive) > 8 * LAYER_BYTES  # gradients wait for their batch
     assert all(p.grad is None for p in params)
+
+
+# -- what a batch does where a backward is not one plain pass -------------------------
+
+class _Shared(nn.Module):
+    """One layer applied in three reentrant-checkpointed segments (ALBERT's sharing):
+    its parameters are accumulated once per segment, each in a backward of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for _ in range(3):
+            x = checkpoint(lambda h: torch.tanh(self.shared(h)), x, use_reentrant=True)
+        return self.head(x)
+
+
+def _shared() -> _Shared:
+    torch.manual_seed(0)
+    return _Shared()
+
+
+def test_a_parameter_shared_by_reentrant_segments_is_stepped_once_with_its_whole_gradient(
+) -> None:
+    ours_model, plain_model = _shared(), _shared()
+    ours = overlapkit.optimizer_in_backward(ours_model, torch.optim.Adam, lr=0.01)
+    plain = torch.optim.Adam(plain_model.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(4, 64, generator=generator, requires_grad=True)
+        ours_model(x).square().mean().backward()
+        plain_model(x).square().mean().backward()
+        plain.step()
+        plain.zero_grad()
+    assert [float(ours.optimizer.state[p]["step"]) for p in ours_model.parameters()] \
+        == [3.0] * 4
+    assert compare(list(plain_model.parameters()), list(ours_model.parameters()))
+
+
+def test_a_parameter_accumulated_again_after_its_step_is_an_error() -> None:
+    # used outside a reentrant segment (its hook runs first, and the 4 MiB weight fills
+    # a batch) and inside it (accumulated again in the segment's own backward)
+    from torch.utils.checkpoint import checkpoint
+
+    from overlapkit.errors import ConfigurationError
+
+    torch.manual_seed(0)
+    layer = nn.Linear(1024, 1024)
+    opt = overlapkit.optimizer_in_backward(layer, torch.optim.SGD, lr=0.1)
+    x = torch.randn(2, 1024, requires_grad=True)
+    inner = checkpoint(lambda h: torch.tanh(layer(h)), x, use_reentrant=True)
+    with pytest.raises(ConfigurationError, match="use_reentrant=False"):
+        layer(inner).square().mean().backward()
+    assert opt is not None
+
+
+def test_a_batch_spanning_two_groups_frees_only_what_stepped() -> None:
+    # the second group's step raises: the first group stepped (gradients freed), the
+    # second kept its gradients; backward raises the optimizer's error
+    model = _model()
+    first, second = list(model[:20].parameters()), list(model[20:].parameters())
+    opt = overlapkit.optimizer_in_backward(
+        model, torch.optim.SGD, params=[{"params": first}, {"params": second}], lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[1]["lr"] = "not a number"
+    small = nn.Sequential(*list(model)[15:25])  # a batch across the groups' border
+    with pytest.raises(TypeError):
+        small(torch.randn(4, 256)).square().mean().backward()
+    changed = [not torch.equal(a, p) for a, p in zip(before, model.parameters(),
+                                                      strict=True)]
+    assert changed[30:40] == [True] * 10 and changed[40:50] == [False] * 10
+    assert all(p.grad is None for p in list(model.parameters())[30:40])
+    assert all(p.grad is not None for p in list(model.parameters())[40:50])
+
+
+class _Fails(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("out of memory (simulated)")
+
+
+def test_a_backward_that_raised_steps_nothing_of_its_batch_and_leaves_no_gradient() -> None:
+    # the layers after the failing function had complete gradients, batched: not
+    # stepped, and not carried into the next backward (a backward-only loop)
+    ours_model, plain_model = _model(), _model()
+    overlapkit.optimizer_in_backward(ours_model, torch.optim.SGD, lr=0.1)
+    plain = torch.optim.SGD(plain_model.parameters(), lr=0.1)
+    x, y = _batches(2)
+    hidden = _Fails.apply(ours_model[:36](x))  # 4 layers after it: one batch
+    with pytest.raises(RuntimeError, match="simulated"):
+        ours_model[36:](hidden).square().mean().backward()
+    assert all(p.grad is not None for p in ours_model[36:].parameters())  # not stepped
+    ours_model(y).square().mean().backward()
+    plain_model(y).square().mean().backward()  # the plain loop dropped the failed one
+    plain.step()
+    assert compare(list(plain_model.parameters()), list(ours_model.parameters()))

@@ -3,7 +3,8 @@ post-accumulate-grad hook, its gradient freed once stepped.
 
 Its set-up (:mod:`~overlapkit.overlap.in_backward.setup`: the kind of model, the hooks
 and the forward pre-hooks that guard them), the parameter stepper
-(:mod:`~overlapkit.overlap.in_backward.param_stepper`) and the optimizer
+(:mod:`~overlapkit.overlap.in_backward.param_stepper`; on CPU its steps are taken in
+batches: :mod:`~overlapkit.overlap.in_backward.param_batch`) and the optimizer
 ``optimizer_in_backward`` returns on any model
 (:mod:`~overlapkit.overlap.in_backward.optimizer`). A DDP model takes the DDP path
 (:mod:`overlapkit.overlap.ddp`).

@@ -14,14 +14,16 @@ torch 2.13):
   ``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``), on an accelerator
   with its post-reduce stream current. So the step sees the reduced, sharded gradient.
 
-On CPU (no side stream) the thread that steps is the one that computes backward, so a
-step between two of backward's kernels only moves work, and each engine call costs its
-Python and the optimizer's grouping again: 400 one-parameter steps took 1.19-1.28 x the
-plain ``step()`` (``overlapkit bench --only engine_overhead``, ``docs/benchmarks.md``).
-There the parameters whose gradients are complete are collected and stepped together,
-in one engine call, once they hold :data:`BATCH_BYTES` of gradient, and at the end of
-backward: at most that much gradient more is alive at a time than with a step per
-parameter.
+On CPU the parameters are stepped in batches instead
+(:mod:`~overlapkit.overlap.in_backward.param_batch`).
+
+Under reentrant activation checkpointing each checkpointed segment runs a backward of
+its own, and a parameter used in several segments (shared weights) is accumulated, and
+its hook called, once per segment. On CPU the batches are then not stepped before the
+end of backward, so such a parameter is stepped once, with its whole gradient; a hook
+called again for a parameter already stepped in the same backward (on an accelerator,
+or where the parameter was stepped before the first nested segment) cannot be undone,
+and backward raises a :class:`~overlapkit.errors.ConfigurationError` saying so.
 """
 
 from __future__ import annotations
@@ -31,19 +33,16 @@ from collections.abc import Iterable
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.core.backward_scope import NEW, OUTSIDE, BackwardScope
 from overlapkit.overlap.core.engine import OverlapEngine, StepPlan
 from overlapkit.overlap.core.side_stream import SideStream
 from overlapkit.overlap.core.step_accounting import StepAccount
+from overlapkit.overlap.in_backward.param_batch import ParamBatch
 from overlapkit.overlap.rules.clipping import GradClipping
 from overlapkit.overlap.rules.global_step import GlobalStep
 
-__all__ = ["BATCH_BYTES", "ParamStepper"]
-
-#: on CPU, the gradient bytes collected before the parameters are stepped together
-BATCH_BYTES = 4 << 20
-#: batches whose plans are kept (a backward in the same order each time needs a few)
-_KEPT_BATCH_PLANS = 64
+__all__ = ["ParamStepper"]
 
 
 class ParamStepper(StepAccount):
@@ -70,11 +69,10 @@ class ParamStepper(StepAccount):
         self._inline = not side_stream.active
         # id(param) -> its StepPlan (which holds the parameter, so the id stays its own)
         self._plans: dict[int, StepPlan] = {}
-        #: inline: parameters whose gradient is complete, not stepped yet, and their bytes
-        self._batch: list[torch.Tensor] = []
-        self._batch_bytes = 0
-        # the ids of a batch's parameters -> its StepPlan (which holds them)
-        self._batch_plans: dict[tuple[int, ...], StepPlan] = {}
+        #: inline: the parameters whose gradient is complete, not stepped yet
+        self._batch = ParamBatch(engine, clipping)
+        #: id of each parameter whose hook ran in the backward under way
+        self._seen: set[int] = set()
         #: while true, gradients accumulate and nothing is stepped (no_step())
         self.paused = False
         self.handles: list[RemovableHandle] = []
@@ -106,6 +104,14 @@ class ParamStepper(StepAccount):
             self.frozen = [p for p in self.frozen if not p.requires_grad]
             self.register(unfrozen)
 
+    def drop_unfinished(self) -> None:
+        """Before each forward, on CPU: drop the batch a backward that raised before its
+        end left, with its gradients, before the next backward accumulates onto them
+        (the plain loop's ``zero_grad()`` after a caught error). Not during a
+        backward: a checkpointed forward is recomputed there."""
+        if self._batch and torch._C._current_graph_task_id() == -1:
+            self._batch.drop(keep_grads=False)
+
     def remove(self) -> None:
         """Remove every hook: from now on, nothing steps during backward."""
         for handle in self.handles:
@@ -124,8 +130,8 @@ class ParamStepper(StepAccount):
             # calls step(), is refused: nothing is stepped in it (step_accounting); on
             # FSDP2 every reduce-scatter still runs
             self._step_error = self.starting_backward()
-            # a batch left by a backward that raised before its end is not stepped
-            self._batch, self._batch_bytes = [], 0
+            self._batch.drop(keep_grads=False)  # left by a backward that raised
+            self._seen = set()
         if self.deferring:
             return  # defer_steps(): the gradient is kept for step()'s full step
         in_backward = entered != OUTSIDE
@@ -136,12 +142,18 @@ class ParamStepper(StepAccount):
         if not in_backward:
             # outside autograd (a hook called by hand): one step, finished here
             self.stepped_since_step = self.has_stepped = True
-        elif self._inline:
-            self._batch.append(param)
-            self._batch_bytes += grad.numel() * grad.element_size()
-            if self._batch_bytes >= BATCH_BYTES:
-                self._step_batch()
-            return
+            self._batch.drop(keep_grads=False)  # left by a backward that raised
+        elif id(param) in self._seen:
+            if param not in self._batch:  # stepped with part of its gradient
+                self._step_error = _accumulated_again(param)
+            return  # else its .grad holds the sum, stepped with its batch
+        else:
+            self._seen.add(id(param))
+            if self._inline:
+                # reentrant checkpointing may add to a parameter until backward ends
+                if self._batch.add(param, grad) and not self._scope.nested:
+                    self._step_error = self._batch.step()
+                return
         try:
             plan = self._plan_of(param)
             if self._inline:
@@ -174,38 +186,15 @@ class ParamStepper(StepAccount):
             self.clipping.apply(plan.params)
         self.engine.step_plan(plan)
 
-    def _step_batch(self) -> None:
-        """Step the collected parameters (inline, in backward) in one engine call, each
-        clipped by itself first, then free their gradients. An error is kept until
-        backward ends, and the batch keeps its gradients."""
-        batch, self._batch, self._batch_bytes = self._batch, [], 0
-        if not batch:
-            return
-        key = tuple(map(id, batch))
-        plan = self._batch_plans.get(key)
-        if plan is None or plan.version != self.engine.layout_version:
-            if len(self._batch_plans) >= _KEPT_BATCH_PLANS:
-                self._batch_plans.clear()  # backwards in ever new orders
-            plan = self._batch_plans[key] = self.engine.plan(batch)
-        try:
-            if self.clipping.enabled:
-                for param in batch:
-                    self.clipping.apply([param])
-            self.engine.step_plan(plan)
-        except Exception as error:  # held until backward ends (see _on_grad)
-            self._step_error = error
-            return
-        for param in batch:
-            param.grad = None
-
     def synchronize(self) -> None:
         """Make the compute stream wait for every step enqueued so far (no-op inline)."""
         self.side_stream.join()
 
     def _after_backward(self) -> None:
         if self._step_error is None:
-            self._step_batch()
-        self._batch, self._batch_bytes = [], 0
+            self._step_error = self._batch.step()
+        self._batch.drop(keep_grads=True)  # a step of this backward raised: kept
+        self._seen = set()
         error, self._step_error = self._step_error, None
         if error is None and self.global_step is not None and not self.deferring:
             owned = self.engine.parameters()
@@ -221,3 +210,16 @@ class ParamStepper(StepAccount):
             self.deferred_backward_ended(self.engine.parameters())
         else:
             self.stepped_backward_ended(self.engine.parameters())
+
+
+def _accumulated_again(param: torch.Tensor) -> ConfigurationError:
+    return ConfigurationError(
+        f"a parameter of shape {tuple(param.shape)} got more of its gradient after it "
+        "was stepped, in the same backward: its post-accumulate-grad hook ran again. "
+        "Reentrant activation checkpointing (checkpoint(..., use_reentrant=True)) runs "
+        "a backward per checkpointed segment, and a parameter used in several segments "
+        "(shared weights), or inside and outside one, is accumulated once per segment; "
+        "it was stepped with the first part only, so this step differs from the plain "
+        "loop's. Use checkpoint(..., use_reentrant=False), which accumulates the whole "
+        "gradient first, or the plain optimizer for this model."
+    )
