@@ -166,3 +166,114 @@ def test_a_backward_that_raised_steps_nothing_of_its_batch_and_leaves_no_gradien
     plain_model(y).square().mean().backward()  # the plain loop dropped the failed one
     plain.step()
     assert compare(list(plain_model.parameters()), list(ours_model.parameters()))
+
+
+def test_a_4_mib_layer_shared_by_reentrant_segments_waits_for_the_end_of_backward() -> None:
+    # each part of its gradient fills a batch: stepping it there would take part of it
+    from torch.utils.checkpoint import checkpoint
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.ModuleDict({"shared": nn.Linear(1024, 1024), "head": nn.Linear(1024, 8)})
+
+    def forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = checkpoint(lambda h: torch.tanh(model["shared"](h)), x, use_reentrant=True)
+        return model["head"](x)
+
+    ours_model, plain_model = build(), build()
+    overlapkit.optimizer_in_backward(ours_model, torch.optim.Adam, lr=0.01)
+    plain = torch.optim.Adam(plain_model.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randn(2, 1024, generator=generator, requires_grad=True)
+        forward(ours_model, x).square().mean().backward()
+        forward(plain_model, x).square().mean().backward()
+        plain.step()
+        plain.zero_grad()
+    assert compare(list(plain_model.parameters()), list(ours_model.parameters()))
+
+
+def _raise_once(model: nn.Sequential, x: torch.Tensor) -> None:
+    """A backward that raises after the last 4 layers' gradients are complete (one
+    batch, not stepped)."""
+    hidden = _Fails.apply(model[:36](x))
+    with pytest.raises(RuntimeError, match="simulated"):
+        model[36:](hidden).square().mean().backward()
+
+
+def test_after_a_raised_backward_a_model_wholly_inside_one_checkpoint_steps_again() -> None:
+    # the next backward's first hook runs in a nested task: the raised backward's scope,
+    # left open, is closed by the forward in between
+    from torch.utils.checkpoint import checkpoint
+
+    ours_model, plain_model = _model(), _model()
+    overlapkit.optimizer_in_backward(ours_model, torch.optim.Adam, lr=0.01)
+    plain = torch.optim.Adam(plain_model.parameters(), lr=0.01)
+    x, y = _batches(2)
+    _raise_once(ours_model, x)
+    for batch in (y, x):
+        batch = batch.clone().requires_grad_()
+        checkpoint(ours_model, batch, use_reentrant=True).square().mean().backward()
+        plain_model(batch).square().mean().backward()
+        plain.step()
+        plain.zero_grad()
+    assert compare(list(plain_model.parameters()), list(ours_model.parameters()))
+    assert all(p.grad is None for p in ours_model.parameters())
+
+
+def test_a_backward_adding_to_an_unstepped_gradient_is_refused_before_any_step() -> None:
+    # no forward of the model in between (its forward() method called directly): the
+    # next backward's first parameter adds to the gradient the raised one left
+    from overlapkit.errors import ConfigurationError
+
+    model = _model()
+    opt = overlapkit.optimizer_in_backward(model, torch.optim.SGD, lr=0.1)
+    x, y = _batches(2)
+    _raise_once(model, x)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ConfigurationError, match="zero_grad"):
+        model.forward(y).square().mean().backward()
+    assert compare(before, list(model.parameters()))  # nothing stepped
+    # the remedy the error names: zero_grad(), then the loop goes on, bitwise
+    opt.zero_grad(set_to_none=False)
+    plain_model = _model()
+    with torch.no_grad():
+        for p, q in zip(plain_model.parameters(), model.parameters(), strict=True):
+            p.copy_(q)
+    plain = torch.optim.SGD(plain_model.parameters(), lr=0.1)
+    model.forward(y).square().mean().backward()
+    plain_model(y).square().mean().backward()
+    plain.step()
+    assert compare(list(plain_model.parameters()), list(model.parameters()))
+
+
+class _BodyAndHead(nn.Module):
+    """A model whose forward runs the body only; the loop applies the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(*(nn.Linear(256, 256) for _ in range(8)))
+        self.head = nn.Sequential(*(nn.Linear(256, 256) for _ in range(4)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def test_a_forward_recomputed_inside_backward_keeps_the_pending_batch() -> None:
+    # non-reentrant checkpointing runs the model's own forward (its pre-hooks too) again
+    # during backward, while the head's gradients wait in a batch
+    from torch.utils.checkpoint import checkpoint
+
+    ours_model, plain_model = _BodyAndHead(), _BodyAndHead()
+    overlapkit.optimizer_in_backward(ours_model, torch.optim.Adam, lr=0.01)
+    plain = torch.optim.Adam(plain_model.parameters(), lr=0.01)
+    for x in _batches(3):
+        x = x.clone().requires_grad_()
+        ours_model.head(checkpoint(ours_model, x, use_reentrant=False)).square().mean() \
+            .backward()
+        plain_model.head(plain_model(x)).square().mean().backward()
+        plain.step()
+        plain.zero_grad()
+    assert compare(list(plain_model.parameters()), list(ours_model.parameters()))

@@ -28,6 +28,7 @@ outer backward).
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -91,6 +92,8 @@ class BackwardScope:
         #: activation checkpointing), where one parameter can be accumulated once per
         #: nested backward
         self.nested = False
+        #: the thread that ran the first hook of the backward under way
+        self._thread = 0
 
     def enter(self) -> int:
         """Called by every hook: :data:`OUTSIDE`, :data:`CURRENT` or :data:`NEW` (the
@@ -112,11 +115,24 @@ class BackwardScope:
         self._tasks = {task}
         self.open = True
         self.nested = node is not None
+        self._thread = threading.get_ident()
         if node is None:
             Variable._execution_engine.queue_callback(self._end)
         else:
             node.register_hook(self._end_after_node(self._generation))
         return NEW
+
+    def close_if_stale(self) -> None:
+        """Before a forward, outside any backward, on the thread that ran the last one:
+        a backward that raised before its end left this scope open. Close it, so that
+        the next backward starts a new one even where its first hook runs in a nested
+        task (a model run wholly inside one reentrant checkpoint), which would
+        otherwise be taken as part of the dead backward, and never end."""
+        if (self.open and torch._C._current_graph_task_id() == -1
+                and threading.get_ident() == self._thread):
+            self.open = False
+            self._tasks = set()
+            self._last_task = -1
 
     def _end_after_node(self, generation: int) -> Callable[[Any, Any], None]:
         def queue_end_in_outer_task(grad_inputs: Any, grad_outputs: Any) -> None:

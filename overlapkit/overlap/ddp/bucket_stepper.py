@@ -132,11 +132,10 @@ class BucketStepper(BucketSteps):
         # which backward a bucket's hook runs in (nested reentrant-checkpointing
         # backwards belong to the outer one); its end runs _before_finalize
         self._scope = BackwardScope(self._before_finalize)
-        #: (name, parameter) of the owned parameters DDP does not reduce because they
-        #: were frozen when it was built (set at set-up; see before_forward)
+        #: (name, parameter) of owned parameters frozen when DDP was built, so never
+        #: reduced (set at set-up; see before_forward)
         self.frozen: list[tuple[str, torch.Tensor]] = []
-        #: the stepped gradients are still in .grad (overlap_ddp keeps them for the
-        #: loop to read): a backward-only loop's next forward clears them
+        #: stepped gradients kept in .grad: a backward-only loop's next forward clears them
         self._stepped_grads_kept = False
         #: set by register_bucket_stepper when parameters must free their local
         #: gradient once DDP has copied it (free_local_grads_once_bucketed)
@@ -145,8 +144,8 @@ class BucketStepper(BucketSteps):
         self.filled_grads = FilledGradients()
         #: the first error a step raised during this backward; raised when it ends
         self._step_error: BaseException | None = None
-        #: note each bucket's parameters until DDP has rebuilt its buckets (set at
-        #: set-up where DDP will rebuild them), for checkpoints: see rebuilt_layout
+        #: note each bucket's parameters until DDP has rebuilt its buckets (set at set-up
+        #: where it will), for checkpoints (rebuilt_layout)
         self.recording_layout = False
         self._seen_buckets: dict[int, list[torch.Tensor]] = {}
         #: DDP's parameters bucket by bucket since it rebuilt its buckets, saved with
@@ -357,8 +356,8 @@ class BucketStepper(BucketSteps):
         """Run before each forward of the DDP model (a forward pre-hook, registered
         where needed):
 
-        - join a side stream whose end-of-backward join did not run (a backward that
-          raised);
+        - after a backward that raised: close its scope, and join a side stream
+          whose end-of-backward join did not run;
         - refuse a frozen parameter of ``params`` that has been unfrozen: DDP decides
           at construction which parameters it reduces, so it never reduces that one's
           gradient and no bucket steps it — where the plain loop would step it on this
@@ -369,6 +368,7 @@ class BucketStepper(BucketSteps):
           backward stepped, as the plain loop's ``zero_grad()`` would: the next backward
           would accumulate onto them, and DDP would reduce the sum.
         """
+        self._scope.close_if_stale()
         self.synchronize()
         if self.frozen:
             refuse_unfrozen(self.frozen, self.technique)

@@ -180,8 +180,7 @@ def set_up_on_ddp(
     stepper.register(owned)
     names = setup.model.names
     stepper.frozen = [(names[id(p)], p) for p in owned if id(p) not in setup.model.reduced]
-    if ((stepper.side_stream is not None and stepper.side_stream.active)
-            or not stepper.free_grads or stepper.frozen):
-        model.register_forward_pre_hook(lambda module, args: stepper.before_forward())
+    # always: a backward that raised leaves the stepper's scope open (before_forward)
+    model.register_forward_pre_hook(lambda module, args: stepper.before_forward())
     claim_params(owned, setup.model.technique)
     return engine, stepper

@@ -32,7 +32,8 @@ class ParamBatch:
     def __init__(self, engine: OverlapEngine, clipping: GradClipping) -> None:
         self.engine = engine
         self.clipping = clipping
-        self._items: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: (parameter, its gradient when added, that gradient's version then)
+        self._items: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self._ids: set[int] = set()
         #: the gradient bytes collected
         self.bytes = 0
@@ -48,7 +49,7 @@ class ParamBatch:
 
     def add(self, param: torch.Tensor, grad: torch.Tensor) -> bool:
         """Collect ``param``; whether the batch is full (:data:`BATCH_BYTES`)."""
-        self._items.append((param, grad))
+        self._items.append((param, grad, grad._version))
         self._ids.add(id(param))
         self.bytes += grad.numel() * grad.element_size()
         return self.bytes >= BATCH_BYTES
@@ -62,7 +63,7 @@ class ParamBatch:
         if not items:
             return None
         try:
-            for plan in self._plans_of([param for param, _ in items]):
+            for plan in self._plans_of([param for param, _, _ in items]):
                 if self.clipping.enabled:
                     for param in plan.params:
                         self.clipping.apply([param])
@@ -75,16 +76,24 @@ class ParamBatch:
 
     def drop(self, *, keep_grads: bool) -> None:
         """Forget the batch unstepped. ``keep_grads=False`` (a batch left by a backward
-        that raised before its end): a gradient still in place is set to None, neither
-        stepped nor carried into the next backward, as the plain loop's
-        ``zero_grad()`` after a caught error leaves it."""
+        that raised before its end): a gradient still in place and unchanged is set to
+        None, neither stepped nor carried into the next backward, as the plain loop's
+        ``zero_grad()`` after a caught error leaves it; one the loop changed since is
+        left as the loop made it."""
         items = self._take()
         if not keep_grads:
-            for param, grad in items:
-                if param.grad is grad:
+            for param, grad, version in items:
+                if param.grad is grad and grad._version == version:
                     param.grad = None
 
-    def _take(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def added_to(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s gradient is still the one it was batched with, changed
+        since: at the first hook of the next backward, that backward added to it."""
+        grad = param.grad
+        return any(p is param and g is grad and g._version != v
+                   for p, g, v in self._items)
+
+    def _take(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
         items, self._items = self._items, []
         self._ids = set()
         self.bytes = 0

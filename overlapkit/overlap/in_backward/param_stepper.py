@@ -104,13 +104,19 @@ class ParamStepper(StepAccount):
             self.frozen = [p for p in self.frozen if not p.requires_grad]
             self.register(unfrozen)
 
-    def drop_unfinished(self) -> None:
-        """Before each forward, on CPU: drop the batch a backward that raised before its
-        end left, with its gradients, before the next backward accumulates onto them
-        (the plain loop's ``zero_grad()`` after a caught error). Not during a
-        backward: a checkpointed forward is recomputed there."""
+    def before_forward(self) -> None:
+        """Before each forward of the model, after a backward that raised before its
+        end: close its scope (:meth:`BackwardScope.close_if_stale`), and drop the batch
+        it left (CPU), with its gradients, before the next backward accumulates onto
+        them (the plain loop's ``zero_grad()`` after a caught error). Nothing during a
+        backward, where a checkpointed forward is recomputed."""
+        self._scope.close_if_stale()
         if self._batch and torch._C._current_graph_task_id() == -1:
             self._batch.drop(keep_grads=False)
+
+    def zero_grad_called(self) -> None:
+        super().zero_grad_called()
+        self._batch.drop(keep_grads=True)  # the gradients are the loop's to clear
 
     def remove(self) -> None:
         """Remove every hook: from now on, nothing steps during backward."""
@@ -130,6 +136,8 @@ class ParamStepper(StepAccount):
             # calls step(), is refused: nothing is stepped in it (step_accounting); on
             # FSDP2 every reduce-scatter still runs
             self._step_error = self.starting_backward()
+            if self._batch.added_to(param) and self._step_error is None:
+                self._step_error = _added_to_leftover(param)
             self._batch.drop(keep_grads=False)  # left by a backward that raised
             self._seen = set()
         if self.deferring:
@@ -222,4 +230,15 @@ def _accumulated_again(param: torch.Tensor) -> ConfigurationError:
         "it was stepped with the first part only, so this step differs from the plain "
         "loop's. Use checkpoint(..., use_reentrant=False), which accumulates the whole "
         "gradient first, or the plain optimizer for this model."
+    )
+
+
+def _added_to_leftover(param: torch.Tensor) -> ConfigurationError:
+    return ConfigurationError(
+        f"a backward raised before its end and left the gradient of a parameter of shape "
+        f"{tuple(param.shape)} unstepped; this backward added its own gradient to it, "
+        "so stepping it would use both. Nothing is stepped in this backward. Call "
+        "optimizer.zero_grad() after catching an error raised by backward (the plain "
+        "loop needs it too), or run the model's forward before the next backward "
+        "(overlapkit drops such gradients there)."
     )

@@ -78,10 +78,9 @@ def set_up_on_module(setup: ResolvedSetup) -> OptimizerInBackward:
         # the graph its gradient comes from: stepped from that backward on
         stepper.handles.append(module.register_forward_pre_hook(
             lambda module, args: stepper.hook_unfrozen()))
-    if not stepper.side_stream.active:
-        # CPU steps in batches: a backward that raised leaves one behind
-        stepper.handles.append(module.register_forward_pre_hook(
-            lambda module, args: stepper.drop_unfinished()))
+    # a backward that raised leaves its scope open, and on CPU a batch behind
+    stepper.handles.append(module.register_forward_pre_hook(
+        lambda module, args: stepper.before_forward()))
     if stepper.side_stream.active:
         # the next forward (FSDP2: its all-gather) reads the parameters: join a
         # backward that raised, whose end-of-backward join did not run
