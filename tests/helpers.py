@@ -164,3 +164,16 @@ def in_a_circle(graph: Mapping[str, Iterable[str]]) -> list[str]:
         return False
 
     return [node for node in graph if reaches(node, node, {node})]
+
+
+class FailsInBackward(torch.autograd.Function):
+    """Identity forward; its backward raises a simulated out-of-memory error (a backward
+    that raises part-way, once the layers after it have their gradients)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("out of memory (simulated)")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import compare
+from helpers import FailsInBackward, compare
 from torch import nn
 
 import overlapkit
@@ -141,16 +141,6 @@ def test_a_batch_spanning_two_groups_frees_only_what_stepped() -> None:
     assert all(p.grad is not None for p in list(model.parameters())[40:50])
 
 
-class _Fails(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("out of memory (simulated)")
-
-
 def test_a_backward_that_raised_steps_nothing_of_its_batch_and_leaves_no_gradient() -> None:
     # the layers after the failing function had complete gradients, batched: not
     # stepped, and not carried into the next backward (a backward-only loop)
@@ -158,7 +148,7 @@ def test_a_backward_that_raised_steps_nothing_of_its_batch_and_leaves_no_gradien
     overlapkit.optimizer_in_backward(ours_model, torch.optim.SGD, lr=0.1)
     plain = torch.optim.SGD(plain_model.parameters(), lr=0.1)
     x, y = _batches(2)
-    hidden = _Fails.apply(ours_model[:36](x))  # 4 layers after it: one batch
+    hidden = FailsInBackward.apply(ours_model[:36](x))  # 4 layers after it: one batch
     with pytest.raises(RuntimeError, match="simulated"):
         ours_model[36:](hidden).square().mean().backward()
     assert all(p.grad is not None for p in ours_model[36:].parameters())  # not stepped
@@ -197,7 +187,7 @@ def test_a_4_mib_layer_shared_by_reentrant_segments_waits_for_the_end_of_backwar
 def _raise_once(model: nn.Sequential, x: torch.Tensor) -> None:
     """A backward that raises after the last 4 layers' gradients are complete (one
     batch, not stepped)."""
-    hidden = _Fails.apply(model[:36](x))
+    hidden = FailsInBackward.apply(model[:36](x))
     with pytest.raises(RuntimeError, match="simulated"):
         model[36:](hidden).square().mean().backward()
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import compare, failures, values
+from helpers import FailsInBackward, compare, failures, values
 from optimizer_in_backward_ranks import OPTIMIZERS, STEPS, two_rank_scenarios
 from torch import nn
 
@@ -289,16 +289,6 @@ def test_param_groups_given_as_generators_are_trained() -> None:
     assert model.out.bias.grad is not None  # not in the optimizer: left alone
 
 
-class _FailsInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("out of memory (simulated)")
-
-
 def test_a_backward_that_raised_does_not_break_the_next_ones() -> None:
     """After a backward that raised once some parameters had stepped, the next
     backwards still step with plain results, and step() after them is still a no-op
@@ -308,7 +298,7 @@ def test_a_backward_that_raised_does_not_break_the_next_ones() -> None:
     plain = torch.optim.SGD(plain_model.parameters(), lr=0.1)
     x = _batches(1)[0]
     # out and mid have stepped when the function below them raises
-    hidden = _FailsInBackward.apply(torch.tanh(model.inp(x)))
+    hidden = FailsInBackward.apply(torch.tanh(model.inp(x)))
     with pytest.raises(RuntimeError, match="simulated"):
         model.out(torch.tanh(model.mid(hidden))).square().mean().backward()
     opt.step()
