@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlapkit
 from overlapkit.cli.bench.link import HOOK_NAME, SimulatedLink, link_hook, register
+from overlapkit.overlap.ddp.inline_schedule import FILL
 
 #: 3 buckets of one 4 MiB weight each: ~30 ms apiece on the link, a few ms of backward
 LAYERS = 3
@@ -95,3 +96,72 @@ def filled_over_the_link(rank: int, world_size: int, order: str, clip_value: flo
     return {"grads": grads_after_backward, "grads_own": grads_own, "lent": lent_counts,
             "poisoned": poisoned,
             "params": compare(list(plain.parameters()), list(ours.parameters()))}
+
+
+class _UsersModel(nn.Module):
+    """What a user's model holds: a tied weight (used twice), a layer never used (DDP's
+    find_unused_parameters), a frozen layer, an integer parameter, BatchNorm buffers,
+    and several 4 MiB buckets, so that runs step while later buckets are on the link."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(1024, 1024)
+        self.trunk = nn.Sequential(*(nn.Linear(1024, 1024, bias=False) for _ in range(3)))
+        self.norm = nn.BatchNorm1d(1024)
+        self.out = nn.Linear(1024, 1024)
+        self.out.weight = self.inp.weight  # tied
+        self.unused = nn.Linear(8, 8)
+        self.frozen = nn.Linear(1024, 1024).requires_grad_(False)
+        self.steps = nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.frozen(self.inp(x)))
+        return self.out(torch.tanh(self.norm(self.trunk(h))))
+
+
+def users_model_over_the_link(rank: int, world_size: int, loop: str) -> dict[str, Any]:
+    """3 steps of ``_UsersModel`` under plain DDP and ``overlap_ddp`` ("fill" order),
+    both over a 2 Gb/s link, with ``find_unused_parameters=True``; ``loop``: "step"
+    (backward, step, zero_grad) or "backward" (backward only, PyTorch's convention for
+    a step taken in backward). Gradients after each backward, parameters and buffers
+    after the last step, bitwise; how many parameters the stepper lent per backward."""
+    register()
+    link = SimulatedLink(gbps=2.0)
+    generator = torch.Generator().manual_seed(rank)
+    batches = [torch.randn(8, 1024, generator=generator) for _ in range(STEPS)]
+    plain = DDP(_UsersModel(), bucket_cap_mb=4, find_unused_parameters=True)
+    plain.register_comm_hook(*link_hook(link))
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=0.01)
+    ours = DDP(_UsersModel(), bucket_cap_mb=4, find_unused_parameters=True)
+    ours_opt = overlapkit.overlap_ddp(ours, torch.optim.Adam, lr=0.01, comm_hook=HOOK_NAME,
+                                      comm_hook_options={"link": link})
+    stepper = ours_opt._stepper
+    stepper.schedule.fixed = FILL
+    filled = stepper.filled_grads
+    lend = filled.lend
+    lent: list[int] = []
+
+    def counted_lend() -> None:
+        lend()
+        lent.append(len(filled._lent))
+
+    filled.lend = counted_lend  # type: ignore[method-assign]
+    grads = []
+    for x in batches:
+        plain(x).square().mean().backward()
+        expected = [None if p.grad is None else p.grad.clone() for p in plain.parameters()]
+        plain_opt.step()
+        plain_opt.zero_grad()
+        ours(x).square().mean().backward()
+        got = [p.grad for p in ours.parameters()]
+        grads.append([(a is None and b is None) or (a is not None and b is not None
+                                                    and torch.equal(a, b) and b._base is None)
+                      for a, b in zip(expected, got, strict=True)])
+        if loop == "step":
+            ours_opt.step()
+            ours_opt.zero_grad()
+    return {"grads": grads, "lent": lent,
+            "params": compare(list(plain.parameters()), list(ours.parameters())),
+            "buffers": compare(list(plain.buffers()), list(ours.buffers()))}
+

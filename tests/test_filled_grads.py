@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from filled_grads_ranks import LAYERS, STEPS, filled_over_the_link
+from filled_grads_ranks import (
+    LAYERS,
+    STEPS,
+    filled_over_the_link,
+    users_model_over_the_link,
+)
 
 from overlapkit.distributed import run_distributed
 from overlapkit.overlap.ddp.filled_grads import FilledGradients
@@ -127,3 +132,14 @@ def test_in_the_plain_order_nothing_is_filled() -> None:
                                timeout=180):
         assert out["lent"] == [0] * STEPS, out
         assert all(out["grads"]) and out["params"], out
+
+
+@pytest.mark.parametrize("loop", ["step", "backward"])
+def test_a_users_model_over_a_slow_link_is_plain_ddps_bitwise(loop: str) -> None:
+    # tied, unused, frozen and integer parameters, buffers, several buckets; the loop
+    # with step() and zero_grad(), and the backward-only one
+    for rank, out in enumerate(run_distributed(users_model_over_the_link, args=(loop,),
+                                               timeout=240)):
+        assert all(all(step) for step in out["grads"]), (rank, out["grads"])
+        assert out["params"] and out["buffers"], (rank, out)
+        assert any(n > 0 for n in out["lent"]), out  # filled while later buckets reduced
