@@ -353,8 +353,8 @@ class BucketStepper(BucketSteps):
             free_local_grads_once_bucketed(self.free_after_copy_model, params)
 
     def before_forward(self) -> None:
-        """Run before each forward of the DDP model (a forward pre-hook, registered
-        where needed):
+        """Run before each forward of the DDP model (a forward pre-hook, always
+        registered):
 
         - after a backward that raised: close its scope, and join a side stream
           whose end-of-backward join did not run;
