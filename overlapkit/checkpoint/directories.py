@@ -37,6 +37,7 @@ import torch.distributed as dist
 from overlapkit.checkpoint.integrity import MANIFEST_FILE
 from overlapkit.checkpoint.metadata import METADATA_FILE
 from overlapkit.errors import CheckpointError
+from overlapkit.nodes.exit_safe import broadcast_text
 
 __all__ = [
     "damage",
@@ -212,9 +213,9 @@ def on_rank_zero(what: str, path: Path, action: Callable[[], None], *,
         except Exception as exc:
             error, cause = f"{type(exc).__name__}: {exc}", exc
     if dist.is_initialized() and dist.get_world_size() > 1:
-        outcome = [error]
-        dist.broadcast_object_list(outcome, src=0)
-        error = outcome[0]
+        # the last collective of a save, which may be the program's last: its tensors
+        # must go on this thread (overlapkit.nodes.exit_safe)
+        error = broadcast_text(error, src=0)
     if error is not None:
         raise CheckpointError(
             f"{call} {path} failed on rank 0 while {what}: {error}. "
