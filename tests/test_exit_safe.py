@@ -19,6 +19,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -104,4 +105,34 @@ def test_rank_zeros_outcome_leaves_no_tensor_for_glooss_threads_to_free() -> Non
     """(Before: ``dist.broadcast_object_list``'s tensors outlived 10 to 12 of 50 calls,
     held by a gloo worker thread waiting for the GIL.)"""
     for left in run_distributed(tensors_left_after_rank_zeros_work, 2, args=(30,)):
+        assert left == [0] * 30, left
+
+
+def tensors_left_after_averaging(rank: int, world_size: int, calls: int, async_op: bool
+                                 ) -> list[int]:
+    """How many tensors of each averaging's reduction were alive when it returned."""
+    from overlapkit.local_sgd.averaging import PendingAverage
+
+    params = [torch.nn.Parameter(torch.full((3, 4), float(rank))) for _ in range(2)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(100.0)
+    left = []
+    try:
+        for _ in range(calls):
+            with CollectiveTensors() as mode:
+                PendingAverage(params, torch.distributed.group.WORLD, async_op=async_op).wait()
+            left.append(sum(ref() is not None for ref in mode.seen[-1:]))
+    finally:
+        sys.setswitchinterval(interval)
+    assert all(bool((p == 0.5).all()) for p in params)  # the mean of ranks 0 and 1
+    return left
+
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "in flight"])
+def test_the_model_averagings_reduction_leaves_no_tensor_for_glooss_threads(
+    async_op: bool,
+) -> None:
+    """Post-local SGD's and DiLoCo's averaging is the last collective of a loop whose
+    last step averages."""
+    for left in run_distributed(tensors_left_after_averaging, 2, args=(30, async_op)):
         assert left == [0] * 30, left

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from overlapkit.errors import ConfigurationError
+from overlapkit.nodes.exit_safe import release_here
 
 __all__ = ["PendingAverage", "ReplicaGroup", "average_in_place", "parameters_to_average"]
 
@@ -163,6 +164,8 @@ class PendingAverage:
                  async_op: bool = False) -> None:
         self.tensors = tensors
         self._pending: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
+        #: a process group's collectives (not torchft's, whose threads keep theirs)
+        self._released_here = not isinstance(group, ReplicaGroup)
         if group is None or not tensors:
             return
         if isinstance(group, ReplicaGroup):
@@ -197,6 +200,8 @@ class PendingAverage:
 
     def wait(self) -> list[torch.Tensor]:
         """Wait for the reduction, write the mean into the tensors and return them."""
+        flats = []
+        work = None
         for work, flat, same_device in self._pending:
             if work is not None:
                 work.wait()
@@ -205,6 +210,12 @@ class PendingAverage:
                 for t in same_device:
                     t.copy_(flat[offset : offset + t.numel()].view_as(t))
                     offset += t.numel()
-        self._pending = []
+            flats.append(flat)
+        del work
+        self._pending = []  # with the works: what holds their tensors now is gloo's
+        # the last collective of a loop whose last step averages: its tensors go on
+        # this thread, not on gloo's during the interpreter's exit (nodes.exit_safe)
+        if self._released_here:
+            release_here(flats)
         return self.tensors
 

@@ -18,8 +18,10 @@ with ``dist.barrier()`` aborted so in 7 of 20 runs on 2 loaded cores.
 
 Here, a collective keeps its tensors until the worker thread has let go of them
 (:func:`wait_until_released`), so the last reference goes on the calling thread. Used
-for the collectives that end overlapkit's calls a program may end with
-(:func:`broadcast_text`: the outcome of rank 0's work in ``checkpoint.save``).
+for the collectives that end overlapkit's calls a program may end with:
+:func:`broadcast_text` (the outcome of rank 0's work that ends ``checkpoint.save``) and
+:func:`release_here` (post-local SGD's and DiLoCo's model averaging, the last
+collective of a loop whose last step averages).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["RELEASE_SECONDS", "broadcast_text", "references", "wait_until_released"]
+__all__ = ["RELEASE_SECONDS", "broadcast_text", "references", "release_here",
+           "wait_until_released"]
 
 #: how long :func:`wait_until_released` waits for the worker threads at most (they let
 #: go within microseconds once scheduled; this bounds a thread starved on a busy host)
@@ -62,6 +65,13 @@ def wait_until_released(tensors: Iterable[torch.Tensor], *,
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)
     return True
+
+
+def release_here(tensors: Iterable[torch.Tensor]) -> None:
+    """:func:`wait_until_released` for the CPU tensors among ``tensors``, those of gloo's
+    collectives. An accelerator's are left alone: NCCL's watchdog holds a finished
+    work for a while, and waiting for it would stall the step."""
+    wait_until_released([tensor for tensor in tensors if tensor.device.type == "cpu"])
 
 
 def broadcast_text(text: str | None, src: int = 0, group: Any = None) -> str | None:
