@@ -76,19 +76,25 @@ def release_here(tensors: Iterable[torch.Tensor]) -> None:
 
 def broadcast_text(text: str | None, src: int = 0, group: Any = None) -> str | None:
     """``text`` of rank ``src`` on every rank of ``group`` (``None`` included), as
-    ``dist.broadcast_object_list([text], src)`` gives it, with no unpickling and the
-    tensors released on this thread (:func:`wait_until_released`)."""
+    ``dist.broadcast_object_list([text], src)`` gives it: on the device it would use
+    (the current GPU for NCCL), with no unpickling, and gloo's tensors released on this
+    thread (:func:`release_here`)."""
     import torch.distributed as dist
 
+    # the device broadcast_object_list picks for the group ("cpu" for gloo, "cuda" for
+    # NCCL): a private helper of torch's, stable since 2.0
+    device = torch.device(dist.distributed_c10d._get_object_coll_device(group))
     data = b"" if text is None else text.encode("utf-8")
-    size = torch.tensor([-1 if text is None else len(data)], dtype=torch.int64)
+    size = torch.tensor([-1 if text is None else len(data)], dtype=torch.int64,
+                        device=device)
     dist.broadcast(size, src=src, group=group)
-    wait_until_released([size])
+    release_here([size])
     length = int(size.item())
     if length <= 0:
         return None if length < 0 else ""
-    payload = (torch.frombuffer(bytearray(data), dtype=torch.uint8)
-               if dist.get_rank() == src else torch.empty(length, dtype=torch.uint8))
+    payload = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+               if dist.get_rank() == src else
+               torch.empty(length, dtype=torch.uint8, device=device))
     dist.broadcast(payload, src=src, group=group)
-    wait_until_released([payload])
+    release_here([payload])
     return bytes(payload.tolist()).decode("utf-8")
