@@ -35,9 +35,10 @@ import torch
 __all__ = ["RELEASE_SECONDS", "broadcast_text", "references", "release_here",
            "wait_until_released"]
 
-#: how long :func:`wait_until_released` waits for the worker threads at most (they let
-#: go within microseconds once scheduled; this bounds a thread starved on a busy host)
-RELEASE_SECONDS = 5.0
+#: how long :func:`wait_until_released` waits for the worker threads at most: they let
+#: go within microseconds once scheduled; this bounds a thread starved on a busy host,
+#: and what a save could lose if something else kept the tensors (a debug wrapper)
+RELEASE_SECONDS = 1.0
 
 
 def references(tensor: torch.Tensor) -> int:
