@@ -93,6 +93,11 @@ class Agent:
     def stderr(self) -> str:
         return self.err.read_text(errors="replace")
 
+    def kill(self) -> None:
+        """Kill the agent and its workers, and wait for it to end."""
+        kill_node(self.proc.pid)
+        self.proc.wait()
+
     def wait(self, deadline: float) -> int | None:
         """The exit code, or ``None`` if it has not ended by ``deadline`` (monotonic)."""
         self._watcher.join(max(0.0, deadline - time.monotonic()))
@@ -167,13 +172,12 @@ class Job:
                 raise AssertionError(
                     f"{self.name}: agents still running after {timeout:.0f} s (killed):\n"
                     + "\n".join(agent.stderr[-2000:] for agent in self.agents))
-            if done is not None and done() and any(
+            if done is not None and any(
                     agent.ended is not None and agent.proc.returncode != 0
-                    for agent in self.agents):
+                    for agent in self.agents) and done():
                 for agent in self.agents:
                     if agent.ended is None and not children(agent.proc.pid):
-                        kill_node(agent.proc.pid)
-                        agent.proc.wait()
+                        agent.kill()
             time.sleep(0.1)
         codes = [agent.proc.returncode for agent in self.agents]  # set before .ended
         return [code for code in codes if code is not None]
@@ -181,8 +185,7 @@ class Job:
     def stop(self) -> None:
         """Kill every agent of the job and its workers."""
         for agent in self.agents:
-            kill_node(agent.proc.pid)
-            agent.proc.wait()
+            agent.kill()
 
     def output(self) -> str:
         return "".join(agent.stdout for agent in self.agents)

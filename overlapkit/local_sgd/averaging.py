@@ -212,7 +212,7 @@ class PendingAverage:
                     offset += t.numel()
             flats.append(flat)
         del work
-        self._pending = []  # with the works: what holds their tensors now is gloo's
+        self._pending = []  # the works go: gloo's threads are the tensors' last holders
         # the last collective of a loop whose last step averages: its tensors go on
         # this thread, not on gloo's during the interpreter's exit (nodes.exit_safe)
         if self._released_here:

@@ -56,7 +56,7 @@ def wait_until_released(tensors: Iterable[torch.Tensor], *,
     pending = list(tensors)
     deadline = time.monotonic() + seconds
     pause = 1e-5
-    while pending:
+    while True:
         # one reference is the caller's own Python object; the rest are C++ holders
         pending = [tensor for tensor in pending if references(tensor) > 1]
         if not pending:
@@ -65,7 +65,6 @@ def wait_until_released(tensors: Iterable[torch.Tensor], *,
             return False
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)
-    return True
 
 
 def release_here(tensors: Iterable[torch.Tensor]) -> None:

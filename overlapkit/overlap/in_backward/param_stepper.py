@@ -96,23 +96,32 @@ class ParamStepper(StepAccount):
 
     def hook_unfrozen(self) -> None:
         """Hook the frozen parameters that have been unfrozen since; called before each
-        forward of the model while any is frozen, so the forward about to build the
-        graph already sees the hook: the unfrozen parameter is stepped from this
-        backward on, exactly as the plain optimizer (which holds it too) would step it."""
+        forward of the model while any is frozen (:meth:`before_forward`), so the
+        forward about to build the graph already sees the hook: the unfrozen parameter
+        is stepped from this backward on, exactly as the plain optimizer (which holds
+        it too) would step it."""
         unfrozen = [p for p in self.frozen if p.requires_grad]
         if unfrozen:
             self.frozen = [p for p in self.frozen if not p.requires_grad]
             self.register(unfrozen)
 
     def before_forward(self) -> None:
-        """Before each forward of the model, after a backward that raised before its
-        end: close its scope (:meth:`BackwardScope.close_if_stale`), and drop the batch
-        it left (CPU), with its gradients, before the next backward accumulates onto
-        them (the plain loop's ``zero_grad()`` after a caught error). Nothing during a
-        backward, where a checkpointed forward is recomputed."""
+        """Before each forward of the model (one forward pre-hook):
+
+        - after a backward that raised before its end: close its scope
+          (:meth:`BackwardScope.close_if_stale`), and drop the batch it left (CPU), with
+          its gradients, before the next backward accumulates onto them (the plain
+          loop's ``zero_grad()`` after a caught error); nothing during a backward, where
+          a checkpointed forward is recomputed. On an accelerator, join the side stream
+          whose end-of-backward join did not run: the forward (FSDP2: its all-gather)
+          reads the parameters;
+        - hook the frozen parameters unfrozen since (:meth:`hook_unfrozen`)."""
         self._scope.close_if_stale()
         if self._batch and torch._C._current_graph_task_id() == -1:
             self._batch.drop(keep_grads=False)
+        self.synchronize()
+        if self.frozen:
+            self.hook_unfrozen()
 
     def zero_grad_called(self) -> None:
         super().zero_grad_called()

@@ -73,19 +73,10 @@ def set_up_on_module(setup: ResolvedSetup) -> OptimizerInBackward:
         anchors = [(names[id(p)], p) for p in (owned[0], owned[-1])]
         stepper.handles.append(module.register_forward_pre_hook(
             lambda module, args: _refuse_replaced_parameters(module, anchors)))
-    if stepper.frozen:
-        # a frozen parameter unfrozen later is hooked before the forward that builds
-        # the graph its gradient comes from: stepped from that backward on
-        stepper.handles.append(module.register_forward_pre_hook(
-            lambda module, args: stepper.hook_unfrozen()))
-    # a backward that raised leaves its scope open, and on CPU a batch behind
+    # a backward that raised leaves its scope open (on CPU a batch, on an accelerator
+    # a side stream not joined), and a frozen parameter may have been unfrozen since
     stepper.handles.append(module.register_forward_pre_hook(
         lambda module, args: stepper.before_forward()))
-    if stepper.side_stream.active:
-        # the next forward (FSDP2: its all-gather) reads the parameters: join a
-        # backward that raised, whose end-of-backward join did not run
-        stepper.handles.append(module.register_forward_pre_hook(
-            lambda module, args: stepper.synchronize()))
     claim_params(owned, TECHNIQUE)
     return OptimizerInBackward(engine, stepper, setup.model)
 
