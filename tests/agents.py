@@ -229,8 +229,8 @@ def _listening(port: int) -> bool:
 def finished(job: Job, last_line: str, *, lost: Sequence[Agent] = ()) -> None:
     """Fail unless the job printed ``last_line`` and every agent but the ``lost`` ones
     succeeded, or failed only by gloo's abort at interpreter exit after the work was
-    done (torch 2.13 aborts so when a collective's last reference is freed by a gloo
-    thread during the exit: overlapkit.nodes.exit_safe; a user's script can still end
+    done (torch 2.13 aborts so when a gloo thread drops a collective's tensor
+    during the exit: overlapkit.nodes.exit_safe; a user's script can still end
     on such a collective of its own)."""
 
     def exit_abort() -> bool:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from overlapkit.errors import ConfigurationError
-from overlapkit.nodes.exit_safe import release_here
+from overlapkit.nodes.exit_safe import Hold
 
 __all__ = ["PendingAverage", "ReplicaGroup", "average_in_place", "parameters_to_average"]
 
@@ -164,8 +164,9 @@ class PendingAverage:
                  async_op: bool = False) -> None:
         self.tensors = tensors
         self._pending: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
-        #: a process group's collectives (not torchft's, whose threads keep theirs)
-        self._released_here = not isinstance(group, ReplicaGroup)
+        #: the last collective of a loop whose last step averages: gloo's threads must
+        #: not need the GIL for its tensors (nodes.exit_safe); torchft's keep theirs
+        self._holds: list[Hold] = []
         if group is None or not tensors:
             return
         if isinstance(group, ReplicaGroup):
@@ -180,9 +181,13 @@ class PendingAverage:
         for t in tensors:
             by_device.setdefault(t.device, []).append(t)
         for same_device in by_device.values():
-            # torch.cat promotes mixed dtypes (bf16 and fp32 -> fp32) as torch's does
-            flat = torch.cat([t.detach().reshape(-1) for t in same_device])
+            # torch.cat promotes mixed dtypes (bf16 and fp32 -> fp32) as torch's does;
+            # made outside inference mode, which a Hold could not hold
+            with torch.inference_mode(False):
+                flat = torch.cat([t.detach().reshape(-1) for t in same_device])
             flat.div_(size)
+            if not isinstance(group, ReplicaGroup):
+                self._holds.append(Hold([flat]))
             work: Any
             if isinstance(group, ReplicaGroup):
                 if async_op:
@@ -200,7 +205,6 @@ class PendingAverage:
 
     def wait(self) -> list[torch.Tensor]:
         """Wait for the reduction, write the mean into the tensors and return them."""
-        flats = []
         work = None
         for work, flat, same_device in self._pending:
             if work is not None:
@@ -210,12 +214,10 @@ class PendingAverage:
                 for t in same_device:
                     t.copy_(flat[offset : offset + t.numel()].view_as(t))
                     offset += t.numel()
-            flats.append(flat)
         del work
-        self._pending = []  # the works go: gloo's threads are the tensors' last holders
-        # the last collective of a loop whose last step averages: its tensors go on
-        # this thread, not on gloo's during the interpreter's exit (nodes.exit_safe)
-        if self._released_here:
-            release_here(flats)
+        self._pending = []
+        for hold in self._holds:  # the reductions are complete
+            hold.release()
+        self._holds = []
         return self.tensors
 

@@ -10,9 +10,9 @@
 - :mod:`~overlapkit.nodes.failed_collective`: a failed collective of an overlapped
   step (a bucket's reduction, the parameter exchange) as one overlapkit error, naming
   the ranks that are gone or that stopped taking part;
-- :mod:`~overlapkit.nodes.exit_safe`: collectives that may be a program's last free
-  their tensors on the calling thread, not on gloo's while the interpreter exits
-  (where torch 2.13 aborts the process).
+- :mod:`~overlapkit.nodes.exit_safe`: collectives that may be a program's last hold
+  their tensors until gloo's threads let go, so those threads never need the GIL for
+  them (one that does while the interpreter exits aborts the process in torch 2.13).
 
 ``docs/nodes.rst`` ("Running on several machines") is the user's side of it. Imports
 no torch (the collectives import it when they run).

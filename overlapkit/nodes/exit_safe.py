@@ -1,10 +1,12 @@
-"""Collectives that may be a program's last: their tensors go on the calling thread.
+"""Collectives that may be a program's last: gloo's threads never need the GIL for them.
 
 torch 2.13's gloo process group runs each collective on a worker thread of its own.
 The thread marks the collective complete, which wakes the caller, and only then drops
-its references to the collective's tensors. When a tensor made by Python code loses
-its last reference there, the thread must take the GIL to free the Python object. If
-the interpreter is already exiting by then, CPython ends the thread with
+its references to the collective's tensors. In torch 2.13 a tensor's C++ object keeps
+a reference to its Python object while anything but that Python object holds it
+(``c10/util/intrusive_ptr.h``, "PyObject preservation"): the holder whose drop leaves
+the Python object alone must take the GIL to let go of it. When that holder is a gloo
+thread and the interpreter is already exiting, CPython ends the thread with
 ``pthread_exit``, its unwinding reaches a ``noexcept`` destructor, and the process
 aborts: "terminate called without an active exception" (SIGABRT) after all its work
 is done. torchrun then reports the job as failed. Over several nodes, the other
@@ -16,29 +18,44 @@ broadcast is the last one of ``checkpoint.save``. The interpreter's main thread 
 ``Py_FinalizeEx`` at that moment. Plain PyTorch does the same: a DDP script that ends
 with ``dist.barrier()`` aborted so in 7 of 20 runs on 2 loaded cores.
 
-Here, a collective keeps its tensors until the worker thread has let go of them
-(:func:`wait_until_released`), so the last reference goes on the calling thread. Used
-for the collectives that end overlapkit's calls a program may end with:
-:func:`broadcast_text` (the outcome of rank 0's work that ends ``checkpoint.save``) and
-:func:`release_here` (post-local SGD's and DiLoCo's model averaging, the last
-collective of a loop whose last step averages).
+Here, a :class:`Hold` takes a C++ reference of its own to each CPU tensor *before* the
+collective starts, and gives it up on the calling thread once the worker has let go.
+The worker's drop is then never the one that leaves the Python object alone, so it
+never needs the GIL, however late it runs. Waiting for the worker is bounded
+(:data:`RELEASE_SECONDS`); a worker starved past it (a busy host) leaves its hold
+parked, given up on a later call or at the interpreter's exit (an ``atexit`` handler,
+while the worker can still run), and kept for good if the worker still has not let go
+then. Where the last drop goes is never left to timing.
+
+Used for the collectives that end overlapkit's calls a program may end with:
+:func:`broadcast_text` (the outcome of rank 0's work that ends ``checkpoint.save``),
+:func:`gather_object` (the sharded optimizer's ``consolidate_state_dict()``, which a
+ZeRO script ends with before rank 0 saves) and post-local SGD's and DiLoCo's model
+averaging (the last collective of a loop whose last step averages).
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
+import io
+import pickle
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-__all__ = ["RELEASE_SECONDS", "broadcast_text", "references", "release_here",
-           "wait_until_released"]
+__all__ = ["EXIT_SECONDS", "RELEASE_SECONDS", "Hold", "broadcast_text", "gather_object",
+           "parked", "references", "release_parked", "wait_until_released"]
 
-#: how long :func:`wait_until_released` waits for the worker threads at most: they let
-#: go within microseconds once scheduled; this bounds a thread starved on a busy host,
-#: and what a save could lose if something else kept the tensors (a debug wrapper)
+#: how long :meth:`Hold.release` waits for the worker threads before parking the hold:
+#: they let go within microseconds once scheduled
 RELEASE_SECONDS = 1.0
+
+#: how long the interpreter's exit waits for the workers of parked holds
+EXIT_SECONDS = 10.0
 
 
 def references(tensor: torch.Tensor) -> int:
@@ -47,18 +64,18 @@ def references(tensor: torch.Tensor) -> int:
     return int(tensor._use_count())  # type: ignore[attr-defined]
 
 
-def wait_until_released(tensors: Iterable[torch.Tensor], *,
+def wait_until_released(tensors: Iterable[torch.Tensor | tuple[torch.Tensor, int]], *,
                         seconds: float = RELEASE_SECONDS) -> bool:
-    """Wait until nothing but the caller holds each of ``tensors``: the process group's
-    worker threads have dropped the finished collective's references. Sleeps between
-    checks (so a worker waiting for the GIL gets it). Returns ``False`` if ``seconds``
-    passed first; the caller goes on either way."""
-    pending = list(tensors)
+    """Wait until no more than the caller holds each of ``tensors``: the process
+    group's worker threads have dropped the finished collective's references. An entry
+    ``(tensor, n)`` waits for ``n`` references at most (the caller's own holders), a
+    plain tensor for 1. Sleeps between checks. Returns ``False`` if ``seconds`` passed
+    first."""
+    pending = [entry if isinstance(entry, tuple) else (entry, 1) for entry in tensors]
     deadline = time.monotonic() + seconds
     pause = 1e-5
     while True:
-        # one reference is the caller's own Python object; the rest are C++ holders
-        pending = [tensor for tensor in pending if references(tensor) > 1]
+        pending = [(tensor, most) for tensor, most in pending if references(tensor) > most]
         if not pending:
             return True
         if time.monotonic() >= deadline:
@@ -67,34 +84,160 @@ def wait_until_released(tensors: Iterable[torch.Tensor], *,
         pause = min(pause * 2, 1e-3)
 
 
-def release_here(tensors: Iterable[torch.Tensor]) -> None:
-    """:func:`wait_until_released` for the CPU tensors among ``tensors``, those of gloo's
-    collectives. An accelerator's are left alone: NCCL's watchdog holds a finished
-    work for a while, and waiting for it would stall the step."""
-    wait_until_released([tensor for tensor in tensors if tensor.device.type == "cpu"])
+class Hold:
+    """A C++ reference to each CPU tensor of a collective, taken before it starts, so
+    that the worker thread's drop never leaves a tensor's Python object alone.
+
+    Take it before the collective (``hold = Hold(tensors)``) and call :meth:`release`
+    once the collective is complete. An accelerator's tensors are not held: NCCL's
+    watchdog keeps a finished work for a while, and waiting for it would stall the
+    step. A view's view keeps its base, not the view, and an inference tensor's keeps
+    neither: such a tensor is only waited for. overlapkit's collectives give gloo
+    tensors of their own, made outside inference mode, so theirs are always held.
+    """
+
+    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+        #: (tensor, the references it may keep once the worker let go)
+        self._watched: list[tuple[torch.Tensor, int]] = []
+        self._views: list[torch.Tensor] = []
+        for tensor in tensors:
+            if tensor.device.type != "cpu":
+                continue
+            before = references(tensor)
+            view = tensor.view(tensor.shape)  # a view keeps a C++ reference to its base
+            if references(tensor) > before:
+                self._views.append(view)
+                self._watched.append((tensor, before + 1))
+            else:
+                self._watched.append((tensor, before))
+
+    def release(self) -> None:
+        """Give the hold up on this thread once the workers let go (the collective must
+        be complete); parks it if they have not within :data:`RELEASE_SECONDS`."""
+        release_parked(seconds=0.0)
+        watched, views = self._watched, self._views
+        self._watched, self._views = [], []
+        if not wait_until_released(watched, seconds=RELEASE_SECONDS):
+            with _parked_lock:
+                _parked.append((watched, views))
+
+
+#: holds whose workers had not let go when :meth:`Hold.release` stopped waiting
+_parked: list[tuple[list[tuple[torch.Tensor, int]], list[torch.Tensor]]] = []
+_parked_lock = threading.Lock()
+
+
+def _let_go(hold: tuple[list[tuple[torch.Tensor, int]], list[torch.Tensor]]) -> bool:
+    return all(references(tensor) <= most for tensor, most in hold[0])
+
+
+def parked() -> int:
+    """How many parked holds still wait for a worker thread."""
+    with _parked_lock:
+        return sum(not _let_go(hold) for hold in _parked)
+
+
+def release_parked(*, seconds: float = EXIT_SECONDS) -> bool:
+    """Wait up to ``seconds`` for the workers of parked holds, then give up here the
+    holds they let go of. Returns whether none is left parked."""
+    with _parked_lock:
+        waiting = [entry for hold in _parked for entry in hold[0]]
+    if not waiting:
+        return True
+    wait_until_released(waiting, seconds=seconds)
+    with _parked_lock:
+        done = [hold for hold in _parked if _let_go(hold)]
+        _parked[:] = [hold for hold in _parked if not _let_go(hold)]
+        left = len(_parked)
+    del done, waiting  # the last references, on this thread
+    return left == 0
+
+
+@atexit.register
+def _release_parked_at_exit() -> None:
+    """At exit, while a worker can still run: give the parked holds up here. A hold
+    whose worker has not let go after :data:`EXIT_SECONDS` is kept for good (its
+    views' Python objects are leaked), so that worker's late drop still never needs
+    the GIL."""
+    if release_parked():
+        return
+    with _parked_lock:
+        for _, views in _parked:
+            for view in views:
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(view))
 
 
 def broadcast_text(text: str | None, src: int = 0, group: Any = None) -> str | None:
     """``text`` of rank ``src`` on every rank of ``group`` (``None`` included), as
     ``dist.broadcast_object_list([text], src)`` gives it: on the device it would use
-    (the current GPU for NCCL), with no unpickling, and gloo's tensors released on this
-    thread (:func:`release_here`)."""
+    (the current GPU for NCCL), with no unpickling, and gloo's threads kept from the
+    GIL (:class:`Hold`)."""
     import torch.distributed as dist
 
     # the device broadcast_object_list picks for the group ("cpu" for gloo, "cuda" for
     # NCCL): a private helper of torch's, stable since 2.0
     device = torch.device(dist.distributed_c10d._get_object_coll_device(group))
+    with torch.inference_mode(False):  # a tensor made in inference mode cannot be held
+        return _broadcast_text(text, src, group, device)
+
+
+def _broadcast_text(text: str | None, src: int, group: Any, device: torch.device
+                    ) -> str | None:
+    import torch.distributed as dist
+
     data = b"" if text is None else text.encode("utf-8")
     size = torch.tensor([-1 if text is None else len(data)], dtype=torch.int64,
                         device=device)
+    hold = Hold([size])
     dist.broadcast(size, src=src, group=group)
-    release_here([size])
+    hold.release()
     length = int(size.item())
     if length <= 0:
         return None if length < 0 else ""
     payload = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
                if dist.get_rank() == src else
                torch.empty(length, dtype=torch.uint8, device=device))
+    hold = Hold([payload])
     dist.broadcast(payload, src=src, group=group)
-    release_here([payload])
+    hold.release()
     return bytes(payload.tolist()).decode("utf-8")
+
+
+def gather_object(obj: Any, dst: int = 0, group: Any = None) -> list[Any] | None:
+    """Every rank's ``obj`` of ``group``, in group order, on global rank ``dst``; None
+    elsewhere. What ``dist.gather_object(obj, gathered, dst, group)`` leaves in
+    ``gathered``: the same pickling, on the device it would use, with gloo's threads
+    kept from the GIL (:class:`Hold`; torch's own gives gloo views, which cannot be
+    held)."""
+    import torch.distributed as dist
+
+    device = torch.device(dist.distributed_c10d._get_object_coll_device(group))
+    buffer = io.BytesIO()
+    pickle.Pickler(buffer).dump(obj)
+    with torch.inference_mode(False):  # a tensor made in inference mode cannot be held
+        return _gather_bytes(buffer.getvalue(), dst, group, device)
+
+
+def _gather_bytes(data: bytes, dst: int, group: Any, device: torch.device
+                  ) -> list[Any] | None:
+    import torch.distributed as dist
+
+    ranks = dist.get_world_size(group)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(ranks)]
+    hold = Hold([size, *sizes])
+    dist.all_gather(sizes, size, group=group)
+    hold.release()
+    lengths = [int(each.item()) for each in sizes]
+    payload = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    if data:
+        payload[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    gathered = ([torch.empty(max(lengths), dtype=torch.uint8, device=device)
+                 for _ in range(ranks)] if dist.get_rank() == dst else None)
+    hold = Hold([payload, *(gathered or [])])
+    dist.gather(payload, gathered, dst=dst, group=group)
+    hold.release()
+    if gathered is None:
+        return None
+    return [pickle.Unpickler(io.BytesIO(each[:length].cpu().numpy().tobytes())).load()
+            for each, length in zip(gathered, lengths, strict=True)]

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from overlapkit.errors import ConfigurationError
+from overlapkit.nodes.exit_safe import gather_object
 from overlapkit.overlap.sharded.ownership import Ownership
 
 __all__ = ["SHARDED_STATE_KEY", "SHARDING_KEY", "check_sharded_state_dict",
@@ -64,9 +65,9 @@ def gather_state_dict(local: dict[str, Any], ownership: Ownership, group: Any,
                     if index in owned})
     if ownership.world_size == 1:
         return {"state": mine, "param_groups": local["param_groups"]}
-    gathered: list[Any] | None = [None] * ownership.world_size \
-        if ownership.rank == to else None
-    dist.gather_object(mine, gathered, dst=dist.get_global_rank(group, to), group=group)
+    # the collective a ZeRO script ends with before rank ``to`` saves: gloo's threads
+    # must not need the GIL for its tensors (overlapkit.nodes.exit_safe)
+    gathered = gather_object(mine, dst=dist.get_global_rank(group, to), group=group)
     if gathered is None:
         return None
     state: dict[int, Any] = {}
