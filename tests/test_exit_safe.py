@@ -15,12 +15,14 @@ what parking covers, tested with a thread of the test's own that holds a tensor.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import textwrap
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +202,17 @@ class CollectiveTensors(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@contextlib.contextmanager
+def keeping_the_gil() -> Iterator[None]:
+    """This thread keeps the GIL unless it waits, as an exiting interpreter does."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(100.0)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(interval)
+
+
 def unheld_references() -> int:
     """The references a collective's tensor has as it starts when nothing holds it
     (the dispatcher's own: 3 in torch 2.13)."""
@@ -228,9 +241,7 @@ def rank_zeros_work(rank: int, world_size: int, calls: int) -> dict[str, Any]:
 
     freed = FreedOn()
     mode = CollectiveTensors(freed)
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(100.0)  # this thread keeps the GIL unless it waits
-    try:
+    with keeping_the_gil():
         for call in range(calls):
             with mode:
                 try:
@@ -238,8 +249,6 @@ def rank_zeros_work(rank: int, world_size: int, calls: int) -> dict[str, Any]:
                                  fail if call % 3 == 2 else (lambda: None))
                 except CheckpointError:
                     assert call % 3 == 2
-    finally:
-        sys.setswitchinterval(interval)
     return gloos_threads_and_the_gil(freed, mode.references)
 
 
@@ -259,14 +268,10 @@ def averagings(rank: int, world_size: int, calls: int, async_op: bool) -> dict[s
     params = [torch.nn.Parameter(torch.full((3, 4), float(rank))) for _ in range(2)]
     freed = FreedOn()
     mode = CollectiveTensors(freed)
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(100.0)
-    try:
+    with keeping_the_gil():
         for _ in range(calls):
             with mode:
                 PendingAverage(params, torch.distributed.group.WORLD, async_op=async_op).wait()
-    finally:
-        sys.setswitchinterval(interval)
     assert all(bool((p == 0.5).all()) for p in params)  # the mean of ranks 0 and 1
     return gloos_threads_and_the_gil(freed, mode.references)
 
@@ -317,9 +322,7 @@ def consolidations(rank: int, world_size: int, calls: int) -> dict[str, Any]:
                                  shard_optimizer_state=True)
     freed = FreedOn()
     mode = CollectiveTensors(freed)
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(100.0)
-    try:
+    with keeping_the_gil():
         for _ in range(calls):
             ddp(torch.randn(4, 8)).sum().backward()
             opt.step()
@@ -328,8 +331,6 @@ def consolidations(rank: int, world_size: int, calls: int) -> dict[str, Any]:
                 opt.consolidate_state_dict(0)
             if rank == 0:
                 assert len(opt.state_dict()["state"]) == 4
-    finally:
-        sys.setswitchinterval(interval)
     return gloos_threads_and_the_gil(freed, mode.references)
 
 
