@@ -7,8 +7,10 @@ Runs a script ``--runs`` times under ``torchrun --nproc-per-node --nproc`` (``--
 jobs side by side, which is what makes a gloo worker thread late on a small machine)
 and counts the runs whose workers printed the abort, and the runs torchrun reported as
 failed. ``--script readme`` is the README's training script (it ends on
-``checkpoint.save``); ``--script barrier`` is plain PyTorch: DDP, then
-``dist.barrier()`` and ``dist.destroy_process_group()``, no overlapkit. The abort depends
+``checkpoint.save``); ``--script zero`` ends as a ZeRO script does:
+``consolidate_state_dict(0)`` of overlapkit's sharded optimizer, then rank 0 saves;
+``--script barrier`` is plain PyTorch: DDP, then ``dist.barrier()`` and
+``dist.destroy_process_group()``, no overlapkit. The abort depends
 on a thread's timing, so compare figures taken on the same machine, at the same load.
 """
 
@@ -37,6 +39,26 @@ dist.barrier()
 dist.destroy_process_group()
 """
 
+ZERO_SCRIPT = """\
+import datetime, os, torch, torch.distributed as dist
+import overlapkit
+dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=3))
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(
+    torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)))
+optimizer = overlapkit.overlap_ddp(model, torch.optim.AdamW, lr=1e-3,
+                                   shard_optimizer_state=True)
+for _ in range(20):
+    model(torch.randn(8, 16)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+optimizer.consolidate_state_dict(0)
+if dist.get_rank() == 0:
+    torch.save(optimizer.state_dict(), os.environ["CHECKPOINT"])
+"""
+
+SCRIPTS = {"barrier": BARRIER_SCRIPT, "zero": ZERO_SCRIPT}
+
 
 def readme_script() -> str:
     section = (ROOT / "README.md").read_text(encoding="utf-8").split(
@@ -62,13 +84,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=25)
     parser.add_argument("--at-once", type=int, default=2)
     parser.add_argument("--nproc", type=int, default=4)
-    parser.add_argument("--script", choices=["readme", "barrier"], default="readme")
+    parser.add_argument("--script", choices=["readme", "zero", "barrier"], default="readme")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="exit-aborts-") as scratch:
         script = Path(scratch, "train.py")
-        script.write_text(readme_script() if args.script == "readme" else BARRIER_SCRIPT,
-                          encoding="utf-8")
+        script.write_text(readme_script() if args.script == "readme" else
+                          SCRIPTS[args.script], encoding="utf-8")
         with concurrent.futures.ThreadPoolExecutor(args.at_once) as pool:
             outcomes = list(pool.map(
                 lambda run: one_run(script, Path(scratch, f"run{run}"), args.nproc),
