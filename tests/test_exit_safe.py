@@ -51,7 +51,7 @@ def test_waiting_ends_once_the_other_holder_lets_go() -> None:
     assert references(tensor) > 1
     threading.Timer(0.2, holder.clear).start()
     started = time.monotonic()
-    assert wait_until_released([tensor])
+    assert wait_until_released([tensor], seconds=30)
     assert time.monotonic() - started >= 0.15 and references(tensor) == 1
 
 
@@ -113,13 +113,26 @@ def test_a_hold_takes_one_reference_and_gives_it_up_here() -> None:
     assert freed.threads == ["MainThread"]
 
 
-def test_an_inference_tensor_is_waited_for_without_a_hold() -> None:
-    with torch.inference_mode():
-        tensor = torch.zeros(4)
-        hold = Hold([tensor])
-    assert references(tensor) == 1
+@pytest.mark.parametrize("make", [
+    lambda: torch.zeros(4, 2)[1],
+    lambda: torch.inference_mode()(torch.zeros)(4),
+], ids=["a view", "an inference tensor"])
+def test_a_tensor_a_view_cannot_hold_is_refused_not_left_to_the_race(make: Any) -> None:
+    tensor = make()
+    with pytest.raises(TypeError, match="cannot hold a tensor that is a view or an "
+                       "inference tensor: give the collective a tensor of its own"):
+        Hold([tensor])
+
+
+def test_a_tensor_given_twice_or_requiring_grad_is_held_once_and_given_up() -> None:
+    """A view of a tensor that requires grad adds two references, not one."""
+    plain, learned = torch.zeros(4), torch.zeros(4, requires_grad=True)
+    hold = Hold([plain, learned, plain])
+    assert references(plain) == 2 and references(learned) > 2
+    started = time.monotonic()
     hold.release()
-    assert parked() == 0
+    assert time.monotonic() - started < 0.5 and parked() == 0
+    assert references(plain) == 1 and references(learned) == 1
 
 
 def test_a_tensor_another_thread_still_holds_is_parked_and_freed_here(
@@ -139,12 +152,14 @@ def test_a_tensor_another_thread_still_holds_is_parked_and_freed_here(
         let_go.wait()
         holder.clear()
 
-    thread = threading.Thread(target=worker, name="worker")
+    thread = threading.Thread(target=worker, name="worker", daemon=True)
     thread.start()
-    hold.release()
-    assert parked() == 1
-    del tensor, hold
-    let_go.set()
+    try:
+        hold.release()
+        assert parked() == 1
+        del tensor, hold
+    finally:
+        let_go.set()
     thread.join()
     assert freed.alive() == 1 and freed.threads == []  # still held: parked
     assert parked() == 0  # the worker let go
@@ -291,24 +306,36 @@ OBJECTS = [{"step": torch.tensor(3.0), "exp_avg": torch.arange(5.0)}, None, "",
 
 
 def gathered_both_ways(rank: int, world_size: int) -> list[Any]:
-    """overlapkit's gather_object and torch's, of a different object on each rank."""
+    """overlapkit's gather_object and torch's, of a different object on each rank: over
+    the world on rank 1, and over the subgroup of ranks 4, 0 and 2 on rank 2."""
     from overlapkit.nodes.exit_safe import gather_object
 
-    obj = OBJECTS[rank]
-    ours = gather_object(obj, dst=1)
-    theirs: list[Any] | None = [None] * world_size if rank == 1 else None
-    torch.distributed.gather_object(obj, theirs, dst=1)
-    return [ours, theirs]
+    results: list[Any] = []
+    sub = torch.distributed.new_group([4, 0, 2])
+    for group, dst in ((None, 1), (sub, 2)):
+        obj = OBJECTS[rank]
+        ours = gather_object(obj, dst=dst, group=group)
+        size = torch.distributed.get_world_size(group)
+        theirs: list[Any] | None = [None] * size if rank == dst else None
+        if not torch.distributed._rank_not_in_group(group):
+            torch.distributed.gather_object(obj, theirs, dst=dst, group=group)
+        results.append([ours, theirs])
+    return results
 
 
 def test_gather_object_gives_what_torchs_gives() -> None:
+    """In group order, on the destination (a global rank) only; a rank outside the
+    group takes no part."""
     results = run_distributed(gathered_both_ways, 5)
-    for rank, (ours, theirs) in enumerate(results):
-        if rank != 1:
-            assert ours is None and theirs is None
-            continue
-        assert len(ours) == len(OBJECTS) and repr(ours) == repr(theirs) == repr(OBJECTS)
-        assert torch.equal(ours[0]["exp_avg"], OBJECTS[0]["exp_avg"])
+    for rank, (world, sub) in enumerate(results):
+        for (ours, theirs), dst, expected in ((world, 1, OBJECTS),
+                                              (sub, 2, [OBJECTS[i] for i in (0, 2, 4)])):
+            if rank != dst:
+                assert ours is None and theirs is None
+                continue
+            assert repr(ours) == repr(theirs) == repr(expected)
+        if rank == 1:
+            assert torch.equal(world[0][0]["exp_avg"], OBJECTS[0]["exp_avg"])
 
 
 def consolidations(rank: int, world_size: int, calls: int) -> dict[str, Any]:

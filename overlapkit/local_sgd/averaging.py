@@ -187,7 +187,7 @@ class PendingAverage:
                 flat = torch.cat([t.detach().reshape(-1) for t in same_device])
             flat.div_(size)
             if not isinstance(group, ReplicaGroup):
-                self._holds.append(Hold([flat]))
+                self._holds.append(Hold([flat], group))
             work: Any
             if isinstance(group, ReplicaGroup):
                 if async_op:

@@ -16,7 +16,7 @@ This was measured, not guessed: core dumps of the README's training script under
 torchrun show the abort in ``~AsyncBroadcastWork`` on a gloo worker thread. The
 broadcast is the last one of ``checkpoint.save``. The interpreter's main thread was in
 ``Py_FinalizeEx`` at that moment. Plain PyTorch does the same: a DDP script that ends
-with ``dist.barrier()`` aborted so in 7 of 20 runs on 2 loaded cores.
+with ``dist.barrier()`` aborted so in 5 and 7 of 20 runs (two sessions) on 2 loaded cores.
 
 Here, a :class:`Hold` takes a C++ reference of its own to each CPU tensor *before* the
 collective starts, and gives it up on the calling thread once the worker has let go.
@@ -85,31 +85,35 @@ def wait_until_released(tensors: Iterable[torch.Tensor | tuple[torch.Tensor, int
 
 
 class Hold:
-    """A C++ reference to each CPU tensor of a collective, taken before it starts, so
-    that the worker thread's drop never leaves a tensor's Python object alone.
+    """A C++ reference to each tensor gloo will run a collective on, taken before it
+    starts, so that the worker thread's drop never leaves a tensor's Python object
+    alone.
 
-    Take it before the collective (``hold = Hold(tensors)``) and call :meth:`release`
-    once the collective is complete. An accelerator's tensors are not held: NCCL's
-    watchdog keeps a finished work for a while, and waiting for it would stall the
-    step. A view's view keeps its base, not the view, and an inference tensor's keeps
-    neither: such a tensor is only waited for. overlapkit's collectives give gloo
-    tensors of their own, made outside inference mode, so theirs are always held.
+    Take it before the collective (``hold = Hold(tensors, group)``) and call
+    :meth:`release` once the collective is complete. Tensors another backend runs
+    (NCCL's, where ``group`` maps their device to it) are not held: NCCL's watchdog
+    keeps a finished work for a while, and waiting for it would stall the step.
+
+    A view holds its base only, so a tensor that is itself a view, or an inference
+    tensor (whose views keep no base), cannot be held: that is a ``TypeError``, not a
+    silent return to waiting, which can lose the race. overlapkit's collectives give
+    gloo tensors of their own, made outside inference mode.
     """
 
-    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
-        #: (tensor, the references it may keep once the worker let go)
-        self._watched: list[tuple[torch.Tensor, int]] = []
+    def __init__(self, tensors: Iterable[torch.Tensor], group: Any = None) -> None:
+        unique = {id(tensor): tensor for tensor in tensors if _run_by_gloo(tensor, group)}
         self._views: list[torch.Tensor] = []
-        for tensor in tensors:
-            if tensor.device.type != "cpu":
-                continue
-            before = references(tensor)
+        for tensor in unique.values():
             view = tensor.view(tensor.shape)  # a view keeps a C++ reference to its base
-            if references(tensor) > before:
-                self._views.append(view)
-                self._watched.append((tensor, before + 1))
-            else:
-                self._watched.append((tensor, before))
+            if view._base is not tensor:
+                raise TypeError(
+                    "exit_safe.Hold cannot hold a tensor that is a view or an inference "
+                    "tensor: give the collective a tensor of its own, made outside "
+                    "torch.inference_mode (torch.cat, torch.empty, .clone())")
+            self._views.append(view)
+        #: (tensor, the references it keeps once the worker let go): those it has now,
+        #: the hold's included (a tensor that requires grad has more than one per view)
+        self._watched = [(tensor, references(tensor)) for tensor in unique.values()]
 
     def release(self) -> None:
         """Give the hold up on this thread once the workers let go (the collective must
@@ -120,6 +124,23 @@ class Hold:
         if not wait_until_released(watched, seconds=RELEASE_SECONDS):
             with _parked_lock:
                 _parked.append((watched, views))
+
+
+def _run_by_gloo(tensor: torch.Tensor, group: Any) -> bool:
+    """Whether gloo runs ``group``'s collectives on ``tensor`` (its device's backend);
+    with no process group, whether it is a CPU tensor."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return tensor.device.type == "cpu"
+    process_group = group if group is not None else dist.group.WORLD
+    if process_group is None:
+        return tensor.device.type == "cpu"
+    try:
+        backend = process_group._get_backend(tensor.device)
+    except RuntimeError:  # no backend for this device: no collective either
+        return False
+    return isinstance(backend, dist.ProcessGroupGloo)
 
 
 #: holds whose workers had not let go when :meth:`Hold.release` stopped waiting
@@ -146,8 +167,9 @@ def release_parked(*, seconds: float = EXIT_SECONDS) -> bool:
         return True
     wait_until_released(waiting, seconds=seconds)
     with _parked_lock:
-        done = [hold for hold in _parked if _let_go(hold)]
-        _parked[:] = [hold for hold in _parked if not _let_go(hold)]
+        let_go = [_let_go(hold) for hold in _parked]
+        done = [hold for hold, free in zip(_parked, let_go, strict=True) if free]
+        _parked[:] = [hold for hold, free in zip(_parked, let_go, strict=True) if not free]
         left = len(_parked)
     del done, waiting  # the last references, on this thread
     return left == 0
@@ -188,7 +210,7 @@ def _broadcast_text(text: str | None, src: int, group: Any, device: torch.device
     data = b"" if text is None else text.encode("utf-8")
     size = torch.tensor([-1 if text is None else len(data)], dtype=torch.int64,
                         device=device)
-    hold = Hold([size])
+    hold = Hold([size], group)
     dist.broadcast(size, src=src, group=group)
     hold.release()
     length = int(size.item())
@@ -197,7 +219,7 @@ def _broadcast_text(text: str | None, src: int, group: Any, device: torch.device
     payload = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
                if dist.get_rank() == src else
                torch.empty(length, dtype=torch.uint8, device=device))
-    hold = Hold([payload])
+    hold = Hold([payload], group)
     dist.broadcast(payload, src=src, group=group)
     hold.release()
     return bytes(payload.tolist()).decode("utf-8")
@@ -211,6 +233,8 @@ def gather_object(obj: Any, dst: int = 0, group: Any = None) -> list[Any] | None
     held)."""
     import torch.distributed as dist
 
+    if dist._rank_not_in_group(group):
+        return None  # as torch's: nothing to take part in
     device = torch.device(dist.distributed_c10d._get_object_coll_device(group))
     buffer = io.BytesIO()
     pickle.Pickler(buffer).dump(obj)
@@ -225,7 +249,7 @@ def _gather_bytes(data: bytes, dst: int, group: Any, device: torch.device
     ranks = dist.get_world_size(group)
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(ranks)]
-    hold = Hold([size, *sizes])
+    hold = Hold([size, *sizes], group)
     dist.all_gather(sizes, size, group=group)
     hold.release()
     lengths = [int(each.item()) for each in sizes]
@@ -234,7 +258,7 @@ def _gather_bytes(data: bytes, dst: int, group: Any, device: torch.device
         payload[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     gathered = ([torch.empty(max(lengths), dtype=torch.uint8, device=device)
                  for _ in range(ranks)] if dist.get_rank() == dst else None)
-    hold = Hold([payload, *(gathered or [])])
+    hold = Hold([payload, *(gathered or [])], group)
     dist.gather(payload, gathered, dst=dst, group=group)
     hold.release()
     if gathered is None:
