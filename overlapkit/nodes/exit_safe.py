@@ -89,10 +89,12 @@ class Hold:
     starts, so that the worker thread's drop never leaves a tensor's Python object
     alone.
 
-    Take it before the collective (``hold = Hold(tensors, group)``) and call
-    :meth:`release` once the collective is complete. Tensors another backend runs
-    (NCCL's, where ``group`` maps their device to it) are not held: NCCL's watchdog
-    keeps a finished work for a while, and waiting for it would stall the step.
+    Take it before the collective and call :meth:`release` once the collective is
+    complete; or, for a blocking collective, ``with Hold(tensors, group):
+    dist.broadcast(...)`` (released as the block ends, unless it raised). Tensors
+    another backend runs (NCCL's, where ``group`` maps their device to it) are not
+    held: NCCL's watchdog keeps a finished work for a while, and waiting for it would
+    stall the step.
 
     A view holds its base only, so a tensor that is itself a view, or an inference
     tensor (whose views keep no base), cannot be held: that is a ``TypeError``, not a
@@ -114,6 +116,13 @@ class Hold:
         #: (tensor, the references it keeps once the worker let go): those it has now,
         #: the hold's included (a tensor that requires grad has more than one per view)
         self._watched = [(tensor, references(tensor)) for tensor in unique.values()]
+
+    def __enter__(self) -> Hold:
+        return self
+
+    def __exit__(self, error_type: type[BaseException] | None, *_: object) -> None:
+        if error_type is None:  # a collective that raised: nothing to wait for
+            self.release()
 
     def release(self) -> None:
         """Give the hold up on this thread once the workers let go (the collective must
@@ -210,18 +219,16 @@ def _broadcast_text(text: str | None, src: int, group: Any, device: torch.device
     data = b"" if text is None else text.encode("utf-8")
     size = torch.tensor([-1 if text is None else len(data)], dtype=torch.int64,
                         device=device)
-    hold = Hold([size], group)
-    dist.broadcast(size, src=src, group=group)
-    hold.release()
+    with Hold([size], group):
+        dist.broadcast(size, src=src, group=group)
     length = int(size.item())
     if length <= 0:
         return None if length < 0 else ""
     payload = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
                if dist.get_rank() == src else
                torch.empty(length, dtype=torch.uint8, device=device))
-    hold = Hold([payload], group)
-    dist.broadcast(payload, src=src, group=group)
-    hold.release()
+    with Hold([payload], group):
+        dist.broadcast(payload, src=src, group=group)
     return bytes(payload.tolist()).decode("utf-8")
 
 
@@ -249,18 +256,16 @@ def _gather_bytes(data: bytes, dst: int, group: Any, device: torch.device
     ranks = dist.get_world_size(group)
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(ranks)]
-    hold = Hold([size, *sizes], group)
-    dist.all_gather(sizes, size, group=group)
-    hold.release()
+    with Hold([size, *sizes], group):
+        dist.all_gather(sizes, size, group=group)
     lengths = [int(each.item()) for each in sizes]
     payload = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
     if data:
         payload[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     gathered = ([torch.empty(max(lengths), dtype=torch.uint8, device=device)
                  for _ in range(ranks)] if dist.get_rank() == dst else None)
-    hold = Hold([payload, *(gathered or [])], group)
-    dist.gather(payload, gathered, dst=dst, group=group)
-    hold.release()
+    with Hold([payload, *(gathered or [])], group):
+        dist.gather(payload, gathered, dst=dst, group=group)
     if gathered is None:
         return None
     return [pickle.Unpickler(io.BytesIO(each[:length].cpu().numpy().tobytes())).load()
