@@ -117,6 +117,9 @@ class StepAccount:
         #: ``step()``: a change before ``step()`` could not reach that step
         #: (:meth:`stepped_backward_ended`, checked by the facade's ``step()``)
         self.stepped_marks: FirstWindow | None = None
+        #: the real optimizer whose param-group settings (``lr``, ...) the loop may
+        #: change between backward and ``step()``, or None (set by the facade)
+        self.settings_of: torch.optim.Optimizer | None = None
 
     def backward_starts(self) -> OverlapkitError | None:
         """Count a stepping backward that starts now: the error to hold until it ends
@@ -150,6 +153,8 @@ class StepAccount:
         :attr:`first_window` marks them, to see whether the loop changes them."""
         if self.first_window is not None:
             self.first_window.mark(params)
+            self.first_window.mark_settings()
+            self.first_window.watch_state()
 
     def starting_backward(self) -> OverlapkitError | None:
         """What a stepper calls when a backward starts: :meth:`backward_starts`, or
@@ -161,8 +166,9 @@ class StepAccount:
         their gradients (kept, or freed: None), so that ``step()`` sees one the loop
         changed or set in between — too late for the step it was meant for."""
         if self.calls_step:
-            marks = FirstWindow()
+            marks = FirstWindow(optimizer=self.settings_of)
             marks.mark(params)
+            marks.mark_settings()
             self.stepped_marks = marks
 
     def deferred(self) -> None:

@@ -16,7 +16,13 @@ step nothing), and :class:`FirstWindow` records what the loop did until ``step()
   before ``step()`` shows the loop edits gradients;
 - a ``clip_grad_norm_`` / ``clip_grad_value_`` the loop ran on the kept gradients (the
   plain loop's own clip, bumping their versions; not an edit, and the full step then
-  does not clip again).
+  does not clip again);
+- the optimizer's param-group settings (``lr``, ``weight_decay``, ...) at the end of
+  each backward: one changed before ``step()`` (a warm-up written by hand, a scheduler
+  stepped before the optimizer) is taken by the plain step, and would miss a step
+  taken during backward;
+- a read of ``optimizer.state`` (Adam's moments logged): from the second step on it
+  would hold that step's update already (:class:`_WatchedState`).
 
 At ``step()`` the first step is taken as the plain loop takes it (a full step of the
 kept gradients). A loop that used the window keeps every later step in that plain
@@ -28,7 +34,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -38,14 +44,56 @@ from torch.utils._pytree import tree_flatten
 
 from overlapkit.errors import ConfigurationError
 
-__all__ = ["FirstWindow", "end_first_window", "plain_order_warning", "quiet_reads",
-           "refuse_changed_gradients", "second_backward_refusal", "state"]
+__all__ = ["FirstWindow", "changed_settings", "end_first_window", "plain_order_warning",
+           "quiet_reads", "refuse_changed_gradients", "second_backward_refusal", "settings",
+           "state"]
 
 
 def state(param: torch.Tensor) -> tuple[int, int]:
     """What tells that ``param``'s gradient changed: its identity and version counter."""
     grad = param.grad
     return (0, 0) if grad is None else (id(grad), grad._version)
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()  # a tensor lr is changed in place (fill_)
+    return tuple(map(_copied, value)) if isinstance(value, tuple | list) else value
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.shape == b.shape and bool(torch.equal(a, b)))
+    if isinstance(a, tuple | list) and isinstance(b, tuple | list):
+        return len(a) == len(b) and all(map(_same, a, b))
+    return bool(a == b)
+
+
+def settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's settings but its parameters (``lr``, ``betas``, ...), as a
+    step taken now reads them."""
+    return [{key: _copied(value) for key, value in group.items() if key != "params"}
+            for group in optimizer.param_groups]
+
+
+def changed_settings(before: list[dict[str, Any]],
+                     optimizer: torch.optim.Optimizer) -> list[str]:
+    """The settings of ``optimizer``'s param groups that differ from ``before``
+    (:func:`settings`), named as ``"lr of param group 0"``."""
+    groups = optimizer.param_groups
+    if len(groups) != len(before):
+        return ["param groups"]
+    found = []
+    for index, (was, group) in enumerate(zip(before, groups, strict=True)):
+        for key in sorted((set(was) | set(group)) - {"params"}):
+            if key not in was or key not in group or not _same(was[key], group[key]):
+                found.append(f"{key} of param group {index}")
+    return found
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (" and others" if len(names) > 3 else "")
 
 
 #: property reads of a gradient that read no values (``.shape``, ``.dtype``, ...)
@@ -95,6 +143,34 @@ class _WatchedGrad(torch.Tensor):
             return func(*args, **kwargs)
 
 
+class _WatchedState(MutableMapping[Any, Any]):
+    """The optimizer's ``state`` between a backward and ``step()`` in the first window:
+    the same dict behind it; the loop reading it (or writing) is noted in the window."""
+
+    def __init__(self, state: MutableMapping[Any, Any], window: FirstWindow) -> None:
+        self.state, self.window = state, window
+
+    def _note(self) -> MutableMapping[Any, Any]:
+        if not getattr(_QUIET, "on", False):
+            self.window.state_read = True
+        return self.state
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._note()[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._note()[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        del self._note()[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._note())
+
+    def __len__(self) -> int:
+        return len(self._note())
+
+
 @attrs.define
 class FirstWindow:
     """What the loop did between backward and ``step()`` while steps are deferred to learn
@@ -114,6 +190,12 @@ class FirstWindow:
     watching: dict[int, str] | None = None
     #: the names of the gradients the loop read
     read: list[str] = attrs.field(factory=list)
+    #: the real optimizer whose param-group settings are compared, or None
+    optimizer: torch.optim.Optimizer | None = None
+    #: its :func:`settings` at the end of the last backward
+    settings: list[dict[str, Any]] | None = None
+    #: the loop read (or wrote) ``optimizer.state`` between a backward and ``step()``
+    state_read: bool = False
 
     def mark(self, params: Iterable[torch.Tensor]) -> None:
         """Record the gradients of ``params`` as they are now (end of a backward, or
@@ -129,13 +211,37 @@ class FirstWindow:
                 param.grad = watched
             self.marks[id(param)] = state(param)
 
+    def mark_settings(self) -> None:
+        """Record the optimizer's param-group settings as a backward leaves them (those
+        a step taken in it used)."""
+        if self.optimizer is not None:
+            self.settings = settings(self.optimizer)
+
+    def watch_state(self) -> None:
+        """Note the loop's reads of ``optimizer.state`` until :meth:`unwatch` (while
+        the first window is learnt)."""
+        optimizer = self.optimizer
+        if (optimizer is not None and not self.plain_order
+                and not isinstance(optimizer.state, _WatchedState)):
+            optimizer.state = _WatchedState(optimizer.state, self)  # type: ignore[assignment]
+
+    def changed_settings(self) -> list[str]:
+        """The settings changed since :meth:`mark_settings` (:func:`changed_settings`)."""
+        if self.optimizer is None or self.settings is None:
+            return []
+        return changed_settings(self.settings, self.optimizer)
+
     def note_read(self, name: str) -> None:
         if name not in self.read:
             self.read.append(name)
 
     def unwatch(self, params: Iterable[torch.Tensor]) -> None:
-        """Put the plain gradients back (before the step reads them); stop watching."""
+        """Put the plain gradients and state back (before the step reads them); stop
+        watching."""
         self.watching = None
+        state = None if self.optimizer is None else self.optimizer.state
+        if isinstance(state, _WatchedState):
+            self.optimizer.state = state.state
         for param in params:
             grad = param.grad
             if isinstance(grad, _WatchedGrad):
@@ -157,7 +263,7 @@ class FirstWindow:
 
     def reset(self) -> None:
         """A new optimizer step starts (after ``step()``)."""
-        self.backwards, self.marks, self.clipped = 0, {}, False
+        self.backwards, self.marks, self.clipped, self.settings = 0, {}, False, None
 
 
 def plain_order_warning(technique: str, used: str) -> str:
@@ -192,11 +298,18 @@ def end_first_window(steps: Any, names: Mapping[int, str], params: list[torch.Te
                         "(gradient accumulation outside accelerator.accumulate)")
         edited = window.edited(dict(names), params)
         if edited:
-            shown = ", ".join(edited[:3]) + (" and others" if len(edited) > 3 else "")
-            used.append(f"the gradients of {shown} were changed")
+            used.append(f"the gradients of {_shown(edited)} were changed")
+        changed = window.changed_settings()
+        if changed:
+            used.append(f"the optimizer's settings ({_shown(changed)}) were changed "
+                        "(the plain step takes the new values)")
+        if window.state_read:
+            used.append(f"the optimizer's state was read (from the second step on it "
+                        f"would hold that step's update already: {technique} steps "
+                        "during backward)")
         read = [name for name in window.read if name not in edited]
         if read:
-            shown = ", ".join(read[:3]) + (" and others" if len(read) > 3 else "")
+            shown = _shown(read)
             freed = ("frees them once stepped" if technique == "optimizer_in_backward"
                      else "clips them during backward")
             used.append(f"the gradients of {shown} were read (from the second step on "
@@ -220,10 +333,23 @@ def refuse_changed_gradients(marks: FirstWindow, names: Mapping[int, str],
                              params: list[torch.Tensor], technique: str) -> None:
     """:raises ConfigurationError: the loop changed (or set) a gradient after the
     backward that stepped it, before this ``step()``: the change missed that step."""
+    changed = marks.changed_settings()
+    if changed:
+        raise ConfigurationError(
+            f"the optimizer's settings ({_shown(changed)}) were changed between backward() and "
+            f"optimizer.step(), after {technique} had already stepped the parameters with "
+            "the values before the change during backward, so the change missed this "
+            "step. The parameters have taken it: restart from the last checkpoint after "
+            "fixing the loop. Change the learning rate and the other settings before "
+            "backward() (an LR scheduler stepped after optimizer.step() does), or do it "
+            "from the first step on under an integration (overlapkit.integrations: the "
+            "first step shows the loop uses that window, and every step is then taken at "
+            "optimizer.step(), in the plain order)."
+        )
     edited = marks.edited(dict(names), params)
     if not edited:
         return
-    shown = ", ".join(edited[:3]) + (" and others" if len(edited) > 3 else "")
+    shown = _shown(edited)
     raise ConfigurationError(
         f"the gradients of {shown} were changed between backward() and "
         f"optimizer.step(), after {technique} had already stepped the parameters "

@@ -130,6 +130,17 @@ def _refuse_other_clip_in_window(params: list[torch.Tensor], max_norm: float,
             return  # every step is taken at step(): the loop's clip is the plain one
         rule = stepper.full_step
         clipping = None if rule is None else rule.clipping
+        others = [p for p in params if p.grad is not None and _stepper_of(p) is not stepper]
+        if others and clipping is not None and clipping.norm == max_norm:
+            raise ConfigurationError(
+                f"torch.nn.utils.clip_grad_norm_(..., max_norm={max_norm:g}) was called "
+                f"before the first optimizer.step() over {len(others)} parameters with "
+                f"gradients that this {stepper.technique} optimizer does not step (another "
+                "optimizer's): from the second step on it clips during backward with the "
+                "total norm of its own parameters' gradients only, not this call's. "
+                "Nothing has stepped yet. Clip each optimizer's parameters in its own call "
+                "(clip_grad_norm_(params_of_this_optimizer, ...)), or step them all with "
+                f"one optimizer.{_framework_hint()}")
         if (clipping is None or clipping.norm != max_norm
                 or float(clipping.norm_type) != float(norm_type)):
             option = f"clip_grad_norm={max_norm:g}" + (
@@ -142,6 +153,26 @@ def _refuse_other_clip_in_window(params: list[torch.Tensor], max_norm: float,
                 f"{option} (the integration's clip_grad_norm= argument); it then clips "
                 f"before each step, bitwise this call before a plain step().{_framework_hint()}")
         return
+
+
+def _refuse_other_value_clip_in_window(params: list[torch.Tensor], clip_value: float) -> None:
+    """A clip by value in a deferred first step that is not the one the optimizer was
+    set up with: refused now, before anything steps, as a clip by norm is."""
+    for param in params:
+        stepper = _stepper_of(param)
+        if getattr(stepper, "first_window", None) is None or not stepper.deferring:
+            continue
+        if stepper.first_window.plain_order or stepper.clipping.value == clip_value:
+            return
+        raise ConfigurationError(
+            f"torch.nn.utils.clip_grad_value_(..., clip_value={clip_value:g}) was called "
+            f"before the first optimizer.step(), and {stepper.technique} was not set up "
+            "with this clip: from the second step on it steps during backward, before "
+            "such a call could clip. Nothing has stepped yet. Set it up with "
+            f"clip_grad_value={clip_value:g} (an option of the integration, e.g. "
+            "overlapkit.integrations.accelerate.prepare(..., clip_grad_value=...)); it "
+            "then clamps before each step, bitwise this call before a plain step()."
+            f"{_framework_hint()}")
 
 
 def _clipped_in_window(params: list[torch.Tensor], before: list[tuple[int, int]],
@@ -293,6 +324,7 @@ def guarded_clip_grad_value_(parameters: Any, clip_value: float,
     params = _as_list(parameters)
     steppers = _stepped(params) if params else []
     if not steppers:
+        _refuse_other_value_clip_in_window(params, float(clip_value))
         before = [state(p) for p in params]
         with quiet_reads():
             unguarded_clip_grad_value_(params, clip_value, foreach)

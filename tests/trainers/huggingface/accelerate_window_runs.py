@@ -2,9 +2,11 @@
 (issue 30, cases 5 and 6): the manual accumulation of Accelerate's guide (``loss / 2``,
 backward every micro-batch, step every second, no ``accelerator.accumulate``), gradient
 noise and gradient masking between backward and step, and per-parameter gradient norms
-read there (before the clip). Each run with the plain
-``accelerator.prepare`` and with ``overlapkit.integrations.accelerate.prepare``, in the
-test process or on gloo ranks (``run``)."""
+read there (before the clip); and (0.4's probe) a warm-up written by hand (the learning
+rate set between backward and step) and the optimizer state read there for logging.
+Each run with the plain ``accelerator.prepare`` and with
+``overlapkit.integrations.accelerate.prepare``, in the test process or on gloo ranks
+(``run``)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from hf_models import Tokens, gpt2, parameters, quiet
 from trainer_helpers import prepared
 
 CASES = ("manual accumulation", "gradient noise", "gradient masking",
-         "gradient norms logged")
+         "gradient norms logged", "warm-up by hand", "optimizer state logged")
 STEPS, MAX_NORM, LR = 4, 1.0, 1e-2
 
 
@@ -45,6 +47,11 @@ def loop(case: str, technique: str | None) -> dict[str, Any]:
             if (index + 1) % every:
                 continue
             noise = torch.Generator().manual_seed(steps)
+            if case == "warm-up by hand":  # the plain step() takes this learning rate
+                for group in optimizer.param_groups:
+                    group["lr"] = LR * (steps + 1) / STEPS
+            elif case == "optimizer state logged":  # Adam's first moments, before the step
+                logged.extend(state["exp_avg"].norm() for state in optimizer.state.values())
             for param in model.parameters():
                 if case == "gradient noise":
                     param.grad.add_(torch.randn(param.grad.shape, generator=noise), alpha=1e-3)
@@ -123,3 +130,57 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
     out["second backward"] = {t: second_backward(t)
                               for t in ("overlap_ddp", "optimizer_in_backward")}
     return out
+
+
+def refused_in_the_window(case: str, technique: str) -> dict[str, Any]:
+    """A loop that, from its third step on, does ``case`` between backward and
+    ``optimizer.step()``: a learning rate changed by hand after the overlap began
+    ("late learning rate"), or that clips in a way the optimizer was not set up for from
+    the first step ("clip by value": ``clip_grad_value_``; "clip over two optimizers":
+    ``clip_grad_norm_`` over the parameters of an overlapped and a plain optimizer).
+    The error, and the step it came at (1: the first, before anything stepped)."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from helpers import error_of
+
+    quiet()
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True)
+    model = gpt2()
+    blocks = [p for name, p in model.named_parameters() if ".h." in name]
+    rest = [p for name, p in model.named_parameters() if ".h." not in name]
+    two = case == "clip over two optimizers"
+    optimizer = torch.optim.AdamW(blocks if two else model.parameters(), lr=LR)
+    model, optimizer = prepared(accelerator, model, optimizer, technique,
+                                None if case == "clip by value" else MAX_NORM)
+    other = accelerator.prepare(torch.optim.SGD(rest, lr=LR)) if two else None
+    data = accelerator.prepare(torch.utils.data.DataLoader(Tokens("gpt2"), batch_size=2))
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def one_step(step: int, batch: Any) -> None:
+        accelerator.backward(model(**batch).loss)
+        if case == "late learning rate" and step >= 3:
+            for group in optimizer.param_groups:
+                group["lr"] = LR / 2
+        if case == "clip by value":
+            accelerator.clip_grad_value_(model.parameters(), 0.05)
+        else:
+            accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+        for each in (optimizer, other):
+            if each is not None:
+                each.step()
+                each.zero_grad()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step, batch in enumerate(data, start=1):
+            error = error_of(lambda: one_step(step, batch))  # noqa: B023
+            if error is not None:
+                unchanged = all(p.detach().equal(b) for p, b in
+                                zip(model.parameters(), before, strict=True))
+                return {"error": error, "step": step, "unchanged": unchanged}
+            if step == STEPS:
+                break
+    return {"error": None}

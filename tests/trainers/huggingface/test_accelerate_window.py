@@ -6,14 +6,27 @@ gave a raw ``AttributeError`` under ``optimizer_in_backward`` after a step. Now 
 step is deferred to learn the loop (``overlapkit.overlap.core.window``), and such a loop
 takes every step in the plain order: bitwise the plain Accelerate run (parameters,
 optimizer state, clip norms), with one warning, on one process and on 2 gloo ranks,
-with both techniques."""
+with both techniques.
+0.4's probe found, each now the same: a warm-up written by hand (the learning rate set
+between backward and step: 0.0117 off) and Adam's moments logged there (other values
+logged). A later learning-rate change in that window now raises at that ``step()``
+(before: silently 0.0044 off); a ``clip_grad_value_`` or a clip over two optimizers'
+parameters the optimizer was not set up for is refused at the first clip, before
+anything steps (before: after the first step)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
-from accelerate_window_runs import CASES, compare_case, run, second_backward
+from accelerate_window_runs import (
+    CASES,
+    compare_case,
+    refused_in_the_window,
+    run,
+    second_backward,
+)
 from trainer_helpers import check_plain_order
 
 from overlapkit.distributed import run_distributed
@@ -22,7 +35,9 @@ pytestmark = pytest.mark.trainers
 
 NAMED = {"manual accumulation": "2 backwards ran before one optimizer.step()",
          "gradient noise": "were changed", "gradient masking": "were changed",
-         "gradient norms logged": "were read"}
+         "gradient norms logged": "were read",
+         "warm-up by hand": "settings (lr of param group 0) were changed",
+         "optimizer state logged": "the optimizer's state was read"}
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +98,27 @@ def test_two_ranks_a_second_backward_in_a_later_step_is_refused_stepping_nothing
         two_ranks: list[dict[str, Any]], technique: str) -> None:
     for rank_results in two_ranks:
         _refused_second_backward(rank_results["second backward"][technique])
+
+
+def test_a_learning_rate_changed_in_the_window_after_the_overlap_began_raises_at_step() -> None:
+    """The third step's backward has stepped with the old learning rate: never silently."""
+    result = refused_in_the_window("late learning rate", "optimizer_in_backward")
+    error = result["error"]
+    assert error is not None and error["type"] == "ConfigurationError", error
+    assert result["step"] == 3
+    assert "lr of param group 0" in error["message"]
+    assert "missed this step" in error["message"]
+
+
+@pytest.mark.parametrize(("case", "named"), [
+    ("clip by value", r"clip_grad_value_\(\.\.\., clip_value=0\.05\).*clip_grad_value=0\.05"),
+    ("clip over two optimizers", r"4 parameters with gradients that this .* does not step"),
+])
+def test_a_clip_the_optimizer_was_not_set_up_for_is_refused_before_anything_steps(
+        case: str, named: str) -> None:
+    result = refused_in_the_window(case, "optimizer_in_backward")
+    error = result["error"]
+    assert error is not None and error["type"] == "ConfigurationError", error
+    assert re.search(named, error["message"]), error["message"]
+    assert "Nothing has stepped yet" in error["message"]
+    assert result["step"] == 1 and result["unchanged"]
