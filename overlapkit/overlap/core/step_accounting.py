@@ -31,7 +31,11 @@ known only from what it calls, so :class:`StepAccount` learns it:
 A ``step()`` or ``zero_grad()`` that does not follow a stepping backward (set-up code
 creating optimizer state, a first ``zero_grad()`` before the loop) says nothing about
 the loop. A ``zero_grad()`` after several stepping backwards (with no ``step()``) is a
-backward-only loop clearing gradients now and then, and is accepted.
+backward-only loop clearing gradients now and then, and is accepted — unless the loop
+has called ``step()`` right after a stepping backward before: it then discards
+gradients the step was already taken with (a GAN's generator loss reaching the
+discriminator, a step skipped on a bad loss), and raises
+:func:`discarded_step_error` (the step is taken: never silently).
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ from overlapkit.errors import ConfigurationError, OverlapkitError
 from overlapkit.overlap.core.foreign_loop import foreign_trainer_refusal
 from overlapkit.overlap.core.window import FirstWindow
 
-__all__ = ["StepAccount", "accumulation_error", "backward_without_step_error"]
+__all__ = ["StepAccount", "accumulation_error", "backward_without_step_error",
+           "discarded_step_error"]
 
 
 def backward_without_step_error(technique: str, accumulate: str) -> ConfigurationError:
@@ -77,6 +82,23 @@ def accumulation_error(technique: str, accumulate: str, backwards: int) -> Confi
         "(they then step nothing, and the last backward steps the sum, exactly as the "
         "plain step() would). The parameters have already taken those steps: restart from "
         "the last checkpoint after fixing the loop."
+    )
+
+
+def discarded_step_error(technique: str) -> ConfigurationError:
+    """The error of a ``zero_grad()`` that discards the gradients of a backward that
+    stepped, in a loop that calls ``step()`` after its backwards: the plain loop takes
+    no step with them (a second optimizer's loss reaching these parameters, as a GAN's
+    generator loss reaches the discriminator; a step skipped on a bad loss)."""
+    return ConfigurationError(
+        "zero_grad() was called after a backward that stepped the parameters, with no "
+        f"optimizer.step() between them, in a loop that calls step() after its "
+        f"backwards: the plain loop discards these gradients, but {technique} steps "
+        "during backward and took a step with them. The parameters have taken it: "
+        "restart from the last checkpoint after fixing the loop. Keep a backward that "
+        "must not step these parameters from reaching them (requires_grad_(False) on "
+        "them during it, as Lightning's toggle_optimizer does; .detach() the input that "
+        "leads to them), or decide before backward() whether to step."
     )
 
 
@@ -120,6 +142,9 @@ class StepAccount:
         #: the real optimizer whose param-group settings (``lr``, ...) the loop may
         #: change between backward and ``step()``, or None (set by the facade)
         self.settings_of: torch.optim.Optimizer | None = None
+        #: the loop has called ``step()`` (not only ``zero_grad()``) right after a
+        #: stepping backward
+        self.steps_after_backward = False
 
     def backward_starts(self) -> OverlapkitError | None:
         """Count a stepping backward that starts now: the error to hold until it ends
@@ -192,14 +217,21 @@ class StepAccount:
         window, self.window = self.window, 0
         stepped, self.stepped_since_step = self.stepped_since_step, False
         if window:
-            self.calls_step = True
+            self.calls_step = self.steps_after_backward = True
         if window > 1:
             raise accumulation_error(self.technique, self.accumulate, window)
         return stepped
 
     def zero_grad_called(self) -> None:
-        """``zero_grad()`` was called: it ends the window (see the module docstring)."""
-        if self.window == 1:
+        """``zero_grad()`` was called: it ends the window (see the module docstring).
+
+        :raises ConfigurationError: it discards the gradients of a stepping backward in
+            a loop that calls ``step()`` (:func:`discarded_step_error`).
+        """
+        if self.first_window is not None and self.deferring:
+            self.first_window.discard()
+        window, self.window, self.stepped_marks = self.window, 0, None
+        if window and self.steps_after_backward:
+            raise discarded_step_error(self.technique)
+        if window == 1:
             self.calls_step = True
-        self.window = 0
-        self.stepped_marks = None

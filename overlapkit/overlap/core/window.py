@@ -196,6 +196,8 @@ class FirstWindow:
     settings: list[dict[str, Any]] | None = None
     #: the loop read (or wrote) ``optimizer.state`` between a backward and ``step()``
     state_read: bool = False
+    #: ``zero_grad()`` discarded the gradients of a backward without a ``step()``
+    discarded: bool = False
 
     def mark(self, params: Iterable[torch.Tensor]) -> None:
         """Record the gradients of ``params`` as they are now (end of a backward, or
@@ -230,6 +232,11 @@ class FirstWindow:
         if self.optimizer is None or self.settings is None:
             return []
         return changed_settings(self.settings, self.optimizer)
+
+    def discard(self) -> None:
+        """``zero_grad()`` was called: the backwards so far are not this step's."""
+        self.discarded = self.discarded or self.backwards > 0
+        self.backwards, self.marks = 0, {}
 
     def note_read(self, name: str) -> None:
         if name not in self.read:
@@ -303,6 +310,9 @@ def end_first_window(steps: Any, names: Mapping[int, str], params: list[torch.Te
         if changed:
             used.append(f"the optimizer's settings ({_shown(changed)}) were changed "
                         "(the plain step takes the new values)")
+        if window.discarded:
+            used.append("zero_grad() discarded the gradients of a backward without a step "
+                        "(a second optimizer's loss reaching these parameters)")
         if window.state_read:
             used.append(f"the optimizer's state was read (from the second step on it "
                         f"would hold that step's update already: {technique} steps "

@@ -129,6 +129,23 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
                            for case in CASES}
     out["second backward"] = {t: second_backward(t)
                               for t in ("overlap_ddp", "optimizer_in_backward")}
+    out["gan"] = gans(("overlap_ddp", "optimizer_in_backward"))
+    return out
+
+
+def gans(techniques: tuple[str, ...]) -> dict[str, Any]:
+    """Per technique: the generator-first GAN (bitwise the plain one, its warnings) and
+    the error of the discriminator-first one."""
+    from helpers import compare
+
+    plain = gan(None, generator_first=True)
+    out = {}
+    for technique in techniques:
+        ours = gan(technique, generator_first=True)
+        out[technique] = {
+            "generator first": (bool(compare(plain["params"], ours["params"]))
+                                and ours["error"] is None, ours["warnings"]),
+            "discriminator first": gan(technique, generator_first=False)["error"]}
     return out
 
 
@@ -184,3 +201,58 @@ def refused_in_the_window(case: str, technique: str) -> dict[str, Any]:
             if step == STEPS:
                 break
     return {"error": None}
+
+
+def gan(technique: str | None, generator_first: bool, steps: int = 4) -> dict[str, Any]:
+    """A GAN with two optimizers, both set up by ``prepare`` (``technique``): the
+    generator's loss reaches the discriminator's parameters (no ``requires_grad_(False)``
+    on them), whose gradients the plain loop then discards with ``zero_grad()``. The
+    discriminator steps first (PyTorch's DCGAN tutorial) or after the generator. Both
+    models' parameters, the warnings, the error."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from helpers import error_of
+
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    generator = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(),
+                                    torch.nn.Linear(16, 8))
+    critic = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                 torch.nn.Linear(16, 1))
+    models, optimizers = [], []
+    for model in (generator, critic):
+        optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+        model, optimizer = prepared(accelerator, model, optimizer, technique, None) \
+            if technique is not None else accelerator.prepare(model, optimizer)
+        models.append(model)
+        optimizers.append(optimizer)
+    (generator, critic), (g_optimizer, c_optimizer) = models, optimizers
+    loss = torch.nn.BCEWithLogitsLoss()
+    data = torch.Generator().manual_seed(1)
+
+    def critic_step(real: torch.Tensor, fake: torch.Tensor) -> None:
+        c_optimizer.zero_grad()
+        accelerator.backward(loss(critic(real), torch.ones(8, 1))
+                             + loss(critic(fake.detach()), torch.zeros(8, 1)))
+        c_optimizer.step()
+
+    def train() -> None:
+        for _ in range(steps):
+            real, fake = torch.randn(8, 8, generator=data), generator(
+                torch.randn(8, 4, generator=data))
+            if not generator_first:
+                critic_step(real, fake)
+            g_optimizer.zero_grad()
+            accelerator.backward(loss(critic(fake), torch.ones(8, 1)))
+            g_optimizer.step()
+            if generator_first:
+                critic_step(real, fake)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        error = error_of(train)
+    return {"params": [p.detach().clone() for m in models for p in m.parameters()],
+            "error": error,
+            "warnings": [str(w.message) for w in caught if "plain order" in str(w.message)]}
