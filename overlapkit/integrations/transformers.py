@@ -93,6 +93,14 @@ class _SetUpOverlap(TrainerCallback):
         if trainer is not None:
             trainer.set_up_overlap()
 
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """A callback working in the window added during training (by another callback):
+        the plain order from this step on, before its backward."""
+        trainer = self._trainer()
+        if trainer is not None and isinstance(
+                getattr(trainer.optimizer, "optimizer", None), OverlappedOptimizerFacade):
+            trainer.set_up_overlap()
+
 
 class OverlapTrainer(Trainer):
     """Hugging Face's ``Trainer``, with its optimizer stepped during backward.

@@ -53,8 +53,9 @@ def trainer_window_users(trainer: Any, skip: tuple[type, ...] = ()) -> list[str]
     for callback in trainer.callback_handler.callbacks:
         if getattr(callback, "overlapkit_reads_no_gradients", False):
             continue
-        for event in WINDOW_EVENTS:
-            if getattr(type(callback), event) is not getattr(TrainerCallback, event):
+        for event in WINDOW_EVENTS:  # overridden by its class, or set on the instance
+            if event in vars(callback) or (
+                    getattr(type(callback), event) is not getattr(TrainerCallback, event)):
                 found.append(f"the callback {type(callback).__qualname__}.{event}")
     return found
 

@@ -43,53 +43,16 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from overlapkit.errors import ConfigurationError
+from overlapkit.overlap.core.group_settings import changed_settings, settings
 
-__all__ = ["FirstWindow", "changed_settings", "end_first_window", "plain_order_warning",
-           "quiet_reads", "refuse_changed_gradients", "second_backward_refusal", "settings",
-           "state"]
+__all__ = ["FirstWindow", "end_first_window", "plain_order_warning", "quiet_reads",
+           "refuse_changed_gradients", "second_backward_refusal", "state"]
 
 
 def state(param: torch.Tensor) -> tuple[int, int]:
     """What tells that ``param``'s gradient changed: its identity and version counter."""
     grad = param.grad
     return (0, 0) if grad is None else (id(grad), grad._version)
-
-
-def _copied(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()  # a tensor lr is changed in place (fill_)
-    return tuple(map(_copied, value)) if isinstance(value, tuple | list) else value
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-                and a.shape == b.shape and bool(torch.equal(a, b)))
-    if isinstance(a, tuple | list) and isinstance(b, tuple | list):
-        return len(a) == len(b) and all(map(_same, a, b))
-    return bool(a == b)
-
-
-def settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Each param group's settings but its parameters (``lr``, ``betas``, ...), as a
-    step taken now reads them."""
-    return [{key: _copied(value) for key, value in group.items() if key != "params"}
-            for group in optimizer.param_groups]
-
-
-def changed_settings(before: list[dict[str, Any]],
-                     optimizer: torch.optim.Optimizer) -> list[str]:
-    """The settings of ``optimizer``'s param groups that differ from ``before``
-    (:func:`settings`), named as ``"lr of param group 0"``."""
-    groups = optimizer.param_groups
-    if len(groups) != len(before):
-        return ["param groups"]
-    found = []
-    for index, (was, group) in enumerate(zip(before, groups, strict=True)):
-        for key in sorted((set(was) | set(group)) - {"params"}):
-            if key not in was or key not in group or not _same(was[key], group[key]):
-                found.append(f"{key} of param group {index}")
-    return found
 
 
 def _shown(names: list[str]) -> str:
@@ -198,6 +161,11 @@ class FirstWindow:
     state_read: bool = False
     #: ``zero_grad()`` discarded the gradients of a backward without a ``step()``
     discarded: bool = False
+    #: the loop's own clip by a finite norm has run on the kept gradients
+    clipped_to_norm: bool = False
+    #: the loop clipped (or asked their norm) again after that: it reads the clipped
+    #: gradients' norm, which a step taken during backward does not keep
+    clipped_again: bool = False
 
     def mark(self, params: Iterable[torch.Tensor]) -> None:
         """Record the gradients of ``params`` as they are now (end of a backward, or
@@ -271,6 +239,7 @@ class FirstWindow:
     def reset(self) -> None:
         """A new optimizer step starts (after ``step()``)."""
         self.backwards, self.marks, self.clipped, self.settings = 0, {}, False, None
+        self.clipped_to_norm = False
 
 
 def plain_order_warning(technique: str, used: str) -> str:
@@ -313,6 +282,9 @@ def end_first_window(steps: Any, names: Mapping[int, str], params: list[torch.Te
         if window.discarded:
             used.append("zero_grad() discarded the gradients of a backward without a step "
                         "(a second optimizer's loss reaching these parameters)")
+        if window.clipped_again:
+            used.append("clip_grad_norm_ was called again after the loop's clip (the "
+                        "plain one returns the clipped gradients' norm)")
         if window.state_read:
             used.append(f"the optimizer's state was read (from the second step on it "
                         f"would hold that step's update already: {technique} steps "

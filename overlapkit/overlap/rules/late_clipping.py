@@ -176,19 +176,25 @@ def _refuse_other_value_clip_in_window(params: list[torch.Tensor], clip_value: f
 
 
 def _clipped_in_window(params: list[torch.Tensor], before: list[tuple[int, int]],
-                       by_norm: bool = True) -> None:
+                       by_norm: bool = True, finite: bool = False) -> None:
     """The loop clipped gradients that a deferred first step keeps
     (:mod:`overlapkit.overlap.core.window`): its own clip, not an edit of them (and after a
-    clip by norm, the full step does not clip by norm again)."""
+    clip by norm, the full step does not clip by norm again). A clip by norm after one
+    by a ``finite`` norm reads the clipped gradients (a norm logged after the clip)."""
+    windows: dict[int, Any] = {}
     for param, was in zip(params, before, strict=True):
         stepper = _stepper_of(param)
         window = getattr(stepper, "first_window", None)
         if window is not None and stepper.deferring:
+            windows[id(window)] = window
             window.clipped = window.clipped or by_norm
             window.clipped_by_loop(param, was)
         marks = getattr(stepper, "stepped_marks", None)
         if marks is not None:
             marks.clipped_by_loop(param, was)
+    for window in windows.values():  # once per call
+        window.clipped_again = window.clipped_again or (by_norm and window.clipped_to_norm)
+        window.clipped_to_norm = window.clipped_to_norm or finite
 
 
 def _stepper_of(param: torch.Tensor) -> Any:
@@ -276,7 +282,7 @@ def guarded_clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float =
         with quiet_reads():  # the loop's clip, honoured as such: not a read of its own
             total = unguarded_clip_grad_norm_(given, max_norm, norm_type,
                                               error_if_nonfinite, foreach)
-        _clipped_in_window(params, before)
+        _clipped_in_window(params, before, finite=not math.isinf(float(max_norm)))
         return total
     max_norm = float(max_norm)
     if len(steppers) == 1:

@@ -3,7 +3,8 @@
 backward every micro-batch, step every second, no ``accelerator.accumulate``), gradient
 noise and gradient masking between backward and step, and per-parameter gradient norms
 read there (before the clip); and (0.4's probe) a warm-up written by hand (the learning
-rate set between backward and step) and the optimizer state read there for logging.
+rate set between backward and step), the optimizer state read there for logging, and
+the clipped gradients' norm asked after the clip.
 Each run with the plain ``accelerator.prepare`` and with
 ``overlapkit.integrations.accelerate.prepare``, in the test process or on gloo ranks
 (``run``)."""
@@ -17,7 +18,8 @@ from hf_models import Tokens, gpt2, parameters, quiet
 from trainer_helpers import prepared
 
 CASES = ("manual accumulation", "gradient noise", "gradient masking",
-         "gradient norms logged", "warm-up by hand", "optimizer state logged")
+         "gradient norms logged", "warm-up by hand", "optimizer state logged",
+         "norm logged after the clip")
 STEPS, MAX_NORM, LR = 4, 1.0, 1e-2
 
 
@@ -60,6 +62,8 @@ def loop(case: str, technique: str | None) -> dict[str, Any]:
                 elif case == "gradient norms logged":  # read only, before the clip
                     logged.append(torch.linalg.vector_norm(param.grad))
             norms.append(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM))
+            if case == "norm logged after the clip":  # the clipped gradients' norm
+                norms.append(accelerator.clip_grad_norm_(model.parameters(), float("inf")))
             optimizer.step()
             optimizer.zero_grad()
             steps += 1

@@ -8,11 +8,12 @@ takes every step in the plain order: bitwise the plain Accelerate run (parameter
 optimizer state, clip norms), with one warning, on one process and on 2 gloo ranks,
 with both techniques.
 0.4's probe found, each now the same: a warm-up written by hand (the learning rate set
-between backward and step: 0.0117 off) and Adam's moments logged there (other values
-logged). A later learning-rate change in that window now raises at that ``step()``
-(before: silently 0.0044 off); a ``clip_grad_value_`` or a clip over two optimizers'
-parameters the optimizer was not set up for is refused at the first clip, before
-anything steps (before: after the first step)."""
+between backward and step: 0.0117 off), Adam's moments logged there and the norm
+asked again after the clip (other values logged). A later learning-rate change in that
+window now raises at that ``step()`` (before: silently 0.0044 off); a
+``clip_grad_value_`` or a clip over two optimizers' parameters the optimizer was not
+set up for is refused at the first clip, before anything steps (before: after the
+first step)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ NAMED = {"manual accumulation": "2 backwards ran before one optimizer.step()",
          "gradient noise": "were changed", "gradient masking": "were changed",
          "gradient norms logged": "were read",
          "warm-up by hand": "settings (lr of param group 0) were changed",
-         "optimizer state logged": "the optimizer's state was read"}
+         "optimizer state logged": "the optimizer's state was read",
+         "norm logged after the clip": "clip_grad_norm_ was called again after"}
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ what turned the overlap off; on one process and on 2 gloo ranks, with both techn
 Found by 0.4's probe, each silent or refused after a step before: a ``training_step``
 editing ``.grad`` in a Trainer subclass listed after ``OverlapTrainer`` (0.0148 off), a
 ``_clip_grad_norm`` override (refused after the first step), a callback changing
-``.grad`` added for a second ``train()`` (ignored)."""
+``.grad`` added for a second ``train()`` (ignored) or by another callback while training
+(0.0193 off), one set on a callback instance (0.0149 off)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ NAMED = {"callback zeroes rows": "ZeroOldRows.on_pre_optimizer_step",
          "two backwards": "FGM.training_step",
          "base listed after": "EditingBase.training_step",
          "own clip": "OwnClip._clip_grad_norm",
-         "callback for a second train": "ZeroOldRows.on_pre_optimizer_step"}
+         "callback for a second train": "ZeroOldRows.on_pre_optimizer_step",
+         "callback added while training": "ZeroOldRows.on_pre_optimizer_step"}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -167,3 +169,18 @@ def test_an_overlapkit_optimizer_in_the_plain_trainer_with_a_window_callback_is_
         trainer.train()
     assert trainer.state.global_step == 0
     assert all(p.detach().equal(b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_a_window_event_set_on_a_callback_instance_is_seen(tmp_path: Any) -> None:
+    from hf_models import Tokens, gpt2, quiet
+    from trainer_runs import arguments
+    from transformers import TrainerCallback
+
+    from overlapkit.integrations.transformers import OverlapTrainer
+
+    quiet()
+    callback = TrainerCallback()
+    callback.on_pre_optimizer_step = lambda *args, **kwargs: None
+    trainer = OverlapTrainer(model=gpt2(), args=arguments(str(tmp_path)),
+                             train_dataset=Tokens("gpt2"), callbacks=[callback])
+    assert trainer.window_users() == ["the callback TrainerCallback.on_pre_optimizer_step"]

@@ -3,7 +3,8 @@
 ``on_pre_optimizer_step``, a ``create_optimizer`` override, a ``training_step`` override
 with two backwards (FGM); and (0.4's probe) a ``training_step`` editing ``.grad`` in a
 Trainer subclass listed after ``OverlapTrainer``, a ``_clip_grad_norm`` override of one's
-own, a callback changing ``.grad`` added for a second ``train()``. Each is run by the
+own, a callback changing ``.grad`` added for a second ``train()`` or while training.
+Each is run by the
 plain ``Trainer`` and by ``OverlapTrainer`` with the same override, in the test process
 or on gloo ranks (``run``)."""
 
@@ -17,7 +18,8 @@ from hf_models import Tokens, gpt2, parameters, quiet
 from trainer_runs import arguments, same_run
 
 CASES = ("callback zeroes rows", "callback logs norms", "create_optimizer", "two backwards",
-         "base listed after", "own clip", "callback for a second train")
+         "base listed after", "own clip", "callback for a second train",
+         "callback added while training")
 STEPS = 3
 
 
@@ -44,6 +46,18 @@ def window_callback(case: str, logged: list[dict[str, float]]) -> Any:
                            if p.grad is not None})
 
     return ZeroOldRows() if case == "callback zeroes rows" else LogNorms()
+
+
+def _adds_after_the_first_step(trainer: Any, logged: list[dict[str, float]]) -> Any:
+    """A callback adding the one zeroing rows once the first step has ended."""
+    from transformers import TrainerCallback
+
+    class AddsZeroOldRows(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if state.global_step == 1:
+                trainer.add_callback(window_callback("callback zeroes rows", logged))
+
+    return AddsZeroOldRows()
 
 
 def _trainer_class(case: str, base: type) -> type:
@@ -97,7 +111,9 @@ def train(case: str, technique: str | None, out_dir: str) -> dict[str, Any]:
     trainer = _trainer_class(case, base)(
         model=model, args=arguments(out_dir, max_steps=STEPS), train_dataset=Tokens("gpt2"),
         **extra)
-    if case.startswith("callback") and case != "callback for a second train":
+    if case == "callback added while training":
+        trainer.add_callback(_adds_after_the_first_step(trainer, logged))
+    elif case.startswith("callback") and case != "callback for a second train":
         trainer.add_callback(window_callback(case, logged))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
