@@ -247,8 +247,9 @@ class OverlapTrainer(Trainer):
         (:meth:`window_users`), every step is taken by the Trainer's ``optimizer.step()``
         in the plain order instead — the plain ``Trainer``'s run, bitwise — with one
         warning naming what turned the overlap off and how to keep it. A ``train()``
-        after one that set the technique up (a callback added since) switches the set-up
-        optimizer to the plain order, which it keeps from then on
+        after one that set the technique up, or a step of it (``on_step_begin``: a
+        callback added since), switches the set-up optimizer to the plain order, which
+        it keeps from then on
         (:meth:`~overlapkit.overlap.facade.OverlappedOptimizerFacade.learn_first_step`)."""
         prepared = self.optimizer
         users = self.window_users()

@@ -27,7 +27,9 @@ only: nothing is added to the steps) and
   change the step, so it is refused at the first clip, naming the option and the
   integration to use. ``max_norm=inf`` (a norm for logging, what the Trainer asks with
   ``max_grad_norm=0``) is answered with the gradients' norm where they were kept
-  (``overlap_ddp``), else NaN with a warning: freed gradients have no norm.
+  (``overlap_ddp``), else NaN with a warning: freed gradients have no norm. Asked right
+  after the loop's own clip was answered, it is the clipped gradients' norm it asks
+  for, answered the same way (never the norm before the clip).
 
 Code that calls ``torch.nn.utils.clip_grad.clip_grad_norm_`` directly, or bound the
 function to another name before the first overlapped optimizer existed, is not
@@ -62,6 +64,10 @@ unguarded_clip_grad_value_ = torch_clip_grad.clip_grad_value_
 # parameter -> weakref to the stepper (a StepAccount) stepping it during backward. The
 # value is a weak reference: a strong one would keep the parameter (its key) alive.
 _STEPPERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: per step rule, the norm a loop's clip by a finite norm was answered with (its
+#: ``last_norm``): a clip by ``inf`` after it, in the same step, asks for the norm of
+#: the clipped gradients (a norm logged after the clip), not that one
+_ANSWERED: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
 
 
 class FreedGradientNormWarning(UserWarning):
@@ -286,8 +292,13 @@ def guarded_clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float =
         return total
     max_norm = float(max_norm)
     if len(steppers) == 1:
-        norm = _applied_norm(steppers[0], params, max_norm, norm_type)
+        rule = steppers[0].global_step
+        after_clip = (math.isinf(max_norm) and rule is not None and rule.last_norm is not None
+                      and _ANSWERED.get(rule) is rule.last_norm)
+        norm = None if after_clip else _applied_norm(steppers[0], params, max_norm, norm_type)
         if norm is not None:
+            if not math.isinf(max_norm):
+                _ANSWERED[rule] = norm
             if error_if_nonfinite and not bool(torch.isfinite(norm)):
                 raise RuntimeError(
                     f"The total norm of order {float(norm_type)} for gradients from "

@@ -260,3 +260,34 @@ def gan(technique: str | None, generator_first: bool, steps: int = 4) -> dict[st
     return {"params": [p.detach().clone() for m in models for p in m.parameters()],
             "error": error,
             "warnings": [str(w.message) for w in caught if "plain order" in str(w.message)]}
+
+
+def norm_after_the_clip(technique: str | None) -> dict[str, Any]:
+    """A loop that, from its third step on (after the overlap began), also asks
+    ``clip_grad_norm_(..., inf)`` after its clip: the norms returned, the warnings."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    quiet()
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True)
+    model = gpt2()
+    model, optimizer = prepared(accelerator, model,
+                                torch.optim.AdamW(model.parameters(), lr=LR), technique,
+                                MAX_NORM)
+    data = accelerator.prepare(torch.utils.data.DataLoader(Tokens("gpt2"), batch_size=2))
+    norms = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, batch in enumerate(data, start=1):
+            accelerator.backward(model(**batch).loss)
+            accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+            if step >= 3:
+                norms.append(float(accelerator.clip_grad_norm_(model.parameters(),
+                                                               float("inf"))))
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == STEPS:
+                break
+    return {"norms": norms, "warnings": [str(w.message) for w in caught]}

@@ -17,14 +17,17 @@ first step)."""
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
 import pytest
 from accelerate_window_runs import (
     CASES,
+    MAX_NORM,
     compare_case,
     gans,
+    norm_after_the_clip,
     refused_in_the_window,
     run,
     second_backward,
@@ -153,3 +156,13 @@ def test_two_ranks_a_gan_whose_generator_loss_reaches_the_discriminator_is_never
         two_ranks: list[dict[str, Any]], technique: str) -> None:
     for rank_results in two_ranks:
         _gan_checked(rank_results["gan"][technique])
+
+
+def test_the_norm_asked_after_the_clip_once_overlapping_is_never_the_unclipped_one() -> None:
+    """Before the probe: the norm before the clip, silently (plain: the clipped
+    gradients', about 1.0). optimizer_in_backward has freed them: NaN, with a warning."""
+    plain = norm_after_the_clip(None)["norms"]
+    ours = norm_after_the_clip("optimizer_in_backward")
+    assert all(norm <= MAX_NORM for norm in plain), plain
+    assert all(math.isnan(norm) for norm in ours["norms"]), ours["norms"]
+    assert any("freed during backward" in w for w in ours["warnings"]), ours["warnings"]
