@@ -99,7 +99,7 @@ class _SetUpOverlap(TrainerCallback):
         trainer = self._trainer()
         if trainer is not None and isinstance(
                 getattr(trainer.optimizer, "optimizer", None), OverlappedOptimizerFacade):
-            trainer.set_up_overlap()
+            trainer.set_up_overlap(from_step=state.global_step + 1)
 
 
 class OverlapTrainer(Trainer):
@@ -239,7 +239,7 @@ class OverlapTrainer(Trainer):
         found = ["step_in_plain_order=True"] if self.overlap_in_plain_order else []
         return found + trainer_window_users(self, skip=(OverlapTrainer,))
 
-    def set_up_overlap(self) -> None:
+    def set_up_overlap(self, from_step: int | None = None) -> None:
         """Set the technique up on ``self.model_wrapped`` around the optimizer the Trainer
         prepared (called at ``on_train_begin``; a second ``train()`` keeps it).
 
@@ -250,14 +250,18 @@ class OverlapTrainer(Trainer):
         after one that set the technique up, or a step of it (``on_step_begin``: a
         callback added since), switches the set-up optimizer to the plain order, which
         it keeps from then on
-        (:meth:`~overlapkit.overlap.facade.OverlappedOptimizerFacade.learn_first_step`)."""
+        (:meth:`~overlapkit.overlap.facade.OverlappedOptimizerFacade.learn_first_step`).
+
+        :param from_step: the step about to begin, when called during training (the
+            warning names it).
+        """
         prepared = self.optimizer
         users = self.window_users()
         facade = getattr(prepared, "optimizer", None)
         set_up = isinstance(facade, OverlappedOptimizerFacade)
         if users:
             if users != self.overlap_off_by:  # one warning, not one per train()
-                warnings.warn(_plain_order_warning(self.overlap_technique, users),
+                warnings.warn(_plain_order_warning(self.overlap_technique, users, from_step),
                               UserWarning, stacklevel=2)
             self.overlap_off_by = users
             if isinstance(facade, OverlappedOptimizerFacade):  # set up by an earlier
@@ -287,9 +291,11 @@ class OverlapTrainer(Trainer):
             clip_grad_norm=clip, **self.overlap_options)
 
 
-def _plain_order_warning(technique: str, users: list[str]) -> str:
+def _plain_order_warning(technique: str, users: list[str], from_step: int | None) -> str:
+    steps = ("every step of this run" if from_step is None
+             else f"every step from step {from_step} on")
     return (
-        f"OverlapTrainer(technique={technique!r}) takes every step of this run at the "
+        f"OverlapTrainer(technique={technique!r}) takes {steps} at the "
         "Trainer's optimizer.step(), in the plain order, without overlap: "
         f"{', '.join(users)} may read or change the gradients (or the optimizer) between "
         "backward and step, a window that stepping during backward removes. The run is "
