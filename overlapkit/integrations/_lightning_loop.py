@@ -9,7 +9,8 @@ that accumulate run the closure directly, under ``no_sync()`` on DDP. Here the c
 runs once, its backward steps (clipping included, configured at set-up), the hooks are
 called as Lightning calls them, and ``step()`` is the overlapped optimizer's (a no-op
 after a stepping backward). On one device the accumulating backwards run under
-``no_step()``, as DDP's under Lightning's ``no_sync()``.
+``no_step()``, as DDP's under Lightning's ``no_sync()``. What works in the window
+(:mod:`~overlapkit.integrations._lightning_window`) has its steps deferred to ``step()``.
 
 Private to :mod:`overlapkit.integrations.lightning`.
 """
@@ -17,8 +18,8 @@ Private to :mod:`overlapkit.integrations.lightning`.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import ExitStack, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
@@ -28,58 +29,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.errors import ConfigurationError, OverlapkitError
 from overlapkit.integrations._lightning_setup import clipping_of
+from overlapkit.integrations._lightning_window import (
+    GradientWrites,
+    by_hand_warning,
+    second_backward_error,
+    switch_warning,
+)
 from overlapkit.overlap.core.window import FirstWindow
 from overlapkit.overlap.facade import OverlappedOptimizerFacade
 
-__all__ = ["AutomaticOptimization", "GradientWrites"]
-
-
-class GradientWrites:
-    """Catches a hook that changes ``.grad`` after the backward that already stepped on
-    it (``overlap_ddp`` keeps the gradients, so reading them is exact; a change would be
-    used by the plain run's step and by nothing here).
-
-    A change is seen by the gradient's version counter (bumped by every in-place write)
-    or a new ``.grad`` object: a few attribute reads per parameter, only around the hooks
-    of :data:`~overlapkit.integrations._lightning_setup.WRITING_HOOKS` that the module or
-    a callback overrides.
-    """
-
-    def __init__(self, named_params: list[tuple[str, torch.Tensor]], technique: str,
-                 hooks: list[tuple[str, str]]) -> None:
-        self.named_params = named_params
-        self.technique = technique
-        self.hooks = {hook: [f"{owner}.{hook}" for owner, h in hooks if h == hook]
-                      for _, hook in hooks}
-
-    @contextmanager
-    def watching(self, hook: str, stepped: bool, probing: bool = False) -> Iterator[None]:
-        """Around Lightning's call of ``hook`` (callbacks and module); checks when a
-        backward stepped since the last step, or in the first optimizer step, whose
-        backwards are deferred (``probing``: nothing has stepped yet, and the change is
-        refused before anything does)."""
-        owners = self.hooks.get(hook)
-        if not (stepped or probing) or not owners:
-            yield
-            return
-        before = [(name, p, p.grad, None if p.grad is None else p.grad._version)
-                  for name, p in self.named_params]
-        yield
-        changed = [name for name, p, grad, version in before
-                   if p.grad is not grad or (grad is not None and grad._version != version)]
-        if changed:
-            when = ("Nothing was stepped (the first optimizer step checks for this before "
-                    "it steps)" if probing else
-                    f"{self.technique} had already stepped on it during backward, so the "
-                    "change was not used")
-            raise ConfigurationError(
-                f"{' or '.join(owners)} changed the gradient of {changed[0]!r}"
-                f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''} after "
-                f"backward: {self.technique} steps during backward, before this hook runs, "
-                f"so such a change cannot be used, where the plain run's step would use "
-                f"it. {when}. Change gradients before they are reduced and stepped (a "
-                "hook on the parameter, or the loss), or train with strategy='ddp'."
-            )
+__all__ = ["AutomaticOptimization"]
 
 
 def _reduces(strategy: pl.strategies.Strategy) -> bool:
@@ -140,6 +99,13 @@ class AutomaticOptimization:
         #: optimizer_in_backward: the gradients the first optimizer step kept, watched
         #: for reads until the next training_step (:meth:`_after_first_step`)
         self._reads: tuple[FirstWindow, list[torch.Tensor]] | None = None
+        #: DDP: the parameters the DDP model reduces (those that required grad when it
+        #: was built); one the optimizer gains later is stepped by step() only
+        self._reduced: set[int] | None = None
+        #: inside a synchronised backward that the user's optimizer_step ran itself (the
+        #: closure called outside optimizer.step(closure)): it steps nothing
+        self._by_hand = False
+        self._warned_by_hand = False
 
     def attach(self, optimizer: OverlappedOptimizerFacade, writes: GradientWrites | None,
                clipping: dict[str, float], plain_order: bool = False) -> None:
@@ -155,6 +121,7 @@ class AutomaticOptimization:
         self._stepped = 0
         self._probed = False
         self._probe_backwards = 0
+        self._warned_by_hand = False
         self._deferred.enter_context(optimizer.defer_steps())
         optimizer.gate_backwards(self._gate)
 
@@ -175,10 +142,19 @@ class AutomaticOptimization:
         self._grad_hooks = [p.register_hook(note) for p in params if p.requires_grad]
         self._freeing_ddp_model = ddp_model
 
+    def watch_new_params(self, params: list[torch.Tensor]) -> None:
+        """DDP: ``params`` are the ones the DDP model reduces (DDP leaves out those that
+        did not require grad when it was built). A parameter the optimizer gains later
+        (``add_param_group`` of an unfrozen backbone: ``BackboneFinetuning``) is in no
+        bucket, so no backward steps it: from the step that first has it, every step is
+        taken at ``step()`` in the plain order (:meth:`training_step`)."""
+        self._reduced = {id(p) for p in params if p.requires_grad}
+
     def training_step(self, step: Callable[[], Any]) -> Any:
         """``Strategy.training_step``, refused after it ran a backward that
         :meth:`watch_training_step` saw (before Lightning's backward: nothing stepped)."""
         self._after_first_step()
+        self._check_new_params()
         self._in_training_step = True
         try:
             output = step()
@@ -202,6 +178,7 @@ class AutomaticOptimization:
         model Lightning drops, were it kept, is refused, never stepped by this fit's
         optimizer."""
         self._deferred.close()  # a fit that ended before its first step
+        self._reduced = None
         if self._reads is not None:
             window, params = self._reads
             window.unwatch(params)
@@ -238,13 +215,26 @@ class AutomaticOptimization:
         closure_loss = precision.pre_backward(closure_loss, module)
         accumulating = (self.optimizer is not None and self.accumulate_with_no_step
                         and not self._in_optimizer_step)
+        # DDP: a synchronised backward outside optimizer.step(closure) is the user's
+        # optimizer_step running the closure itself; whether a step() follows is not
+        # known yet, so it steps nothing (step() takes it in the plain order, or the
+        # next zero_grad drops it, as in the plain loop)
+        by_hand = (self.optimizer is not None and not self.accumulate_with_no_step
+                   and not self._in_optimizer_step and _reduces(strategy))
         probing = not self._probed
         stepped_before = self._stepped
-        counted = (probing and not accumulating and _reduces(strategy)
-                   and closure_loss.requires_grad)
+        counted = (probing and not self._adds_second_backward() and not accumulating
+                   and not by_hand and _reduces(strategy) and closure_loss.requires_grad)
         handle = closure_loss.register_hook(self._count_probe_backward) if counted else None
-        with self.optimizer.no_step() if accumulating else nullcontext():  # type: ignore[union-attr]
-            self._in_backward = True
+        if by_hand:
+            self._warn_by_hand()
+        context: Any = nullcontext()
+        if accumulating:
+            context = self.optimizer.no_step()  # type: ignore[union-attr]
+        elif by_hand and self._probed and not self.plain_order:  # else deferred already
+            context = self.optimizer.defer_steps()  # type: ignore[union-attr]
+        with context:
+            self._in_backward, self._by_hand = True, by_hand
             try:
                 precision.backward(closure_loss, module, optimizer, *args, **kwargs)
             except RuntimeError as error:
@@ -252,7 +242,7 @@ class AutomaticOptimization:
                     raise self._second_backward_error() from error
                 raise
             finally:
-                self._in_backward = False
+                self._in_backward = self._by_hand = False
                 if handle is not None:
                     handle.remove()
         with self._watch("on_after_backward", self._stepped > stepped_before, probing):
@@ -306,26 +296,55 @@ class AutomaticOptimization:
     def _after_first_step(self) -> None:
         """Before the training_step that follows the first optimizer step: when a hook
         read the gradients that step kept (which optimizer_in_backward frees from the
-        second step on), every later step is taken at ``step()`` in the plain order,
-        its backwards deferred: bitwise, with one warning."""
+        second step on), every later step is taken at ``step()`` in the plain order."""
         if self._reads is None:
             return
         (window, params), self._reads = self._reads, None
         window.unwatch(params)
         if window.read and self.optimizer is not None:
-            self.plain_order = True
-            self._deferred.enter_context(self.optimizer.defer_steps())
             shown = ", ".join(window.read[:3]) + (" and others" if len(window.read) > 3
                                                    else "")
-            warnings.warn(
-                f"{self.strategy_name} (optimizer_in_backward) takes every step of this fit "
-                "from the second on at optimizer.step(), in the plain order, without "
-                f"overlap: the gradients of {shown} were read after the first optimizer "
-                "step (by a hook), where the plain loop keeps them until the next "
-                "zero_grad and optimizer_in_backward would have freed them. The run is "
-                "the plain Trainer's, bitwise. To keep the overlap: read gradients in no "
-                "hook, or use OverlapDDPStrategy(technique='overlap_ddp') (it keeps them).",
-                UserWarning, stacklevel=2)
+            self._plain_order_from_now(
+                "from the second on", f"the gradients of {shown} were read after the "
+                "first optimizer step (by a hook), where the plain loop keeps them until "
+                "the next zero_grad and optimizer_in_backward would have freed them",
+                "read gradients in no hook, or use "
+                "OverlapDDPStrategy(technique='overlap_ddp') (it keeps them)")
+
+    def _check_new_params(self) -> None:
+        """Before a training_step: a parameter the optimizer gained that the DDP model
+        does not reduce (:meth:`watch_new_params`) turns the fit to the plain order."""
+        if self._reduced is None or self.optimizer is None or self.plain_order:
+            return
+        new = [p for group in self.optimizer.param_groups for p in group["params"]
+               if id(p) not in self._reduced]
+        if new:
+            self._plain_order_from_now(
+                "from this one on", f"the optimizer gained {len(new)} parameter"
+                f"{'s' if len(new) > 1 else ''} that did not require grad when Lightning "
+                "wrapped the model in DDP (add_param_group of an unfrozen backbone, as "
+                "BackboneFinetuning does), which DDP does not reduce, so no backward "
+                "steps them", "let every trained parameter require grad before "
+                "trainer.fit() (freeze by a zero learning rate instead), or fit on one "
+                "device with OverlapSingleDeviceStrategy")
+
+    def _plain_order_from_now(self, steps: str, why: str, keep: str) -> None:
+        """Take every later step at ``step()`` in the plain order (its backwards
+        deferred): bitwise, with one warning saying ``why`` and how to ``keep`` the
+        overlap."""
+        assert self.optimizer is not None
+        self.plain_order = True
+        if self._probed:  # (the first step's backwards are deferred already)
+            self._deferred.enter_context(self.optimizer.defer_steps())
+        warnings.warn(switch_warning(self.strategy_name, self.technique, steps, why, keep),
+                      UserWarning, stacklevel=3)
+
+    def _warn_by_hand(self) -> None:
+        """Once per fit: a step taken at ``step()`` because the closure ran outside it."""
+        if not (self._warned_by_hand or self.plain_order):
+            self._warned_by_hand = True
+            warnings.warn(by_hand_warning(self.strategy_name, self.technique), UserWarning,
+                          stacklevel=3)
 
     # -- the gate ---------------------------------------------------------------------
 
@@ -353,24 +372,21 @@ class AutomaticOptimization:
                 "let Lightning run the backward (sum several losses into one), or train "
                 "with strategy='ddp'."
             )
+        if self._by_hand or self._adds_second_backward():  # deferred: steps nothing
+            return None
         if self._stepped:
             return self._second_backward_error()
         self._stepped += 1
         return None
 
+    def _adds_second_backward(self) -> bool:
+        """In the plain order a second backward adds to ``.grad`` as in the plain loop,
+        but where optimizer_in_backward frees DDP's local gradients early (measured:
+        the second backward's gradients lost, nothing stepped: refused there)."""
+        return self.plain_order and self._freeing_ddp_model is None
+
     def _second_backward_error(self) -> ConfigurationError:
-        """A second backward before the optimizer step: refused by the gate, or failed in
-        autograd (through a graph kept with ``retain_graph=True``, whose saved parameters
-        the first backward's step changed in place)."""
-        return ConfigurationError(
-            "a second backward ran before the optimizer step (Lightning's closure "
-            "called twice, or LightningModule.backward running more than one "
-            f"backward): {self.technique} steps the optimizer during backward, so each "
-            "backward is one optimizer step, and the closure of one step may run one. "
-            "Nothing was stepped in this backward. Return one loss from training_step "
-            "(the sum of several: its backward is one step, as Lightning's plain step "
-            "of the accumulated gradients), or train with strategy='ddp'."
-        )
+        return second_backward_error(self.technique)
 
     def _after_fit(self) -> OverlapkitError | None:
         return ConfigurationError(

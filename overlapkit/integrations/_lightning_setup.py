@@ -13,7 +13,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
@@ -23,24 +22,11 @@ from overlapkit.errors import ConfigurationError
 from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.overlap.facade import OverlappedOptimizerFacade
 
-__all__ = ["AFTER_STEP_HOOKS", "GRADIENT_HOOKS", "TECHNIQUES", "WRITING_HOOKS",
-           "after_step_readers", "check_fit", "clipping_of", "gradient_readers",
-           "overlapped_like", "plain_order_warning", "plain_optimizer",
+__all__ = ["TECHNIQUES", "check_fit", "clipping_of", "overlapped_like", "plain_optimizer",
            "rebind_schedulers"]
 
 #: what the strategies step with
 TECHNIQUES = ("overlap_ddp", "optimizer_in_backward")
-#: the hooks of a LightningModule or a Callback that run after backward and may read
-#: ``.grad``: Lightning's plain loop calls them before the optimizer step (and before
-#: clipping), where overlapkit has already stepped during backward
-GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
-#: those whose changes to ``.grad`` the plain loop's step would use (zero_grad follows
-#: the third)
-WRITING_HOOKS = ("on_after_backward", "on_before_optimizer_step")
-#: the hooks that run after the optimizer step, where the plain loop still holds that
-#: step's gradients (until the next step's ``zero_grad``) and ``optimizer_in_backward``
-#: has freed them
-AFTER_STEP_HOOKS = ("on_train_batch_end",)
 #: the precisions whose optimizer step is the plain ``optimizer.step(closure)``, tested
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed")
 
@@ -137,91 +123,6 @@ def clipping_of(trainer: pl.Trainer) -> dict[str, float]:
     if trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
         return {"clip_grad_value": float(value)}
     return {"clip_grad_norm": float(value)}
-
-
-def gradient_readers(trainer: pl.Trainer, module: pl.LightningModule
-                     ) -> list[tuple[str, str]]:
-    """``(owner, hook)`` of each of :data:`GRADIENT_HOOKS` the module or a callback
-    overrides."""
-    found = [(type(module).__name__, hook) for hook in GRADIENT_HOOKS
-             if is_overridden(hook, module)]
-    callbacks: list[Callback] = getattr(trainer, "callbacks", [])  # a property, untyped
-    for callback in callbacks:
-        found += [(type(callback).__name__, hook) for hook in GRADIENT_HOOKS
-                  if is_overridden(hook, callback, Callback)]
-    return found
-
-
-def _users(hook: Any) -> bool:
-    """Whether ``hook`` (a bound method, or a function a ``LambdaCallback`` holds) is
-    user code, not one of Lightning's own callbacks (progress bars, ``ModelCheckpoint``,
-    the tuner's: they read no gradients)."""
-    return not getattr(hook, "__module__", "").startswith("lightning.")
-
-
-def after_step_readers(trainer: pl.Trainer, module: pl.LightningModule
-                       ) -> list[tuple[str, str]]:
-    """``(owner, hook)`` of each of :data:`AFTER_STEP_HOOKS` that user code overrides:
-    the module's, or a callback's that is not one of Lightning's own."""
-    found = [(type(module).__name__, hook) for hook in AFTER_STEP_HOOKS
-             if is_overridden(hook, module)]
-    callbacks: list[Callback] = getattr(trainer, "callbacks", [])
-    for callback in callbacks:
-        found += [(type(callback).__name__, hook) for hook in AFTER_STEP_HOOKS
-                  if is_overridden(hook, callback, Callback)
-                  and _users(getattr(callback, hook))]
-    return found
-
-
-def plain_order_warning(readers: list[tuple[str, str]], strategy: str) -> str:
-    """The one warning of a fit whose every step is taken at ``step()`` because of
-    ``readers`` (:func:`after_step_readers`)."""
-    hooks = ", ".join(f"{owner}.{hook}" for owner, hook in readers)
-    return (
-        f"{strategy} (optimizer_in_backward) takes every step of this fit at "
-        f"optimizer.step(), in the plain order, without overlap: {hooks} run"
-        f"{'s' if len(readers) == 1 else ''} after the step and may read .grad, which "
-        "the plain loop keeps until the next zero_grad and optimizer_in_backward would "
-        "free during backward. The run is the plain Trainer's, bitwise. To keep the "
-        f"overlap: pass {strategy}(..., reads_grads_after_step=False) if these hooks "
-        "read no gradients, or OverlapDDPStrategy(technique='overlap_ddp') (it keeps "
-        "the gradients)."
-    )
-
-
-def check_gradient_readers(readers: list[tuple[str, str]], technique: str,
-                           clipping: Mapping[str, float], strategy: str
-                           ) -> list[tuple[str, str]]:
-    """Refuse the hooks that would see other gradients than the plain run's; the ones
-    left to watch for writes (:class:`~overlapkit.integrations._lightning_loop.
-    GradientWrites`).
-
-    :raises ConfigurationError: any gradient hook under ``optimizer_in_backward`` (the
-        gradients are freed during backward); ``on_after_backward`` or
-        ``on_before_optimizer_step`` under ``overlap_ddp`` with clipping (Lightning
-        calls them before clipping; overlapkit clipped during backward).
-    """
-    if technique == "optimizer_in_backward":
-        refused = readers
-        why = (f"{technique} steps each gradient during backward and frees it, so they "
-               "would read None where the plain run reads the gradients")
-        what = (f"use {strategy}(technique='overlap_ddp') (it keeps the gradients), "
-                "strategy='ddp', or remove the hook")
-    elif clipping:
-        refused = [r for r in readers if r[1] in WRITING_HOOKS]
-        why = (f"{technique} clips during backward, so they would read the clipped "
-               "gradients where the plain run (which clips after them) reads the "
-               "unclipped ones")
-        what = "clip no gradients (gradient_clip_val=None), use strategy='ddp', or remove the hook"
-    else:
-        return [r for r in readers if r[1] in WRITING_HOOKS]
-    if refused:
-        hooks = ", ".join(f"{owner}.{hook}" for owner, hook in refused)
-        raise ConfigurationError(
-            f"{hooks} run{'s' if len(refused) == 1 else ''} after backward and may read "
-            f".grad: {why}. Nothing was changed; {what}."
-        )
-    return []
 
 
 def overlapped_like(plain: torch.optim.Optimizer, technique: str, model: torch.nn.Module,
