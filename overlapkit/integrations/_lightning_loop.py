@@ -48,6 +48,11 @@ def _reduces(strategy: pl.strategies.Strategy) -> bool:
     return not isinstance(model, DistributedDataParallel) or model.require_backward_grad_sync
 
 
+def _accumulates(module: pl.LightningModule) -> bool:
+    """Whether Lightning runs this micro-batch's closure itself, to accumulate."""
+    return bool(module.trainer.fit_loop._should_accumulate())
+
+
 class AutomaticOptimization:
     """What one of overlapkit's Lightning strategies runs for backward and the optimizer
     step, once :meth:`attach` has given it the overlapped optimizer.
@@ -99,13 +104,10 @@ class AutomaticOptimization:
         #: optimizer_in_backward: the gradients the first optimizer step kept, watched
         #: for reads until the next training_step (:meth:`_after_first_step`)
         self._reads: tuple[FirstWindow, list[torch.Tensor]] | None = None
-        #: DDP: the parameters the DDP model reduces (those that required grad when it
-        #: was built); one the optimizer gains later is stepped by step() only
+        #: DDP: the parameters the DDP model reduces (:meth:`watch_new_params`)
         self._reduced: set[int] | None = None
-        #: inside a synchronised backward that the user's optimizer_step ran itself (the
-        #: closure called outside optimizer.step(closure)): it steps nothing
-        self._by_hand = False
-        self._warned_by_hand = False
+        #: inside a synchronised backward of a closure the user's optimizer_step ran
+        self._by_hand = self._warned_by_hand = False
 
     def attach(self, optimizer: OverlappedOptimizerFacade, writes: GradientWrites | None,
                clipping: dict[str, float], plain_order: bool = False) -> None:
@@ -226,8 +228,8 @@ class AutomaticOptimization:
         counted = (probing and not self._adds_second_backward() and not accumulating
                    and not by_hand and _reduces(strategy) and closure_loss.requires_grad)
         handle = closure_loss.register_hook(self._count_probe_backward) if counted else None
-        if by_hand:
-            self._warn_by_hand()
+        if by_hand or (accumulating and not _accumulates(module)):  # one device: a
+            self._warn_by_hand()  # step() follows or not, its backward is a no_step() one
         context: Any = nullcontext()
         if accumulating:
             context = self.optimizer.no_step()  # type: ignore[union-attr]

@@ -73,7 +73,7 @@ WARNED: dict[str, dict[str, str]] = {
     "optimizer_zero_grad every other batch": dict.fromkeys(
         ("optimizer_in_backward", "one device"), "ZeroesEveryOther.optimizer_zero_grad"),
     "optimizer_step runs the closure itself, skips a step, clip norm, accumulate 2":
-        dict.fromkeys(_DDP, "the optimizer_step override runs itself"),
+        dict.fromkeys(_ALL, "the optimizer_step override runs itself"),
     "BackboneFinetuning unfreezes a layer": dict.fromkeys(_DDP, "the optimizer gained 2 "
                                                                 "parameters"),
 }
