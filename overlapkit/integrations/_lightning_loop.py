@@ -97,15 +97,14 @@ class AutomaticOptimization:
         #: tensor hooks on the parameters noting backwards inside training_step
         #: (:meth:`watch_training_step`), and whether one was seen
         self._grad_hooks: list[Any] = []
-        self._backward_in_training_step = False
-        self._in_training_step = False
+        self._backward_in_training_step = self._in_training_step = False
         #: the DDP model whose parameters optimizer_in_backward frees early, until detach
         self._freeing_ddp_model: DistributedDataParallel | None = None
         #: optimizer_in_backward: the gradients the first optimizer step kept, watched
         #: for reads until the next training_step (:meth:`_after_first_step`)
         self._reads: tuple[FirstWindow, list[torch.Tensor]] | None = None
-        #: DDP: the parameters the DDP model reduces (:meth:`watch_new_params`)
-        self._reduced: set[int] | None = None
+        #: whether no backward can step a parameter (:meth:`watch_new_params`)
+        self._never_stepped: Callable[[torch.Tensor], bool] | None = None
         #: inside a synchronised backward of a closure the user's optimizer_step ran
         self._by_hand = self._warned_by_hand = False
 
@@ -116,9 +115,7 @@ class AutomaticOptimization:
         is refused before anything steps in it. ``plain_order``: every step of the fit
         is taken at ``step()``, as the first one (the backwards stay deferred and keep
         their gradients until the next ``zero_grad``, as in the plain loop)."""
-        self.optimizer = optimizer
-        self.writes = writes
-        self.clipping = clipping
+        self.optimizer, self.writes, self.clipping = optimizer, writes, clipping
         self.plain_order = plain_order
         self._stepped = 0
         self._probed = False
@@ -144,13 +141,16 @@ class AutomaticOptimization:
         self._grad_hooks = [p.register_hook(note) for p in params if p.requires_grad]
         self._freeing_ddp_model = ddp_model
 
-    def watch_new_params(self, params: list[torch.Tensor]) -> None:
-        """DDP: ``params`` are the ones the DDP model reduces (DDP leaves out those that
-        did not require grad when it was built). A parameter the optimizer gains later
-        (``add_param_group`` of an unfrozen backbone: ``BackboneFinetuning``) is in no
-        bucket, so no backward steps it: from the step that first has it, every step is
-        taken at ``step()`` in the plain order (:meth:`training_step`)."""
-        self._reduced = {id(p) for p in params if p.requires_grad}
+    def watch_new_params(self, params: list[torch.Tensor], ddp: bool) -> None:
+        """After :meth:`attach`: a backward steps only the ``params`` that require grad
+        now. DDP reduces no other, so one ``add_param_group`` adds (BackboneFinetuning)
+        is never stepped (an unfrozen one of the optimizer's the DDP techniques refuse);
+        optimizer_in_backward of a module hooks no unfrozen one of the optimizer's. Such
+        a parameter turns later steps to the plain order (:meth:`training_step`)."""
+        assert self.optimizer is not None
+        ready = {id(p) for p in params if p.requires_grad}
+        at_set_up = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        self._never_stepped = lambda p: id(p) not in ready and (id(p) in at_set_up) != ddp
 
     def training_step(self, step: Callable[[], Any]) -> Any:
         """``Strategy.training_step``, refused after it ran a backward that
@@ -180,7 +180,7 @@ class AutomaticOptimization:
         model Lightning drops, were it kept, is refused, never stepped by this fit's
         optimizer."""
         self._deferred.close()  # a fit that ended before its first step
-        self._reduced = None
+        self._never_stepped = None
         if self._reads is not None:
             window, params = self._reads
             window.unwatch(params)
@@ -314,19 +314,19 @@ class AutomaticOptimization:
                 "OverlapDDPStrategy(technique='overlap_ddp') (it keeps them)")
 
     def _check_new_params(self) -> None:
-        """Before a training_step: a parameter the optimizer gained that the DDP model
-        does not reduce (:meth:`watch_new_params`) turns the fit to the plain order."""
-        if self._reduced is None or self.optimizer is None or self.plain_order:
-            return
-        new = [p for group in self.optimizer.param_groups for p in group["params"]
-               if id(p) not in self._reduced]
+        """Before a training_step: a parameter the optimizer steps that no backward can
+        (:meth:`watch_new_params`) turns the fit to the plain order."""
+        never, optimizer = self._never_stepped, self.optimizer
+        new = [] if never is None or optimizer is None or self.plain_order else [
+            p for group in optimizer.param_groups for p in group["params"]
+            if p.requires_grad and never(p)]
         if new:
             self._plain_order_from_now(
-                "from this one on", f"the optimizer gained {len(new)} parameter"
-                f"{'s' if len(new) > 1 else ''} that did not require grad when Lightning "
-                "wrapped the model in DDP (add_param_group of an unfrozen backbone, as "
-                "BackboneFinetuning does), which DDP does not reduce, so no backward "
-                "steps them", "let every trained parameter require grad before "
+                "from this one on", f"{len(new)} parameter{'s' if len(new) > 1 else ''} "
+                "the optimizer steps did not require grad when the fit was set up "
+                "(unfrozen since, or added by add_param_group to a DDP model, as "
+                "BackboneFinetuning does), so no backward steps them (DDP does not "
+                "reduce them)", "let every trained parameter require grad before "
                 "trainer.fit() (freeze by a zero learning rate instead), or fit on one "
                 "device with OverlapSingleDeviceStrategy")
 

@@ -141,10 +141,11 @@ class _StepsInBackward(pl.strategies.Strategy):
             warnings.warn(plain_order_warning(users, name, self._technique), UserWarning,
                           stacklevel=2)
         self._automatic.attach(overlapped, writes, clipping, plain_order=bool(users))
-        if isinstance(model, DistributedDataParallel):
-            self._automatic.watch_new_params(list(module.parameters()))
-            if self._technique == "optimizer_in_backward":
-                self._automatic.watch_training_step(model, list(module.parameters()))
+        self._automatic.watch_new_params(list(module.parameters()),
+                                         isinstance(model, DistributedDataParallel))
+        if self._technique == "optimizer_in_backward" and isinstance(
+                model, DistributedDataParallel):
+            self._automatic.watch_training_step(model, list(module.parameters()))
         _install(self, overlapped)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -126,3 +126,13 @@ def test_a_backward_by_hand_after_the_fit_is_a_plain_one(results: dict[str, Any]
 def test_a_fit_reading_no_gradients_keeps_the_overlap_without_a_warning(
         results: dict[str, Any], strategy: str, case: str) -> None:
     assert results["parity"][f"{strategy} | {case} | warnings"] == []
+
+
+def test_a_layer_of_the_optimizer_unfrozen_during_the_fit_is_stepped_as_in_the_plain_run(
+        results: dict[str, Any]) -> None:
+    """optimizer_in_backward hooks the parameters that require grad at set-up; one
+    unfrozen later turns the rest of the fit to the plain order, with one warning."""
+    result = results["parity"]["one device | a callback unfreezes a layer of the optimizer"]
+    assert result["bitwise"], result["bitwise"]
+    assert len(result["warnings"]) == 1, result["warnings"]
+    assert "did not require grad when the fit was set up" in result["warnings"][0]
