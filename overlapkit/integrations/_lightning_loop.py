@@ -34,6 +34,7 @@ from overlapkit.integrations._lightning_window import (
     by_hand_warning,
     second_backward_error,
     switch_warning,
+    unstepped_params,
 )
 from overlapkit.overlap.core.window import FirstWindow
 from overlapkit.overlap.facade import OverlappedOptimizerFacade
@@ -73,26 +74,25 @@ class AutomaticOptimization:
         self.writes: GradientWrites | None = None
         #: every step taken at step(), the backwards deferred for the whole fit
         self.plain_order = False
-        #: the clipping the optimizer was built with (:func:`clipping_of` the Trainer)
+        #: the Trainer's clipping at set-up (:func:`clipping_of`), the optimizer's unless
+        #: the module's configure_gradient_clipping clips (own_clipping)
         self.clipping: dict[str, float] = {}
+        self.own_clipping = False
         #: inside optimizer_step's call of Lightning's closure
         self._in_optimizer_step = False
         #: inside Lightning's backward (the precision plugin's call of loss.backward)
         self._in_backward = False
         #: stepping backwards since the last optimizer step
         self._stepped = 0
-        #: until the first optimizer step of the fit, the backwards are deferred (they
-        #: reduce and step nothing: the facade's defer_steps(), held open here; the gate
-        #: is still asked at each), so that what cannot be honoured — a second backward
-        #: before the step, a hook changing gradients — is refused before anything
-        #: steps; that first step() is then a full step of the kept gradients, bitwise
-        #: the plain step
+        #: until the first optimizer step of the fit, the backwards are deferred (the
+        #: facade's defer_steps(), held open here; the gate is still asked at each), so
+        #: that a second backward before the step is refused before anything steps; that
+        #: first step() is a full step of the kept gradients, bitwise the plain step
         self._probed = True
         self._deferred = ExitStack()
         #: backwards through the losses of the probe's synchronised micro-batches: a
-        #: second one is refused from a hook on the loss, before it reaches a parameter
-        #: (a backward through a kept graph, ``retain_graph=True``, runs no DDP comm
-        #: hook, so the optimizer's gate never sees it)
+        #: second one is refused from a hook on the loss (a backward through a kept graph
+        #: runs no DDP comm hook, so the optimizer's gate never sees it)
         self._probe_backwards = 0
         #: tensor hooks on the parameters noting backwards inside training_step
         #: (:meth:`watch_training_step`), and whether one was seen
@@ -109,14 +109,16 @@ class AutomaticOptimization:
         self._by_hand = self._warned_by_hand = False
 
     def attach(self, optimizer: OverlappedOptimizerFacade, writes: GradientWrites | None,
-               clipping: dict[str, float], plain_order: bool = False) -> None:
+               clipping: dict[str, float], plain_order: bool = False,
+               own_clipping: bool = False) -> None:
         """Drive ``optimizer``, built with ``clipping``: from now on, a stepping backward
         anywhere but in Lightning's backward, or a second one before the optimizer step,
         is refused before anything steps in it. ``plain_order``: every step of the fit
         is taken at ``step()``, as the first one (the backwards stay deferred and keep
-        their gradients until the next ``zero_grad``, as in the plain loop)."""
+        their gradients until the next ``zero_grad``, as in the plain loop);
+        ``own_clipping``: the module's ``configure_gradient_clipping`` clips there."""
         self.optimizer, self.writes, self.clipping = optimizer, writes, clipping
-        self.plain_order = plain_order
+        self.plain_order, self.own_clipping = plain_order, own_clipping
         self._stepped = 0
         self._probed = False
         self._probe_backwards = 0
@@ -241,7 +243,7 @@ class AutomaticOptimization:
                 precision.backward(closure_loss, module, optimizer, *args, **kwargs)
             except RuntimeError as error:
                 if self._stepped > stepped_before and "modified by an inplace" in str(error):
-                    raise self._second_backward_error() from error
+                    raise second_backward_error(self.technique) from error
                 raise
             finally:
                 self._in_backward = self._by_hand = False
@@ -257,11 +259,11 @@ class AutomaticOptimization:
                        **kwargs: Any) -> Any:
         """Lightning's ``optimizer.step(closure)``: the closure once (its backward
         steps), ``on_before_optimizer_step`` of the callbacks and the module, then the
-        overlapped ``step()``. Lightning's clipping is not called: the backward clipped
-        (``gradient_clip_val``, read at set-up)."""
+        overlapped ``step()``. Lightning's clipping is called only when the module
+        overrides it; else the backward clipped (``gradient_clip_val``, read at set-up)."""
         model = model or strategy.lightning_module
         trainer = model.trainer
-        if clipping_of(trainer) != self.clipping:
+        if not self.own_clipping and clipping_of(trainer) != self.clipping:
             raise ConfigurationError(
                 f"the Trainer's gradient_clip_val or gradient_clip_algorithm changed during "
                 f"the fit, and {self.technique} clips during backward as it was set up "
@@ -278,6 +280,10 @@ class AutomaticOptimization:
         with self._watch("on_before_optimizer_step", self._stepped > 0, probing):
             call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
             call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+        if self.own_clipping:  # Lightning's call, as its precision plugin makes it
+            strategy.precision_plugin._clip_gradients(
+                model, optimizer, trainer.gradient_clip_val,
+                gradient_clip_algorithm=trainer.gradient_clip_algorithm)
         if probing:
             if not self.plain_order:
                 self._deferred.close()  # from now on the backwards step
@@ -321,14 +327,7 @@ class AutomaticOptimization:
             p for group in optimizer.param_groups for p in group["params"]
             if p.requires_grad and never(p)]
         if new:
-            self._plain_order_from_now(
-                "from this one on", f"{len(new)} parameter{'s' if len(new) > 1 else ''} "
-                "the optimizer steps did not require grad when the fit was set up "
-                "(unfrozen since, or added by add_param_group to a DDP model, as "
-                "BackboneFinetuning does), so no backward steps them (DDP does not "
-                "reduce them)", "let every trained parameter require grad before "
-                "trainer.fit() (freeze by a zero learning rate instead), or fit on one "
-                "device with OverlapSingleDeviceStrategy")
+            self._plain_order_from_now("from this one on", *unstepped_params(len(new)))
 
     def _plain_order_from_now(self, steps: str, why: str, keep: str) -> None:
         """Take every later step at ``step()`` in the plain order (its backwards
@@ -356,7 +355,7 @@ class AutomaticOptimization:
         parameter, while nothing has stepped."""
         self._probe_backwards += 1
         if self._probe_backwards > 1:
-            raise self._second_backward_error()
+            raise second_backward_error(self.technique)
 
     def _watch(self, hook: str, stepped: bool, probing: bool = False) -> Any:
         if self.writes is None:
@@ -377,7 +376,7 @@ class AutomaticOptimization:
         if self._by_hand or self._adds_second_backward():  # deferred: steps nothing
             return None
         if self._stepped:
-            return self._second_backward_error()
+            return second_backward_error(self.technique)
         self._stepped += 1
         return None
 
@@ -386,9 +385,6 @@ class AutomaticOptimization:
         but where optimizer_in_backward frees DDP's local gradients early (measured:
         the second backward's gradients lost, nothing stepped: refused there)."""
         return self.plain_order and self._freeing_ddp_model is None
-
-    def _second_backward_error(self) -> ConfigurationError:
-        return second_backward_error(self.technique)
 
     def _after_fit(self) -> OverlapkitError | None:
         return ConfigurationError(

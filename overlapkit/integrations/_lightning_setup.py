@@ -16,7 +16,6 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
-from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from overlapkit.errors import ConfigurationError
 from overlapkit.optimizer_wrapper import OptimizerWrapper
@@ -36,8 +35,8 @@ def check_fit(module: pl.LightningModule, precision: Precision, strategy: str,
     """Refuse what Lightning would do after backward, where the overlapped optimizer has
     already stepped.
 
-    :raises ConfigurationError: manual optimization, an overridden
-        ``configure_gradient_clipping``, a precision other than ``SUPPORTED_PRECISIONS``.
+    :raises ConfigurationError: manual optimization, a precision other than
+        ``SUPPORTED_PRECISIONS``.
     """
     name = type(module).__name__
     if not module.automatic_optimization:
@@ -49,14 +48,6 @@ def check_fit(module: pl.LightningModule, precision: Precision, strategy: str,
             "would step all of them at once). Return the loss from training_step and let "
             "Lightning optimize, or train this module with strategy='ddp' (or the default "
             "single-device strategy)."
-        )
-    if is_overridden("configure_gradient_clipping", module):
-        raise ConfigurationError(
-            f"{name} overrides configure_gradient_clipping, which Lightning calls after "
-            f"backward, where {technique} has already stepped: its clipping would come too "
-            "late and change nothing. Remove the override and set Trainer(gradient_clip_val="
-            f"..., gradient_clip_algorithm='norm' or 'value'): {strategy} clips exactly as "
-            "Lightning does, during backward, before the step."
         )
     kind = getattr(precision, "precision", type(precision).__name__)
     if type(precision) is Precision or (

@@ -30,8 +30,8 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from overlapkit.errors import ConfigurationError
 
 __all__ = ["AFTER_STEP_HOOKS", "GRADIENT_HOOKS", "WRITING_HOOKS", "GradientWrites",
-           "by_hand_warning", "plain_order_warning", "second_backward_error", "switch_warning",
-           "window_users"]
+           "by_hand_warning", "clips_itself", "plain_order_warning",
+           "second_backward_error", "switch_warning", "unstepped_params", "window_users"]
 
 #: the hooks of a LightningModule or a Callback that Lightning's plain loop calls after
 #: backward and before the step (and before clipping): the gradients, parameters and
@@ -46,8 +46,10 @@ GRADIENT_HOOKS = (*WRITING_HOOKS, "on_before_zero_grad")
 AFTER_STEP_HOOKS = ("on_train_batch_end",)
 #: LightningModule methods whose override works in the window, and the techniques it
 #: matters to: ``backward`` (a change or read of ``.grad`` after ``loss.backward()``),
-#: ``optimizer_zero_grad`` (gradients kept past a step, to add the next ones to them)
+#: ``configure_gradient_clipping`` (the user's clipping, called before the step: the
+#: plain order calls it there), ``optimizer_zero_grad`` (gradients kept past a step)
 WINDOW_METHODS = {"backward": ("overlap_ddp", "optimizer_in_backward"),
+                  "configure_gradient_clipping": ("overlap_ddp", "optimizer_in_backward"),
                   "optimizer_zero_grad": ("optimizer_in_backward",)}
 
 
@@ -68,6 +70,11 @@ def overriding(trainer: pl.Trainer, module: pl.LightningModule, hooks: tuple[str
         found += [(type(callback).__name__, hook) for hook in hooks
                   if is_overridden(hook, callback, Callback) and _users(getattr(callback, hook))]
     return found
+
+
+def clips_itself(module: pl.LightningModule) -> bool:
+    """Whether the module clips by its own ``configure_gradient_clipping``."""
+    return bool(is_overridden("configure_gradient_clipping", module))
 
 
 def window_users(trainer: pl.Trainer, module: pl.LightningModule, technique: str, *,
@@ -101,6 +108,10 @@ def plain_order_warning(users: list[str], strategy: str, technique: str) -> str:
     """The one warning of a fit whose every step is taken at ``optimizer.step()``
     because of ``users`` (:func:`window_users`)."""
     hints = []
+    if any(u.endswith("configure_gradient_clipping (an override)") for u in users):
+        hints.append("clip with Trainer(gradient_clip_val=..., gradient_clip_algorithm=...) "
+                     "instead of a configure_gradient_clipping override (overlapkit clips "
+                     "exactly so during backward)")
     if any(u.endswith((*GRADIENT_HOOKS, "backward (an override)")) for u in users):
         hints.append("move that work to on_train_batch_start / on_train_batch_end, or "
                      "change gradients before they are reduced (a hook on the parameter, "
@@ -148,6 +159,18 @@ def second_backward_error(technique: str) -> ConfigurationError:
         "is one step, as Lightning's plain step of the accumulated gradients), or train "
         "with strategy='ddp'."
     )
+
+
+def unstepped_params(count: int) -> tuple[str, str]:
+    """Why a fit turns to the plain order when its optimizer steps ``count`` parameters
+    no backward can step, and how to keep the overlap (:func:`switch_warning`)."""
+    return (f"{count} parameter{'s' if count > 1 else ''} the optimizer steps did not "
+            "require grad when the fit was set up (unfrozen since, or added by "
+            "add_param_group to a DDP model, as BackboneFinetuning does), so no backward "
+            "steps them (DDP does not reduce them)",
+            "let every trained parameter require grad before trainer.fit() (freeze by a "
+            "zero learning rate instead), or fit on one device with "
+            "OverlapSingleDeviceStrategy")
 
 
 def by_hand_warning(strategy: str, technique: str) -> str:

@@ -59,6 +59,7 @@ from overlapkit.integrations._lightning_setup import (
 )
 from overlapkit.integrations._lightning_window import (
     GradientWrites,
+    clips_itself,
     plain_order_warning,
     window_users,
 )
@@ -132,7 +133,11 @@ class _StepsInBackward(pl.strategies.Strategy):
             trainer, module, self._technique, clipping=bool(clipping),
             reads_grads_after_step=self._reads_grads_after_step,
             hooks_read_only_grads=self._hooks_read_only_grads)
-        overlapped = overlapped_like(plain, self._technique, model, clipping, options)
+        # an overridden configure_gradient_clipping clips at step() (the plain order),
+        # as Lightning calls it, in place of the technique's clipping
+        own_clipping = clips_itself(module)
+        overlapped = overlapped_like(plain, self._technique, model,
+                                     {} if own_clipping else clipping, options)
         _SET_UP.add(module)
         rebind_schedulers(self.lr_scheduler_configs, plain, overlapped)
         writes = (GradientWrites(list(module.named_parameters()), self._technique, watched)
@@ -140,7 +145,8 @@ class _StepsInBackward(pl.strategies.Strategy):
         if users:
             warnings.warn(plain_order_warning(users, name, self._technique), UserWarning,
                           stacklevel=2)
-        self._automatic.attach(overlapped, writes, clipping, plain_order=bool(users))
+        self._automatic.attach(overlapped, writes, clipping, plain_order=bool(users),
+                               own_clipping=own_clipping)
         self._automatic.watch_new_params(list(module.parameters()),
                                          isinstance(model, DistributedDataParallel))
         if self._technique == "optimizer_in_backward" and isinstance(

@@ -46,6 +46,9 @@ CASES: dict[str, dict[str, Any]] = {
     "optimizer_step runs the closure itself, skips a step, clip norm, accumulate 2": {
         "gradient_clip_val": 0.05, "accumulate_grad_batches": 2},
     "BackboneFinetuning unfreezes a layer": {},
+    "configure_gradient_clipping from the second step, clip value, accumulate 2": {
+        "gradient_clip_val": 0.01, "gradient_clip_algorithm": "value",
+        "accumulate_grad_batches": 2},
     # already bitwise, with the overlap: pinned
     "LR warm-up set in optimizer_step": {},
     "StochasticWeightAveraging": {},
@@ -74,6 +77,8 @@ WARNED: dict[str, dict[str, str]] = {
         ("optimizer_in_backward", "one device"), "ZeroesEveryOther.optimizer_zero_grad"),
     "optimizer_step runs the closure itself, skips a step, clip norm, accumulate 2":
         dict.fromkeys(_ALL, "the optimizer_step override runs itself"),
+    "configure_gradient_clipping from the second step, clip value, accumulate 2":
+        dict.fromkeys(_ALL, "ClipsFromTheSecondStep.configure_gradient_clipping"),
     "BackboneFinetuning unfreezes a layer": dict.fromkeys(
         _DDP, "2 parameters the optimizer steps did not require grad"),
 }
@@ -180,6 +185,15 @@ class RunsTheClosure(Regression):
         optimizer.step(closure=optimizer_closure if batch_idx % 6 == 5 else None)
 
 
+class ClipsFromTheSecondStep(Regression):
+    """Its own clipping: Lightning's, with the Trainer's values, from the second step."""
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
+                                    gradient_clip_algorithm: Any = None) -> None:
+        if self.trainer.global_step > 0:
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+
 class Finetuned(Regression):
     """The first layer is the backbone that ``BackboneFinetuning`` freezes before the
     fit and adds to the optimizer at epoch 1."""
@@ -220,6 +234,8 @@ MODULES: dict[str, type[Regression]] = {
     "optimizer_step runs the closure itself, skips a step, clip norm, accumulate 2":
         RunsTheClosure,
     "BackboneFinetuning unfreezes a layer": Finetuned,
+    "configure_gradient_clipping from the second step, clip value, accumulate 2":
+        ClipsFromTheSecondStep,
     "LR warm-up set in optimizer_step": WarmsUp,
 }
 
@@ -414,12 +430,6 @@ class Manual(Regression):
         return loss
 
 
-class OwnClipping(Regression):
-    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
-                                    gradient_clip_algorithm: Any = None) -> None:
-        self.clip_gradients(optimizer, 0.1, "norm")
-
-
 class ReturnsOverlapkitOptimizer(Regression):
     def configure_optimizers(self) -> Any:
         import overlapkit
@@ -452,8 +462,6 @@ REFUSALS: dict[str, tuple[type[Regression], str, dict[str, Any]]] = {
     "optimizer_in_backward, two backwards in LightningModule.backward": (
         TwoBackwards, "optimizer_in_backward", {}),
     "optimizer_in_backward, manual optimization": (Manual, "optimizer_in_backward", {}),
-    "overlap_ddp, configure_gradient_clipping": (OwnClipping, "overlap_ddp",
-                                                 {"gradient_clip_val": 0.05}),
     "overlap_ddp, an overlapkit optimizer returned": (ReturnsOverlapkitOptimizer,
                                                       "overlap_ddp", {}),
     "overlap_ddp, precision 64-true": (Regression, "overlap_ddp", {"precision": "64-true"}),

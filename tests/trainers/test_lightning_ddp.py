@@ -115,7 +115,6 @@ MESSAGES = {
     "optimizer_in_backward, two backwards in LightningModule.backward":
         "a second backward ran before the optimizer step",
     "optimizer_in_backward, manual optimization": "automatic_optimization = False",
-    "overlap_ddp, configure_gradient_clipping": "overrides configure_gradient_clipping",
     "overlap_ddp, an overlapkit optimizer returned": "return the plain one",
     "overlap_ddp, precision 64-true": "precision='64-true'",
 }
