@@ -31,10 +31,10 @@ from overlapkit.errors import ConfigurationError, OverlapkitError
 from overlapkit.integrations._lightning_setup import clipping_of
 from overlapkit.integrations._lightning_window import (
     GradientWrites,
+    OptimizerChanges,
     by_hand_warning,
     second_backward_error,
     switch_warning,
-    unstepped_params,
 )
 from overlapkit.overlap.core.window import FirstWindow
 from overlapkit.overlap.facade import OverlappedOptimizerFacade
@@ -103,8 +103,8 @@ class AutomaticOptimization:
         #: optimizer_in_backward: the gradients the first optimizer step kept, watched
         #: for reads until the next training_step (:meth:`_after_first_step`)
         self._reads: tuple[FirstWindow, list[torch.Tensor]] | None = None
-        #: whether no backward can step a parameter (:meth:`watch_new_params`)
-        self._never_stepped: Callable[[torch.Tensor], bool] | None = None
+        #: what changes in the optimizer turns the fit to the plain order
+        self._changes: OptimizerChanges | None = None
         #: inside a synchronised backward of a closure the user's optimizer_step ran
         self._by_hand = self._warned_by_hand = False
 
@@ -143,22 +143,19 @@ class AutomaticOptimization:
         self._grad_hooks = [p.register_hook(note) for p in params if p.requires_grad]
         self._freeing_ddp_model = ddp_model
 
-    def watch_new_params(self, params: list[torch.Tensor], ddp: bool) -> None:
-        """After :meth:`attach`: a backward steps only the ``params`` that require grad
-        now. DDP reduces no other, so one ``add_param_group`` adds (BackboneFinetuning)
-        is never stepped (an unfrozen one of the optimizer's the DDP techniques refuse);
-        optimizer_in_backward of a module hooks no unfrozen one of the optimizer's. Such
-        a parameter turns later steps to the plain order (:meth:`training_step`)."""
+    def watch_changes(self, params: list[torch.Tensor], ddp: bool) -> None:
+        """After :meth:`attach`: what changes in the optimizer turns the fit to the plain
+        order, seen before each training_step (:class:`OptimizerChanges`)."""
         assert self.optimizer is not None
-        ready = {id(p) for p in params if p.requires_grad}
-        at_set_up = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
-        self._never_stepped = lambda p: id(p) not in ready and (id(p) in at_set_up) != ddp
+        self._changes = OptimizerChanges(self.optimizer.optimizer, params, ddp)
 
     def training_step(self, step: Callable[[], Any]) -> Any:
         """``Strategy.training_step``, refused after it ran a backward that
         :meth:`watch_training_step` saw (before Lightning's backward: nothing stepped)."""
         self._after_first_step()
-        self._check_new_params()
+        found = None if self._changes is None or self.plain_order else self._changes.found()
+        if found is not None:
+            self._plain_order_from_now("from this one on", *found)
         self._in_training_step = True
         try:
             output = step()
@@ -182,7 +179,7 @@ class AutomaticOptimization:
         model Lightning drops, were it kept, is refused, never stepped by this fit's
         optimizer."""
         self._deferred.close()  # a fit that ended before its first step
-        self._never_stepped = None
+        self._changes = None
         if self._reads is not None:
             window, params = self._reads
             window.unwatch(params)
@@ -318,16 +315,6 @@ class AutomaticOptimization:
                 "the next zero_grad and optimizer_in_backward would have freed them",
                 "read gradients in no hook, or use "
                 "OverlapDDPStrategy(technique='overlap_ddp') (it keeps them)")
-
-    def _check_new_params(self) -> None:
-        """Before a training_step: a parameter the optimizer steps that no backward can
-        (:meth:`watch_new_params`) turns the fit to the plain order."""
-        never, optimizer = self._never_stepped, self.optimizer
-        new = [] if never is None or optimizer is None or self.plain_order else [
-            p for group in optimizer.param_groups for p in group["params"]
-            if p.requires_grad and never(p)]
-        if new:
-            self._plain_order_from_now("from this one on", *unstepped_params(len(new)))
 
     def _plain_order_from_now(self, steps: str, why: str, keep: str) -> None:
         """Take every later step at ``step()`` in the plain order (its backwards

@@ -31,7 +31,7 @@ from overlapkit.errors import ConfigurationError
 
 __all__ = ["AFTER_STEP_HOOKS", "GRADIENT_HOOKS", "WRITING_HOOKS", "GradientWrites",
            "by_hand_warning", "clips_itself", "plain_order_warning",
-           "second_backward_error", "switch_warning", "unstepped_params", "window_users"]
+           "second_backward_error", "switch_warning", "window_users", "OptimizerChanges"]
 
 #: the hooks of a LightningModule or a Callback that Lightning's plain loop calls after
 #: backward and before the step (and before clipping): the gradients, parameters and
@@ -161,16 +161,42 @@ def second_backward_error(technique: str) -> ConfigurationError:
     )
 
 
-def unstepped_params(count: int) -> tuple[str, str]:
-    """Why a fit turns to the plain order when its optimizer steps ``count`` parameters
-    no backward can step, and how to keep the overlap (:func:`switch_warning`)."""
-    return (f"{count} parameter{'s' if count > 1 else ''} the optimizer steps did not "
-            "require grad when the fit was set up (unfrozen since, or added by "
-            "add_param_group to a DDP model, as BackboneFinetuning does), so no backward "
-            "steps them (DDP does not reduce them)",
-            "let every trained parameter require grad before trainer.fit() (freeze by a "
-            "zero learning rate instead), or fit on one device with "
-            "OverlapSingleDeviceStrategy")
+class OptimizerChanges:
+    """What a fit may change in its optimizer after set-up that no step during backward
+    honours, seen before each ``training_step``: a parameter no backward steps (a DDP
+    model reduces only those that required grad when it was built, so not one that
+    ``add_param_group`` adds later, as ``BackboneFinetuning`` does; optimizer_in_backward
+    of a module hooks none of the optimizer's that was frozen at set-up; one of those
+    unfrozen on DDP the DDP techniques refuse), or a step hook (``register_step_pre_hook``
+    on ``trainer.optimizers[0]``: it would run around each bucket's step). Either turns
+    the fit to the plain order, where ``step()`` steps every parameter in one call."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
+                 ddp: bool) -> None:
+        self.optimizer = optimizer  # the adopted one, whose step the engine calls
+        self.ready = {id(p) for p in params if p.requires_grad}
+        self.at_set_up = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        self.ddp = ddp
+
+    def found(self) -> tuple[str, str] | None:
+        """Why the fit turns to the plain order, and how to keep the overlap, or None."""
+        optimizer = self.optimizer
+        if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+            return ("the optimizer has step hooks (registered after trainer.fit() set it "
+                    "up), which would run around each part stepped during backward",
+                    "log or adjust in on_train_batch_start / on_train_batch_end instead")
+        count = sum(1 for g in optimizer.param_groups for p in g["params"]
+                    if p.requires_grad and id(p) not in self.ready
+                    and (id(p) in self.at_set_up) != self.ddp)
+        if not count:
+            return None
+        return (f"{count} parameter{'s' if count > 1 else ''} the optimizer steps did not "
+                "require grad when the fit was set up (unfrozen since, or added by "
+                "add_param_group to a DDP model, as BackboneFinetuning does), so no "
+                "backward steps them (DDP does not reduce them)",
+                "let every trained parameter require grad before trainer.fit() (freeze "
+                "by a zero learning rate instead), or fit on one device with "
+                "OverlapSingleDeviceStrategy")
 
 
 def by_hand_warning(strategy: str, technique: str) -> str:

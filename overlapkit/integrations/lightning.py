@@ -147,8 +147,8 @@ class _StepsInBackward(pl.strategies.Strategy):
                           stacklevel=2)
         self._automatic.attach(overlapped, writes, clipping, plain_order=bool(users),
                                own_clipping=own_clipping)
-        self._automatic.watch_new_params(list(module.parameters()),
-                                         isinstance(model, DistributedDataParallel))
+        self._automatic.watch_changes(list(module.parameters()),
+                                      isinstance(model, DistributedDataParallel))
         if self._technique == "optimizer_in_backward" and isinstance(
                 model, DistributedDataParallel):
             self._automatic.watch_training_step(model, list(module.parameters()))

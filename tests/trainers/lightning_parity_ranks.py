@@ -46,6 +46,8 @@ CASES: dict[str, dict[str, Any]] = {
     "optimizer_step runs the closure itself, skips a step, clip norm, accumulate 2": {
         "gradient_clip_val": 0.05, "accumulate_grad_batches": 2},
     "BackboneFinetuning unfreezes a layer": {},
+    "a callback adds a step pre-hook to trainer.optimizers[0], clip norm": {
+        "gradient_clip_val": 0.05},
     "configure_gradient_clipping from the second step, clip value, accumulate 2": {
         "gradient_clip_val": 0.01, "gradient_clip_algorithm": "value",
         "accumulate_grad_batches": 2},
@@ -81,6 +83,8 @@ WARNED: dict[str, dict[str, str]] = {
         dict.fromkeys(_ALL, "ClipsFromTheSecondStep.configure_gradient_clipping"),
     "BackboneFinetuning unfreezes a layer": dict.fromkeys(
         _DDP, "2 parameters the optimizer steps did not require grad"),
+    "a callback adds a step pre-hook to trainer.optimizers[0], clip norm": dict.fromkeys(
+        _ALL, "the optimizer has step hooks"),
 }
 #: overlapkit's strategy -> the plain one it is compared with, by world size
 PAIRS = {
@@ -137,6 +141,22 @@ class ReadsGradsAtStart(Callback):
                              batch_idx: int) -> None:
         ReadsGrads.on_train_batch_end(self, trainer, module, None, batch,  # type: ignore[arg-type]
                                       batch_idx)
+
+
+class LowersLrInAStepHook(Callback):
+    """Keeps ``trainer.optimizers[0]`` and lowers its learning rates in a step pre-hook,
+    recording them (the plain loop runs it once per step, before the step)."""
+
+    def __init__(self) -> None:
+        self.read: list[torch.Tensor] = []
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        def lower(optimizer: Any, args: Any, kwargs: Any) -> None:
+            for group in optimizer.param_groups:
+                group["lr"] *= 0.9
+            self.read.append(torch.tensor([g["lr"] for g in optimizer.param_groups]))
+
+        trainer.optimizers[0].register_step_pre_hook(lower)
 
 
 class ReadsBeforeTheStep(Regression):
@@ -264,6 +284,8 @@ def _options(case: str) -> dict[str, Any]:
         options["callbacks"] = [ScalesGradients()]
     if case == "BackboneFinetuning unfreezes a layer":
         options["callbacks"] = [BackboneFinetuning(unfreeze_backbone_at_epoch=1)]
+    if case == "a callback adds a step pre-hook to trainer.optimizers[0], clip norm":
+        options["callbacks"] = [LowersLrInAStepHook()]
     if case == "StochasticWeightAveraging":
         options["callbacks"] = [StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1)]
     return options
@@ -283,7 +305,7 @@ def fit(label: str, case: str, world_size: int, root: Path,
                 module, data())
         out: dict[str, Any] = {"values": values(module), "warnings": [
             str(w.message) for w in caught if "overlap" in str(w.message)]}
-        if case in READS_GRADS:
+        if case in READS_GRADS or "step pre-hook" in case:
             out["state"] = options["callbacks"][0].read
         if isinstance(module, ReadsBeforeTheStep):
             out["state"] = module.record
