@@ -40,10 +40,15 @@ WRITING_HOOKS = ("on_after_backward", "on_before_optimizer_step")
 #: those, and the one before the next ``zero_grad`` (the parameters are stepped by then,
 #: as in the plain loop; only ``optimizer_in_backward`` has freed the gradients)
 GRADIENT_HOOKS = (*WRITING_HOOKS, "on_before_zero_grad")
-#: the hooks that run after the optimizer step, where the plain loop still holds that
-#: step's gradients (until the next step's ``zero_grad``) and ``optimizer_in_backward``
-#: has freed them
-AFTER_STEP_HOOKS = ("on_train_batch_end",)
+#: the hooks that run after an optimizer step and before the next ``zero_grad`` (in the
+#: next closure), where the plain loop still holds that step's gradients and
+#: ``optimizer_in_backward`` has freed them (validation runs there too); a read in the
+#: first step's window is also seen as it happens, but not one that first comes later
+AFTER_STEP_HOOKS = ("on_train_batch_end", "on_train_batch_start", "on_train_epoch_end",
+                    "on_train_epoch_start", "on_validation_start",
+                    "on_validation_epoch_start", "on_validation_batch_start",
+                    "on_validation_batch_end", "on_validation_epoch_end",
+                    "on_validation_end", "on_train_end")
 #: LightningModule methods whose override works in the window, and the techniques it
 #: matters to: ``backward`` (a change or read of ``.grad`` after ``loss.backward()``),
 #: ``configure_gradient_clipping`` (the user's clipping, called before the step: the
@@ -113,13 +118,14 @@ def plain_order_warning(users: list[str], strategy: str, technique: str) -> str:
                      "instead of a configure_gradient_clipping override (overlapkit clips "
                      "exactly so during backward)")
     if any(u.endswith((*GRADIENT_HOOKS, "backward (an override)")) for u in users):
-        hints.append("move that work to on_train_batch_start / on_train_batch_end, or "
-                     "change gradients before they are reduced (a hook on the parameter, "
-                     "the loss)")
+        hints.append("read the parameters or the optimizer state in on_train_batch_end "
+                     "instead (exact there), and change gradients before they are reduced "
+                     "(a hook on the parameter, the loss)")
     after = [u for u in users if u.endswith(AFTER_STEP_HOOKS)]
     if after:
         hints.append(f"pass {strategy}(..., reads_grads_after_step=False) if "
-                     f"{', '.join(after)} read{'s' if len(after) == 1 else ''} no .grad")
+                     f"{', '.join(after)} read{'s' if len(after) == 1 else ''} no .grad, "
+                     "or use OverlapDDPStrategy('overlap_ddp') (it keeps the gradients)")
     if any(u.endswith(WRITING_HOOKS) for u in users):
         hints.append("pass OverlapDDPStrategy('overlap_ddp', hooks_read_only_grads=True) "
                      "without gradient_clip_val if on_after_backward / "
@@ -130,10 +136,10 @@ def plain_order_warning(users: list[str], strategy: str, technique: str) -> str:
     return (
         f"{strategy} ({technique}) takes every step of this fit at optimizer.step(), in "
         f"the plain order, without overlap: {', '.join(users)} may work in the window "
-        "between backward and the optimizer step (read or change .grad, read the "
-        "parameters or the optimizer's state before the step, keep gradients past it), "
-        "which stepping during backward removes. The run is the plain Trainer's, "
-        f"bitwise. To keep the overlap: {'; or '.join(hints)}."
+        "from a backward to the next zero_grad (read or change .grad before the step, "
+        "read the parameters or the optimizer's state before it, read .grad after it, "
+        "keep gradients past it), which stepping during backward changes. The run is "
+        f"the plain Trainer's, bitwise. To keep the overlap: {'; or '.join(hints)}."
     )
 
 

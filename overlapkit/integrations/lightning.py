@@ -87,7 +87,7 @@ class _StepsInBackward(pl.strategies.Strategy):
 
     _technique: str
     _automatic: AutomaticOptimization
-    #: None: a user's on_train_batch_end may read .grad (optimizer_in_backward then
+    #: None: a user's on_train_batch_end (...) may read .grad (optimizer_in_backward then
     #: steps in the plain order); False: the user said it reads none
     _reads_grads_after_step: bool | None = None
     #: the user's on_after_backward / on_before_optimizer_step read nothing but .grad
@@ -198,9 +198,11 @@ class OverlapDDPStrategy(_StepsInBackward, pl.strategies.DDPStrategy):
     :param comm_hook_options: keyword options for the comm hook's builder.
     :param step_thread: ``overlap_ddp`` only: see :func:`~overlapkit.overlap_ddp`.
     :param reads_grads_after_step: ``optimizer_in_backward`` only. By default, when the
-        module or a callback of the user's overrides ``on_train_batch_end``, which may
-        read ``.grad`` after the step (the plain loop keeps the gradients until the
-        next ``zero_grad``; ``optimizer_in_backward`` frees them during backward),
+        module or a callback of the user's overrides a hook that runs after a step and
+        before the next ``zero_grad`` (``on_train_batch_end`` / ``_start``, the
+        ``on_train_epoch_*``, ``on_validation_*`` and ``on_train_end`` hooks), which may
+        read ``.grad`` there (the plain loop keeps the gradients until the next
+        ``zero_grad``; ``optimizer_in_backward`` frees them during backward),
         every step of the fit is taken at ``optimizer.step()`` in the plain order,
         bitwise, with one warning. ``False``: those hooks read no gradients; keep the
         overlap.

@@ -36,6 +36,7 @@ CASES: dict[str, dict[str, Any]] = {
     "a callback reads .grad in on_train_batch_end, clip norm, accumulate 2": {
         "gradient_clip_val": 0.05, "accumulate_grad_batches": 2},
     "a callback reads .grad in on_train_batch_start": {},
+    "a module reads .grad in on_after_batch_transfer": {},
     # the window between backward and step: stepped in the plain order (WARNED)
     "on_before_optimizer_step logs gradient norms": {},
     "on_before_optimizer_step reads the parameters and the optimizer state": {},
@@ -56,7 +57,7 @@ CASES: dict[str, dict[str, Any]] = {
     "StochasticWeightAveraging": {},
 }
 #: the cases whose fits record what a callback read between optimizer steps
-READS_GRADS = [case for case in CASES if ".grad in on_train" in case]
+READS_GRADS = [case for case in CASES if "reads .grad in on_" in case]
 _ALL = ("overlap_ddp", "optimizer_in_backward", "one device")
 _DDP = ("overlap_ddp", "optimizer_in_backward")
 #: what the one warning of a case names, by strategy (the hook seen at set-up, the
@@ -65,8 +66,11 @@ _DDP = ("overlap_ddp", "optimizer_in_backward")
 WARNED: dict[str, dict[str, str]] = {
     **{case: dict.fromkeys(("optimizer_in_backward", "one device"),
                            "ReadsGrads.on_train_batch_end" if "batch_end" in case
+                           else "ReadsGradsAtStart.on_train_batch_start" if "start" in case
                            else "were read after the first optimizer step")
        for case in READS_GRADS},
+    "self.optimizer kept, lr lowered by hand": dict.fromkeys(
+        ("optimizer_in_backward", "one device"), "LowersItsLr.on_train_batch_start"),
     "on_before_optimizer_step logs gradient norms": dict.fromkeys(
         _ALL, "LogsGradNorms.on_before_optimizer_step"),
     "on_before_optimizer_step reads the parameters and the optimizer state": dict.fromkeys(
@@ -132,7 +136,7 @@ class ReadsGrads(Callback):
 
 class ReadsGradsAtStart(Callback):
     """The same, at the start of the next batch (the plain loop's gradients are still
-    there: zero_grad runs in the closure): not a hook seen at set-up."""
+    there: zero_grad runs in the closure)."""
 
     def __init__(self) -> None:
         self.read: list[torch.Tensor] = []
@@ -141,6 +145,21 @@ class ReadsGradsAtStart(Callback):
                              batch_idx: int) -> None:
         ReadsGrads.on_train_batch_end(self, trainer, module, None, batch,  # type: ignore[arg-type]
                                       batch_idx)
+
+
+class ReadsGradsAfterTransfer(Regression):
+    """Reads every gradient when the next batch is on the device, a hook that is not
+    seen at set-up: the read of the gradients the first step kept is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read: list[torch.Tensor] = []
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if self.trainer.training:
+            ReadsGrads.on_train_batch_end(self, self.trainer, self, None,  # type: ignore[arg-type]
+                                          batch, 0)
+        return batch
 
 
 class LowersLrInAStepHook(Callback):
@@ -257,6 +276,7 @@ MODULES: dict[str, type[Regression]] = {
     "configure_gradient_clipping from the second step, clip value, accumulate 2":
         ClipsFromTheSecondStep,
     "LR warm-up set in optimizer_step": WarmsUp,
+    "a module reads .grad in on_after_batch_transfer": ReadsGradsAfterTransfer,
 }
 
 
@@ -268,6 +288,8 @@ def strategy(label: str, accelerator: str = "cpu") -> Any:
         "overlap_ddp": lambda: OverlapDDPStrategy("overlap_ddp"),
         "optimizer_in_backward": lambda: OverlapDDPStrategy("optimizer_in_backward"),
         "one device": lambda: OverlapSingleDeviceStrategy(device),
+        "one device, reads no grads after the step": lambda: OverlapSingleDeviceStrategy(
+            device, reads_grads_after_step=False),
         "overlap_ddp, hooks read only grads": lambda: OverlapDDPStrategy(
             "overlap_ddp", hooks_read_only_grads=True),
     }[label]()
@@ -277,7 +299,7 @@ def _options(case: str) -> dict[str, Any]:
     options = dict(CASES[case])
     if case == "GradientAccumulationScheduler":
         options["callbacks"] = [GradientAccumulationScheduler({0: 1, 1: 2})]
-    if case in READS_GRADS:
+    if case in READS_GRADS and "callback" in case:
         options["callbacks"] = [ReadsGradsAtStart() if "batch_start" in case
                                 else ReadsGrads()]
     if case == "a callback scales .grad in on_before_optimizer_step, clip norm":
@@ -305,8 +327,10 @@ def fit(label: str, case: str, world_size: int, root: Path,
                 module, data())
         out: dict[str, Any] = {"values": values(module), "warnings": [
             str(w.message) for w in caught if "overlap" in str(w.message)]}
-        if case in READS_GRADS or "step pre-hook" in case:
+        if (case in READS_GRADS and "callback" in case) or "step pre-hook" in case:
             out["state"] = options["callbacks"][0].read
+        if isinstance(module, ReadsGradsAfterTransfer):
+            out["state"] = module.read
         if isinstance(module, ReadsBeforeTheStep):
             out["state"] = module.record
         if isinstance(module, LogsGradNorms):
@@ -392,7 +416,7 @@ def _unfrozen(root: Path) -> dict[str, Any]:
     """One device: a parameter of the optimizer unfrozen during the fit has no step hook
     (0.067 off, never stepped, before); it turns the fit to the plain order."""
     runs = []
-    for label in ("single device", "one device"):
+    for label in ("single device", "one device, reads no grads after the step"):
         module = OneGroup()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
