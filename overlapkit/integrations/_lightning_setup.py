@@ -1,6 +1,6 @@
 """The set-up of overlapkit's Lightning strategies, once per fit, before the first step:
 what cannot be honoured is refused here, and the optimizer that ``configure_optimizers``
-returned is rebuilt as an overlapped one on the model Lightning has just wrapped.
+returned is adopted by an overlapped one on the model Lightning has just wrapped.
 
 Private to :mod:`overlapkit.integrations.lightning`, which checks that Lightning is
 installed before importing this module.
@@ -8,7 +8,7 @@ installed before importing this module.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -21,8 +21,7 @@ from overlapkit.errors import ConfigurationError
 from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.overlap.facade import OverlappedOptimizerFacade
 
-__all__ = ["TECHNIQUES", "check_fit", "clipping_of", "overlapped_like", "plain_optimizer",
-           "rebind_schedulers"]
+__all__ = ["TECHNIQUES", "check_fit", "clipping_of", "overlapped_like", "plain_optimizer"]
 
 #: what the strategies step with
 TECHNIQUES = ("overlap_ddp", "optimizer_in_backward")
@@ -133,33 +132,3 @@ def overlapped_like(plain: torch.optim.Optimizer, technique: str, model: torch.n
     check_adopted(overlapped.optimizer, plain)
     overlapped.clip_in_order(p for group in plain.param_groups for p in group["params"])
     return overlapped
-
-
-def _schedulers(scheduler: Any) -> Iterator[Any]:
-    """A scheduler and the ones it chains (``SequentialLR``, ``ChainedScheduler``)."""
-    yield scheduler
-    for inner in getattr(scheduler, "_schedulers", None) or ():
-        yield from _schedulers(inner)
-
-
-def rebind_schedulers(configs: Sequence[Any], plain: torch.optim.Optimizer,
-                      overlapped: torch.optim.Optimizer) -> None:
-    """Point the LR schedulers of ``configure_optimizers`` at the overlapped optimizer.
-
-    They were built on ``plain``: their base LRs and ``initial_lr`` are in its groups,
-    which the overlapped optimizer copied, so from now on they drive its live groups.
-    torch's schedulers mark the optimizer's ``step`` to warn when it is replaced after
-    them; the overlapped optimizer's gets the same mark.
-    """
-    for config in configs:
-        for scheduler in _schedulers(config.scheduler):
-            if getattr(scheduler, "optimizer", None) is plain:
-                scheduler.optimizer = overlapped
-    step = overlapped.step
-    if configs and not hasattr(step, "_wrapped_by_lr_sched"):
-        def tracked_step(*args: Any, **kwargs: Any) -> Any:
-            overlapped._opt_called = True  # type: ignore[attr-defined]
-            return step(*args, **kwargs)
-
-        tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        overlapped.step = tracked_step  # type: ignore[method-assign]

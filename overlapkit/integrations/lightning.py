@@ -55,7 +55,6 @@ from overlapkit.integrations._lightning_setup import (
     clipping_of,
     overlapped_like,
     plain_optimizer,
-    rebind_schedulers,
 )
 from overlapkit.integrations._lightning_window import (
     GradientWrites,
@@ -139,7 +138,10 @@ class _StepsInBackward(pl.strategies.Strategy):
         overlapped = overlapped_like(plain, self._technique, model,
                                      {} if own_clipping else clipping, options)
         _SET_UP.add(module)
-        rebind_schedulers(self.lr_scheduler_configs, plain, overlapped)
+        # the LR schedulers stay on `plain`, the adopted optimizer the technique steps:
+        # torch's "scheduler before optimizer.step()" check sees its steps, and
+        # LearningRateMonitor finds it behind trainer.optimizers[0].optimizer, named as
+        # in the plain run (re-pointed at `overlapped`, it logged each group twice)
         writes = (GradientWrites(list(module.named_parameters()), self._technique, watched)
                   if watched else None)
         if users:

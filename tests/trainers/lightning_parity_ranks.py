@@ -377,6 +377,8 @@ def parity(rank: int, world_size: int, root: str,
                     expected["state"], got["state"]).differences)
             out[f"{label} | {case}"] = result
             out[f"{label} | {case} | warnings"] = got.get("warnings", [])
+    if accelerator == "cpu":
+        out.update(_lrs_logged(rank, world_size, base / "lr_monitor"))
     if world_size == 1 and accelerator == "cpu":
         out["one device | a callback unfreezes a layer of the optimizer"] = _unfrozen(base)
     if world_size > 1 and accelerator == "cpu":
@@ -398,6 +400,31 @@ def _plain_fit_after(world_size: int, root: Path) -> Comparison:
     for module in (trained, fresh):
         trainer(strategy("ddp"), world_size, root, max_steps=3).fit(module, data())
     return compare(values(fresh), values(trained))
+
+
+def _lrs_logged(rank: int, world_size: int, root: Path) -> dict[str, Comparison]:
+    """What ``LearningRateMonitor`` writes to a ``CSVLogger`` (momentum and weight decay
+    too; two param groups and a per-step schedule): the plain run's file, byte for byte
+    (before, the groups were logged twice, once under the overlapped optimizer's name).
+    Rank 0 writes the files, and compares them once every rank's fits are over."""
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    logged = {}
+    for label in {label for pair in PAIRS[world_size].items() for label in pair}:
+        directory = root / label
+        trainer(strategy(label), world_size, directory, log_every_n_steps=1,
+                logger=CSVLogger(str(directory), name="lrs", version=0),
+                callbacks=[LearningRateMonitor(log_momentum=True, log_weight_decay=True)]
+                ).fit(Regression(), data())
+        if rank == 0:
+            logged[label] = (directory / "lrs" / "version_0" / "metrics.csv").read_text()
+    if rank != 0:
+        return {}
+    return {f"{label} | LearningRateMonitor logs": Comparison(
+        () if logged[label] == logged[plain] else (
+            f"{label}: {logged[label].splitlines()[0]} vs {logged[plain].splitlines()[0]}",))
+        for label, plain in PAIRS[world_size].items()}
 
 
 class Unfreezes(Callback):

@@ -143,3 +143,10 @@ def test_what_only_shows_during_training_is_refused_when_it_shows(
         results: list[dict[str, Any]], case: str) -> None:
     """Clipping changed after set-up is refused before the step that would use it."""
     _refused(results, case)
+
+
+@pytest.mark.parametrize("technique", TECHNIQUES)
+def test_learning_rate_monitor_logs_what_strategy_ddp_logs(
+        results: list[dict[str, Any]], technique: str) -> None:
+    """Rank 0 writes the log (Lightning's loggers log on rank 0)."""
+    assert results[0]["parity"][f"{technique} | LearningRateMonitor logs"]

@@ -136,3 +136,9 @@ def test_a_layer_of_the_optimizer_unfrozen_during_the_fit_is_stepped_as_in_the_p
     assert result["bitwise"], result["bitwise"]
     assert len(result["warnings"]) == 1, result["warnings"]
     assert "did not require grad when the fit was set up" in result["warnings"][0]
+
+
+@pytest.mark.parametrize("strategy", ["overlap_ddp", "optimizer_in_backward", "one device"])
+def test_learning_rate_monitor_logs_what_the_plain_strategy_logs(
+        results: dict[str, Any], strategy: str) -> None:
+    assert results["parity"][f"{strategy} | LearningRateMonitor logs"]
