@@ -8,10 +8,13 @@ In Lightning's plain loop the gradients exist from the backward until the next s
 the step, and see the gradients, the parameters and the optimizer state as they were
 before it. An optimizer stepping during backward has already changed the last two (and,
 under ``optimizer_in_backward``, freed the gradients), and a change of ``.grad`` there
-would miss the step. Whatever of this a fit overrides is honoured by taking every step
-of that fit at ``optimizer.step()``, in the plain order (the facade's ``defer_steps()``):
-bitwise the plain run, with one warning (:func:`window_users`,
-:func:`plain_order_warning`).
+would miss the step; after the step the plain loop keeps the gradients until the next
+``zero_grad``, which ``optimizer_in_backward`` frees. Whatever of this a fit overrides
+is honoured by taking every step of that fit at ``optimizer.step()``, in the plain order
+(the facade's ``defer_steps()``): bitwise the plain run, with one warning
+(:func:`window_users`, :func:`plain_order_warning`). What changes in the optimizer during
+the fit that no backward can step (:class:`OptimizerChanges`) turns the rest of the fit
+to the plain order the same way.
 
 Private to :mod:`overlapkit.integrations.lightning`.
 """
