@@ -240,9 +240,10 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         stepped (it returns once the other ranks' updates have landed). A full step (no
         stepping backward since the last ``step()``) steps this rank's share, then
         exchanges it."""
-        self.synchronize()
-        self._held_now()
         full = not self._stepper.stepped_since_step
+        if full:  # (a stepping backward checked param_groups when it started)
+            self.synchronize()
+            self._held_now()
         super().step(closure)
         if full:
             self._stepper.full_step_taken()
