@@ -292,3 +292,30 @@ def group_made_again(rank: int, world_size: int) -> dict[str, Any]:
                               timeout=datetime.timedelta(seconds=60))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     return out
+
+
+def on_a_subgroup(rank: int, world_size: int) -> dict[str, Any]:
+    """DDP over ``new_group([1, 2], timeout=7 s)`` at 3 ranks (rank 0 outside): bitwise
+    plain DDP on that group; the exchange's group has its ranks and timeout; the state
+    gathered on its rank 1 (global 2) is the plain optimizer's."""
+    members = [1, 2]
+    group = dist.new_group(members, timeout=datetime.timedelta(seconds=7))
+    if rank not in members:
+        dist.barrier()
+        return {"outside": True}
+    torch.manual_seed(0)
+    ddp = DDP(Net(), bucket_cap_mb=0.001, process_group=group)
+    torch.manual_seed(0)
+    reference = DDP(Net(), bucket_cap_mb=0.001, process_group=group)
+    plain = torch.optim.AdamW(reference.parameters(), lr=LR)
+    opt = overlapkit.overlap_ddp(ddp, torch.optim.AdamW, lr=LR, shard_optimizer_state=True)
+    data = batches(members.index(rank), 3)
+    _train(reference, plain, data)
+    _train(ddp, opt, data)
+    exchanged = opt._stepper.exchange.group
+    whole = _gathered(opt, members.index(rank), to=1)
+    dist.barrier()
+    return {"values": compare(values(reference), values(ddp)),
+            "exchange": (dist.get_process_group_ranks(exchanged),
+                         exchange.group_timeout(exchanged)),
+            "state": compare_state_dicts(plain.state_dict(), whole) if rank == 2 else True}

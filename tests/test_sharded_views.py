@@ -4,11 +4,13 @@ are followed (the state dicts stay whole), parameters added or removed by hand a
 refused before they step; step hooks and copies are refused with what to do instead;
 the module may be wrapped again once its model and optimizer are dropped, a model
 dropped within its first step is freed, the process group may be made again; and,
-pinned, schedulers that change betas or momentum every step and a gathering on rank 1
-are bitwise the plain optimizer's and ``ZeroRedundancyOptimizer``'s."""
+pinned, schedulers that change betas or momentum every step, a gathering on rank 1 and
+a DDP model on a subgroup are bitwise the plain optimizer's and
+``ZeroRedundancyOptimizer``'s."""
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 import pytest
@@ -103,3 +105,11 @@ def test_a_gathering_on_rank_1_is_zero_redundancy_optimizer_s_and_its_dict_loads
     results = _run(ranks_.gathered_like_zero, 2)
     assert not failures(results, "as ZeRO's")
     assert not failures(results, "resumed")
+
+
+def test_a_ddp_model_on_a_subgroup_exchanges_on_its_ranks_with_its_timeout() -> None:
+    results = _run(ranks_.on_a_subgroup, 3)[1:]
+    assert not failures(results, "values")
+    assert not failures(results, "state")
+    for result in results:
+        assert result["exchange"] == ([1, 2], datetime.timedelta(seconds=7)), result
