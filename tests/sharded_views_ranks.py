@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import datetime
 import gc
+import io
 import pickle
 import time
 import weakref
@@ -198,9 +199,19 @@ def hooks_and_copies(rank: int, world_size: int) -> dict[str, Any]:
     data = batches(rank, 3)
     _train(reference, plain, data)
     _train(ddp, opt, data)
+    # the wrapped module saved whole, and copied (an EMA), as plain DDP's
+    buffer = io.BytesIO()
+    saved = error_of(lambda: torch.save(ddp.module, buffer))
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False) if saved is None else ddp.module
+    ema = copy.deepcopy(ddp.module)
+    tokens = batches(rank, 1, seed=9)[0]
+    with torch.no_grad():
+        outputs = [model(tokens) for model in (reference.module, loaded, ema)]
     return {"pre": pre, "post": post, "registered": registered, "calls": len(calls),
-            "deepcopy": copied, "pickle": pickled_type,
-            "values": compare(values(reference), values(ddp))}
+            "deepcopy": copied, "pickle": pickled_type, "module saved": saved,
+            "values": compare(values(reference), values(ddp)),
+            "module outputs": compare(outputs[:1] * 2, outputs[1:])}
 
 
 # -- the model around it: wrapped again, dropped early, the group made again ------------

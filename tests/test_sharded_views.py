@@ -52,7 +52,8 @@ def test_parameters_added_or_removed_by_editing_param_groups_are_refused_before_
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_step_hooks_and_copies_are_refused_with_what_to_do_instead(world_size: int) -> None:
+def test_step_hooks_and_copies_are_refused_with_what_to_do_instead_and_the_module_saves(
+        world_size: int) -> None:
     for rank, result in enumerate(_run(ranks_.hooks_and_copies, world_size)):
         for name in ("pre", "post"):
             assert result[name]["type"] == "ConfigurationError", (rank, result[name])
@@ -62,6 +63,8 @@ def test_step_hooks_and_copies_are_refused_with_what_to_do_instead(world_size: i
         assert "consolidate_state_dict" in result["deepcopy"]["message"]
         assert result["pickle"] == "NotPicklableError"  # still a TypeError
         assert result["values"], (rank, result["values"])
+        assert result["module saved"] is None, (rank, result["module saved"])
+        assert result["module outputs"], (rank, result["module outputs"])
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

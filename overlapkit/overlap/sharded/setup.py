@@ -165,6 +165,26 @@ def _groups_of(optimizer: torch.optim.Optimizer) -> list[int]:
             for _ in group["params"]]
 
 
+class _WaitForExchange:
+    """The wrapped module's forward pre-hook (:func:`wait_before_module_forward`).
+
+    It holds the stepper weakly, and is pickled or copied with the module as a no-op
+    (``torch.save(ddp_model.module)``, an EMA's ``copy.deepcopy``: the copy's
+    parameters are not the exchange's); a closure made ``torch.save`` of the module
+    raise pickle's bare error, where plain DDP's saves."""
+
+    def __init__(self, stepper: ShardedBucketStepper) -> None:
+        self._stepper: weakref.ref[ShardedBucketStepper] | None = weakref.ref(stepper)
+
+    def __call__(self, module: torch.nn.Module, inputs: Any) -> None:
+        stepper = self._stepper() if self._stepper is not None else None
+        if stepper is not None:
+            stepper.wait_for_parameters()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_stepper": None}
+
+
 def wait_before_module_forward(module: torch.nn.Module, stepper: ShardedBucketStepper) -> None:
     """Wait for the exchange before a call of the wrapped module itself
     (``ddp_model.module(x)``; DDP's own forward pre-hook waits for a call of the DDP
@@ -175,14 +195,7 @@ def wait_before_module_forward(module: torch.nn.Module, stepper: ShardedBucketSt
     stepper kept the dropped DDP model (its buckets) and optimizer state alive, which
     also kept the module's parameters claimed (a new ``overlap_ddp`` on them was
     refused)."""
-    ref = weakref.ref(stepper)
-
-    def wait(module: torch.nn.Module, inputs: Any) -> None:
-        alive = ref()
-        if alive is not None:
-            alive.wait_for_parameters()
-
-    weakref.finalize(stepper, module.register_forward_pre_hook(wait).remove)
+    weakref.finalize(stepper, module.register_forward_pre_hook(_WaitForExchange(stepper)).remove)
 
 
 def shard_on_ddp(setup: ResolvedSetup) -> ShardedOverlapOptimizer:
