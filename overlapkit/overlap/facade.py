@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from overlapkit.errors import ConfigurationError, OverlapkitError
+from overlapkit.errors import ConfigurationError, NotPicklableError, OverlapkitError
 from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.overlap.core.window import (
@@ -391,7 +391,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         watch(params, self._steps)
 
     def __getstate__(self) -> dict[str, Any]:
-        raise TypeError(
+        raise NotPicklableError(
             f"a {type(self).__name__} is bound to a live model and cannot be pickled; "
             "save optimizer.state_dict() instead."
         )
