@@ -200,8 +200,8 @@ def _ddp_errors() -> dict[str, Any]:
     inner = _model()
     overlapkit.optimizer_in_backward(inner, torch.optim.SGD, lr=0.1)
     return {
-        "ddp twice": error_of(
-            lambda: overlapkit.optimizer_in_backward(first_oib, torch.optim.SGD, lr=0.1)),
+        "ddp twice": error_of(lambda: overlapkit.optimizer_in_backward(  # a part of it
+            first_oib, torch.optim.SGD, params=list(first_oib.parameters())[:1], lr=0.1)),
         "ddp after overlap_ddp": error_of(
             lambda: overlapkit.optimizer_in_backward(first_overlap, torch.optim.SGD, lr=0.1)),
         "overlap_ddp after ddp": error_of(
@@ -299,8 +299,8 @@ def fsdp_scenarios(rank: int, checkpoint_dir: str) -> dict[str, Any]:
     out["fsdp2 checkpoint"] = _fsdp_checkpoint_round_trip(rank, checkpoint_dir)
     model = _fsdp()
     overlapkit.optimizer_in_backward(model, torch.optim.SGD, lr=0.1)
-    out["fsdp2 twice"] = error_of(
-        lambda: overlapkit.optimizer_in_backward(model, torch.optim.SGD, lr=0.1))
+    out["fsdp2 twice"] = error_of(lambda: overlapkit.optimizer_in_backward(  # a part of it
+        model, torch.optim.SGD, params=list(model.parameters())[:1], lr=0.1))
     out["fsdp2 comm_hook"] = error_of(lambda: overlapkit.optimizer_in_backward(
         _fsdp(), torch.optim.SGD, lr=0.1, comm_hook="allreduce"))
     return out

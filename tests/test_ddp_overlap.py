@@ -143,7 +143,7 @@ ERRORS = {
     "not an optimizer": ("UnsupportedOptimizerError", "optimizer class itself"),
     "LBFGS": ("UnsupportedOptimizerError", "closure"),
     "SparseAdam": ("UnsupportedOptimizerError", "sparse gradients"),
-    "second registration": ("ConfigurationError", "already called on this DDP model"),
+    "second registration": ("ConfigurationError", "covers only part of the parameters"),
     "own comm hook": ("ConfigurationError", "pass its name as overlap_ddp"),
     "unknown comm hook": ("UnknownNameError", "'allreduce', 'bf16_compress'"),
     "params not in model": ("ConfigurationError", "not a parameter of the DDP model"),

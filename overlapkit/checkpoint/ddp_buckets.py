@@ -59,6 +59,7 @@ class KeepsBucketLayout(Protocol):
 def _stepper(model: DistributedDataParallel) -> KeepsBucketLayout | None:
     """The state of ``model``'s comm hook where it keeps the bucket layout, or None."""
     for _, state in getattr(model, "_comm_hooks", ()):
+        state = getattr(state, "stepper", state)  # overlapkit's CommHookSlot
         if all(hasattr(state, name) for name in
                ("rebuilt_layout", "recording_layout", "replaying")):
             return cast(KeepsBucketLayout, state)

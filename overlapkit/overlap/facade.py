@@ -26,19 +26,19 @@ from overlapkit.overlap.core.window import (
     refuse_changed_gradients,
     second_backward_refusal,
 )
+from overlapkit.overlap.rebuild import refuse_retired, release_steps
 from overlapkit.overlap.rules.amp_scaler import (
     guard_param_groups,
     hand_inf_check,
     refuse_scaler_step,
 )
 from overlapkit.overlap.rules.global_step import GlobalStep, model_order
-from overlapkit.overlap.rules.late_clipping import unwatch, watch
+from overlapkit.overlap.rules.late_clipping import watch
 from overlapkit.overlap.setup import (
     check_unclaimed,
     claim_params,
     flatten_params,
     materialise_params,
-    unclaim_params,
 )
 
 __all__ = ["BackwardSteps", "OverlappedOptimizerFacade"]
@@ -264,18 +264,13 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         self._steps.backward_gate = gate
 
     def release(self) -> None:
-        """Stop stepping during backward, for a framework whose fit has ended
-        (Lightning's strategy teardown): the step hooks of a plain module's parameters
-        are removed (a DDP model's comm hook stays on that model, which the framework
-        drops), and the parameters are no longer claimed nor guarded against torch's
-        clipping, so a later fit (``Tuner.lr_find`` then ``fit``, ``fit`` twice) may set
-        a technique up on them again. Idempotent."""
-        params = self._engine.parameters()
-        remove = getattr(self._steps, "remove", None)
-        if remove is not None:
-            remove()
-        unclaim_params(params)
-        unwatch(params)
+        """Stop stepping during backward (a framework's fit has ended: Lightning's
+        teardown; a loop goes on with a plain optimizer): a plain module's step hooks are
+        removed, a DDP model's comm hook only reduces from now on, and the parameters
+        are no longer claimed nor guarded against torch's clipping, so a technique may
+        be set up on them again (``Tuner.lr_find`` then ``fit``; ``fit`` twice).
+        Idempotent (:func:`~overlapkit.overlap.rebuild.release_steps`)."""
+        release_steps(self._steps, self._engine.parameters())
 
     def clip_in_order(self, params: Iterable[torch.Tensor]) -> None:
         """Compute the total norm of ``clip_grad_norm=`` over the gradients in the order of
@@ -317,6 +312,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
             stepping backwards (gradient accumulation without ``no_sync()`` /
             ``no_step()``, :mod:`overlapkit.overlap.core.step_accounting`).
         """
+        refuse_retired(self._steps, "step()")
         if closure is not None:
             raise ConfigurationError(
                 f"{self._technique} steps during backward, so step() takes no closure; "
@@ -361,6 +357,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The real optimizer's ``zero_grad``. Also ends the optimizer iteration: the
         next backward may step (see :mod:`overlapkit.overlap.core.step_accounting`)."""
+        refuse_retired(self._steps, "zero_grad()")
         self._steps.zero_grad_called()
         self.synchronize()
         self._engine.zero_grad(set_to_none=set_to_none)
@@ -378,6 +375,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         are stepped during backward from the next backward on, exactly as the
         parameters given at set-up (same hooks, same claim against a second
         technique stepping them)."""
+        refuse_retired(self._steps, "add_param_group()")
         (group,) = materialise_params([param_group])
         if self._check_params is not None:
             self._check_params([group])

@@ -23,6 +23,8 @@ from overlapkit.errors import (
     UnsupportedOptimizerError,
 )
 from overlapkit.overlap.core.engine import OverlapEngine
+from overlapkit.overlap.plain_step_guard import claims_changed
+from overlapkit.overlap.plain_step_guard import install as install_plain_step_guard
 from overlapkit.overlap.rules.late_clipping import stepper_gone, unwatch
 from overlapkit.plugin.manager import get_plugin_manager
 
@@ -249,12 +251,16 @@ def check_unclaimed(params: Iterable[torch.Tensor], technique: str) -> None:
                 f"a parameter of shape {tuple(param.shape)} is already stepped during "
                 f"backward by {owner}, so {technique} would step it a second time; make "
                 "one call per parameter (pass params= to split the parameters between "
-                "calls), and do not mix overlap_ddp and optimizer_in_backward on one model."
+                "calls), and do not mix overlap_ddp and optimizer_in_backward on one model "
+                "(or call release() on the earlier optimizer first)."
             )
 
 
 def claim_params(params: Iterable[torch.Tensor], technique: str) -> None:
-    """Record that ``technique`` steps ``params`` during backward from now on."""
+    """Record that ``technique`` steps ``params`` during backward from now on; a plain
+    optimizer stepping them is refused (:mod:`~overlapkit.overlap.plain_step_guard`)."""
+    install_plain_step_guard()
+    claims_changed()
     for param in params:
         _CLAIMS[param] = technique
 

@@ -21,10 +21,10 @@ from overlapkit.overlap.ddp.optimizer import DDPOverlapOptimizer
 from overlapkit.overlap.ddp.setup import check_on_ddp, resolve_on_ddp, set_up_on_ddp
 from overlapkit.overlap.in_backward.optimizer import TECHNIQUE as IN_BACKWARD
 from overlapkit.overlap.in_backward.optimizer import OptimizerInBackward
-from overlapkit.overlap.in_backward.setup import model_kind, set_up_on_module
+from overlapkit.overlap.in_backward.setup import model_kind, replaceable, set_up_on_module
+from overlapkit.overlap.rebuild import check_takeover
 from overlapkit.overlap.resolved import ModelFacts, resolve_setup
 from overlapkit.overlap.rules.clipping import GradClipping
-from overlapkit.overlap.setup import check_unclaimed
 from overlapkit.overlap.sharded.optimizer import ShardedOverlapOptimizer
 from overlapkit.overlap.sharded.setup import resolve_policy, shard_on_ddp
 
@@ -224,5 +224,5 @@ def optimizer_in_backward(
         )
     setup = resolve_setup(ModelFacts.of(module, kind, IN_BACKWARD), optim_cls, args,
                           optim_kwargs, params, clipping=clipping, grad_scaler=grad_scaler)
-    check_unclaimed(setup.stepped, IN_BACKWARD)
+    check_takeover(setup.stepped, IN_BACKWARD, replaceable)
     return set_up_on_module(setup)

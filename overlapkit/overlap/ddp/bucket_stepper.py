@@ -1,9 +1,9 @@
 """The DDP comm hook that steps each gradient bucket once its reduction completes.
 
 Shared by :func:`overlapkit.overlap_ddp` and :func:`overlapkit.optimizer_in_backward`
-(for a DDP model): :mod:`overlapkit.overlap.ddp.setup` checks the model and registers
-:func:`overlapped_comm_hook` with a :class:`BucketStepper` as its state. This module is
-what runs per bucket during backward; nothing here runs at set-up.
+(for a DDP model): :mod:`overlapkit.overlap.ddp.setup` checks the model and registers a
+comm hook that runs a :class:`BucketStepper` (:func:`overlapped_comm_hook`). This module
+is what runs per bucket during backward; nothing here runs at set-up.
 """
 
 from __future__ import annotations
@@ -153,6 +153,7 @@ class BucketStepper(BucketSteps):
         self.rebuilt_layout: list[list[torch.Tensor]] | None = None
         #: set while a checkpoint load replays that layout: nothing reduced or stepped
         self.replaying = False
+        self.handles: list[Any] = []  # (see remove())
 
     # -- on the autograd thread -------------------------------------------------
 
@@ -347,7 +348,7 @@ class BucketStepper(BucketSteps):
         params = [p for p in params if p.requires_grad]
         if self.track_usage:
             for param in params:
-                param.register_post_accumulate_grad_hook(self.note_used)
+                self.handles.append(param.register_post_accumulate_grad_hook(self.note_used))
         model = self.free_after_copy_model() if self.free_after_copy_model else None
         if model is not None:
             free_local_grads_once_bucketed(model, params)
@@ -392,9 +393,8 @@ class BucketStepper(BucketSteps):
             self.used.add(param)
 
 
-def overlapped_comm_hook(state, bucket):  # type: ignore[no-untyped-def]
-    """The function registered with ``register_comm_hook``; ``state`` is a
-    :class:`BucketStepper`."""
-    # Left unannotated on purpose: DDP compares the annotation of `bucket` with
-    # dist.GradBucket, and `from __future__ import annotations` makes it a string.
+def overlapped_comm_hook(state: BucketStepper,
+                         bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Run ``state`` on ``bucket``: what the comm hook registered on the model runs
+    (:func:`~overlapkit.overlap.ddp.setup.slot_comm_hook`) while ``state`` is bound."""
     return state.run(bucket)

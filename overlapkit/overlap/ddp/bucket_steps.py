@@ -14,6 +14,7 @@ them are worked out once per bucket layout and per run of buckets
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -59,6 +60,22 @@ class BucketSteps(FailedReductions):
     #: filled then (``fills_grads``), so that DDP's finalize need not copy them
     filled_grads: FilledGradients
     fills_grads: bool = False
+    #: the hooks set up for it on the model and its parameters (see :meth:`remove`)
+    handles: list[Any]
+    #: called by :meth:`remove` to stop the model's comm hook running this stepper
+    #: (set at set-up: :class:`~overlapkit.overlap.ddp.setup.CommHookSlot`)
+    unbind: Callable[[], None] | None = None
+
+    def remove(self) -> None:
+        """Stop stepping during backward (``release()``, or replaced by a later call):
+        the model's comm hook no longer runs this stepper (it reduces as the comm hook
+        alone would, or runs the stepper that replaced it), and its hooks are removed."""
+        if self.unbind is not None:
+            self.unbind()
+            self.unbind = None
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
 
     def _step(self, params: list[torch.Tensor]) -> None:
         """Step ``params`` whose gradients the compute stream produced (the side stream

@@ -46,6 +46,13 @@ def refuse_unfrozen(frozen: list[tuple[str, torch.Tensor]], technique: str) -> N
 _HOOKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
+def _frees(model: DistributedDataParallel) -> bool:
+    """Whether the stepper the model's comm hook runs now frees the gradients: not
+    once its optimizer was released (plain DDP's gradients from then on)."""
+    slot = getattr(model, "_overlapkit_comm_hook_slot", None)
+    return bool(getattr(getattr(slot, "stepper", None), "free_grads", False))
+
+
 def free_local_grads_once_bucketed(model: DistributedDataParallel,
                                    params: Iterable[torch.Tensor]) -> None:
     """With ``gradient_as_bucket_view=False``: set each parameter's local ``.grad``
@@ -62,7 +69,7 @@ def free_local_grads_once_bucketed(model: DistributedDataParallel,
 
     def make_hook(param: torch.Tensor) -> Any:
         def free_after_ddp_copied(grad_inputs: Any, grad_outputs: Any) -> None:
-            if model.require_forward_param_sync and not model.static_graph:
+            if model.require_forward_param_sync and not model.static_graph and _frees(model):
                 param.grad = None
 
         return free_after_ddp_copied

@@ -24,17 +24,62 @@ from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.overlap.core.side_stream import SideStream
 from overlapkit.overlap.ddp.bucket_stepper import BucketStepper, overlapped_comm_hook
 from overlapkit.overlap.ddp.kept_gradients import KeptGradientAveraging
+from overlapkit.overlap.rebuild import check_takeover, plan_takeover, retire
 from overlapkit.overlap.resolved import ModelFacts, ResolvedSetup, resolve_setup
 from overlapkit.overlap.rules.clipping import GradClipping
 from overlapkit.overlap.rules.global_step import step_rules
-from overlapkit.overlap.setup import check_unclaimed, claim_params
+from overlapkit.overlap.setup import claim_params
 from overlapkit.plugin.manager import get_plugin_manager
 
-__all__ = ["check_clipping_for_model", "check_comm_hook_options", "check_ddp_model",
-           "check_on_ddp", "resolve_on_ddp", "set_up_on_ddp"]
+__all__ = ["CommHookSlot", "check_clipping_for_model", "check_comm_hook_options",
+           "check_ddp_model", "check_on_ddp", "resolve_on_ddp", "set_up_on_ddp", "slot_comm_hook"]
 
-# set on a DDP model to the technique whose comm hook it carries
-_MARKER = "_overlapkit_comm_hook_technique"
+# set on a DDP model to the CommHookSlot its registered comm hook runs
+_MARKER = "_overlapkit_comm_hook_slot"
+
+
+class CommHookSlot:
+    """The state of the one comm hook overlapkit registers on a DDP model
+    (:func:`slot_comm_hook`): it runs the model's current stepper, or, with none
+    (``release()``), the comm hook that stepper reduced with, alone — what the model
+    reduces with once nothing steps during backward.
+
+    A DDP model takes one comm hook, and keeps it for good: a later ``overlap_ddp`` /
+    ``optimizer_in_backward`` on the model binds its stepper here instead
+    (:mod:`overlapkit.overlap.rebuild`).
+    """
+
+    def __init__(self) -> None:
+        #: the stepper run for each bucket, or None
+        self.stepper: BucketStepper | None = None
+        #: the comm hook run without a stepper, as (state, hook)
+        self.reduce: tuple[Any, Any] | None = None
+
+    def bind(self, stepper: BucketStepper) -> None:
+        """Run ``stepper`` from the next bucket on. It inherits what its predecessor
+        learnt of DDP's rebuilt bucket layout (for checkpoints)."""
+        previous = self.stepper
+        if previous is not None and stepper.rebuilt_layout is None:
+            stepper.rebuilt_layout = previous.rebuilt_layout
+        self.stepper = stepper
+        self.reduce = (stepper.inner_state, stepper.inner_hook)
+        stepper.unbind = lambda: self._unbind(stepper)
+
+    def _unbind(self, stepper: BucketStepper) -> None:
+        if self.stepper is stepper:
+            self.stepper = None
+
+
+def slot_comm_hook(state, bucket):  # type: ignore[no-untyped-def]
+    """The function registered with ``register_comm_hook``; ``state`` is a
+    :class:`CommHookSlot`."""
+    # Left unannotated on purpose: DDP compares the annotation of `bucket` with
+    # dist.GradBucket, and `from __future__ import annotations` makes it a string.
+    stepper = state.stepper
+    if stepper is not None:
+        return overlapped_comm_hook(stepper, bucket)
+    inner_state, inner_hook = state.reduce
+    return inner_hook(inner_state, bucket)
 
 
 def check_ddp_model(ddp_model: Any, technique: str) -> DistributedDataParallel:
@@ -46,19 +91,17 @@ def check_ddp_model(ddp_model: Any, technique: str) -> DistributedDataParallel:
             f"{technique} needs a torch.nn.parallel.DistributedDataParallel model, got "
             f"{type(ddp_model).__name__}; wrap it first: DistributedDataParallel(model)."
         )
-    done = getattr(ddp_model, _MARKER, None)
-    if done == technique:
-        raise ConfigurationError(
-            f"{technique} was already called on this DDP model, and a DDP model takes one "
-            f"comm hook; make one {technique} call per model (pass params= to leave "
-            "parameters to a plain optimizer stepped after backward)."
-        )
-    if done is not None:
-        raise ConfigurationError(
-            f"{done} was already called on this DDP model, and a DDP model takes one comm "
-            f"hook, so {technique} cannot add its own; choose one of overlap_ddp and "
-            "optimizer_in_backward per model."
-        )
+    slot = getattr(ddp_model, _MARKER, None)
+    if isinstance(slot, CommHookSlot):
+        bound = slot.stepper
+        if bound is not None and bound.technique != technique:
+            raise ConfigurationError(
+                f"{bound.technique} already steps this DDP model, and a DDP model takes "
+                f"one comm hook, so {technique} cannot add its own; choose one of "
+                "overlap_ddp and optimizer_in_backward per model, or call release() on "
+                f"the {bound.technique} optimizer first."
+            )
+        return ddp_model  # the slot's comm hook dispatches to the new stepper
     if getattr(ddp_model, "_comm_hooks", None):
         raise ConfigurationError(
             "this DDP model already has a comm hook registered, and a DDP model takes "
@@ -125,7 +168,9 @@ def check_on_ddp(setup: ResolvedSetup) -> None:
     model = setup.model.model
     assert isinstance(model, DistributedDataParallel)
     check_clipping_for_model(model, setup.clipping, setup.model.technique)
-    check_unclaimed(setup.stepped, setup.model.technique)
+    slot = getattr(model, _MARKER, None)  # the stepper the model's comm hook runs now
+    bound = slot.stepper if isinstance(slot, CommHookSlot) else None
+    check_takeover(setup.stepped, setup.model.technique, lambda s: s is bound, also=bound)
 
 
 def set_up_on_ddp(
@@ -155,15 +200,23 @@ def set_up_on_ddp(
         clipping=setup.clipping, side_stream=SideStream(owned), global_step=global_step,
         full_step=full_step, static_graph=bool(model.static_graph), **stepper_options,
     )
-    try:
-        model.register_comm_hook(stepper, overlapped_comm_hook)
-    except RuntimeError as exc:
-        raise ConfigurationError(
-            f"DDP refused the comm hook: {exc}. A DDP model takes one comm hook; if you "
-            "registered one (or a builtin one) yourself, remove it and pass its name as "
-            "comm_hook=."
-        ) from exc
-    setattr(model, _MARKER, setup.model.technique)
+    slot = getattr(model, _MARKER, None)
+    if not isinstance(slot, CommHookSlot):
+        slot = CommHookSlot()
+        try:
+            model.register_comm_hook(slot, slot_comm_hook)
+        except RuntimeError as exc:
+            raise ConfigurationError(
+                f"DDP refused the comm hook: {exc}. A DDP model takes one comm hook; if "
+                "you registered one (or a builtin one) yourself, remove it and pass its "
+                "name as comm_hook=."
+            ) from exc
+        setattr(model, _MARKER, slot)
+    # the one change: the earlier optimizer on these parameters stops stepping
+    bound = slot.stepper
+    retire(plan_takeover(setup.stepped, setup.model.technique, lambda s: s is bound,
+                         also=bound), setup.model.technique)
+    slot.bind(stepper)
     # hooks on the parameters only once the comm hook is in (as below)
     averaging = KeptGradientAveraging.for_model(model) if inner_hook is allreduce_hook \
         else None
@@ -185,6 +238,7 @@ def set_up_on_ddp(
     names = setup.model.names
     stepper.frozen = [(names[id(p)], p) for p in owned if id(p) not in setup.model.reduced]
     # always: a backward that raised leaves the stepper's scope open (before_forward)
-    model.register_forward_pre_hook(lambda module, args: stepper.before_forward())
+    stepper.handles.append(
+        model.register_forward_pre_hook(lambda module, args: stepper.before_forward()))
     claim_params(owned, setup.model.technique)
     return engine, stepper

@@ -20,11 +20,12 @@ from overlapkit.errors import ConfigurationError, UnsupportedModelError
 from overlapkit.overlap.core.side_stream import SideStream
 from overlapkit.overlap.in_backward.optimizer import TECHNIQUE, OptimizerInBackward
 from overlapkit.overlap.in_backward.param_stepper import ParamStepper
+from overlapkit.overlap.rebuild import plan_takeover, retire
 from overlapkit.overlap.resolved import MODEL_KINDS, ResolvedSetup
 from overlapkit.overlap.rules.global_step import step_rules
 from overlapkit.overlap.setup import claim_params
 
-__all__ = ["MODEL_KINDS", "model_kind", "set_up_on_module"]
+__all__ = ["MODEL_KINDS", "model_kind", "replaceable", "set_up_on_module"]
 
 
 def model_kind(module: Any) -> str:
@@ -66,6 +67,8 @@ def set_up_on_module(setup: ResolvedSetup) -> OptimizerInBackward:
                                         order=setup.model.order)
     stepper = ParamStepper(engine, clipping=setup.clipping, side_stream=SideStream(owned),
                            global_step=global_step, full_step=full_step)
+    # the one change: an earlier optimizer on these parameters stops stepping
+    retire(plan_takeover(setup.stepped, TECHNIQUE, replaceable), TECHNIQUE)
     stepper.register(owned)
     if setup.model.kind == "module":
         stepper.handles.append(module.register_forward_pre_hook(_refuse_inside_ddp))
@@ -79,6 +82,12 @@ def set_up_on_module(setup: ResolvedSetup) -> OptimizerInBackward:
         lambda module, args: stepper.before_forward()))
     claim_params(owned, TECHNIQUE)
     return OptimizerInBackward(engine, stepper, setup.model)
+
+
+def replaceable(stepper: object) -> bool:
+    """Whether a new call on a plain or FSDP2 module may replace ``stepper``
+    (:mod:`overlapkit.overlap.rebuild`): one of the same kind, not a DDP model's."""
+    return isinstance(stepper, ParamStepper)
 
 
 def _refuse_inside_ddp(module: torch.nn.Module, args: Any) -> None:

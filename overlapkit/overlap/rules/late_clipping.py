@@ -53,9 +53,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.core.window import quiet_reads, state
 
-__all__ = ["FreedGradientNormWarning", "guarded_clip_grad_norm_", "guarded_clip_grad_value_",
-           "install", "late_clip_error", "stepper_gone", "unguarded_clip_grad_norm_",
-           "unguarded_clip_grad_value_", "watch", "unwatch"]
+__all__ = ["FreedGradientNormWarning", "current_stepper", "guarded_clip_grad_norm_",
+           "guarded_clip_grad_value_", "install", "late_clip_error", "stepper_gone",
+           "unguarded_clip_grad_norm_", "unguarded_clip_grad_value_", "watch", "unwatch"]
 
 #: torch's own functions, which overlapkit's clipping calls (never the guarded ones)
 unguarded_clip_grad_norm_ = torch_clip_grad.clip_grad_norm_
@@ -95,6 +95,13 @@ def stepper_gone(param: torch.Tensor) -> bool:
     nothing steps it any more."""
     ref = _STEPPERS.get(param)
     return ref is not None and ref() is None
+
+
+def current_stepper(param: torch.Tensor) -> Any | None:
+    """The stepper recorded for ``param`` by :func:`watch`, or None: none recorded,
+    or collected."""
+    ref = _STEPPERS.get(param)
+    return None if ref is None else ref()
 
 
 def unwatch(params: Iterable[torch.Tensor]) -> None:

@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from overlapkit.errors import ConfigurationError, NotPicklableError, OverlapkitError
 from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.overlap.facade import OverlappedOptimizerFacade
+from overlapkit.overlap.rebuild import refuse_retired
 from overlapkit.overlap.resolved import ModelFacts
 from overlapkit.overlap.rules.late_clipping import watch
 from overlapkit.overlap.setup import (
@@ -240,6 +241,7 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         stepped (it returns once the other ranks' updates have landed). A full step (no
         stepping backward since the last ``step()``) steps this rank's share, then
         exchanges it."""
+        refuse_retired(self._steps, "step()")
         full = not self._stepper.stepped_since_step
         if full:  # (a stepping backward checked param_groups when it started)
             self.synchronize()
@@ -344,6 +346,7 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         """Add a group of the model's parameters; the sharding policy assigns them to
         ranks, balanced against what each rank owns already. Call it on every rank (the
         ranks check that they agree: a collective)."""
+        refuse_retired(self._steps, "add_param_group()")
         (group,) = materialise_params([param_group])
         self._held_now()
         facts = self._facts.now()

@@ -1,0 +1,157 @@
+"""A new optimizer built on a model an overlapkit optimizer already steps.
+
+In plain PyTorch building a second optimizer on the same model is legal and common: a
+second phase with another optimizer or learning rate, a reset after a loss spike, a
+fine-tune after unfreezing. An overlapped optimizer steps during backward from hooks
+on the model (a DDP model's comm hook, a plain module's per-parameter hooks), and those
+hooks keep it stepping even once the loop has dropped it (``opt`` reassigned or
+deleted: the model still holds it, which is what lets a loop that never keeps the
+returned optimizer train). So a later ``overlap_ddp`` / ``optimizer_in_backward`` call
+over the parameters an earlier one steps takes them over when the earlier one
+
+- was released (``opt.release()``): nothing of it steps any more;
+- is gone (collected with its model), or
+- is fully replaced: every parameter it steps is in the new call (the reassign idiom
+  ``opt = overlap_ddp(ddp_model, ...)``, where the earlier object is still alive
+  during the call, and ``del opt`` where the model keeps it).
+
+The replaced optimizer is *retired*: its hooks are removed (a DDP model's comm hook
+now dispatches to the new stepper), and its later ``step()``, ``zero_grad()`` or
+``add_param_group()`` raises, naming the call that replaced it. Its ``state_dict()``
+still reads (to carry its state into the new one).
+
+Refused, before anything changes, where the takeover would be ambiguous: the new call
+covers only part of a live optimizer's parameters (it would keep stepping the rest),
+or it comes between a stepping backward and ``step()`` (that optimizer step is half
+taken).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from overlapkit.errors import ConfigurationError
+from overlapkit.overlap.rules.late_clipping import current_stepper, unwatch
+from overlapkit.overlap.setup import check_unclaimed, unclaim_params
+
+__all__ = ["check_takeover", "live_stepper_of", "plan_takeover", "refuse_retired",
+           "release_steps", "retire", "retired_error"]
+
+
+def live_stepper_of(param: torch.Tensor) -> Any | None:
+    """The stepper (a :class:`~overlapkit.overlap.core.step_accounting.StepAccount`)
+    stepping ``param`` during backward, or None: none, released, retired or collected."""
+    stepper = current_stepper(param)
+    if stepper is None or getattr(stepper, "retired_by", None) is not None:
+        return None
+    return stepper
+
+
+def plan_takeover(params: Iterable[torch.Tensor], technique: str,
+                  replaceable: Callable[[Any], bool], also: Any | None = None) -> list[Any]:
+    """The live steppers a new ``technique`` call over ``params`` replaces: each one
+    ``replaceable`` by it (the same kind of model: a DDP model's comm hook is replaced
+    only on that model), whose parameters are all in ``params``. Changes nothing; the
+    parameters of the others are left to
+    :func:`~overlapkit.overlap.setup.check_unclaimed`.
+
+    :param also: a stepper the call replaces whatever parameters it steps (the one
+        bound to a DDP model's comm hook: the model takes one).
+    :raises ConfigurationError: a live stepper steps some of ``params`` and others not
+        in them; or one has stepped in a backward whose ``step()`` has not come yet.
+    """
+    params = list(params)
+    found: dict[int, Any] = {}
+    for param in params:
+        stepper = live_stepper_of(param)
+        if stepper is not None and replaceable(stepper):
+            found[id(stepper)] = stepper
+    if found:
+        gc.collect()  # a dropped model's stepper may be waiting in a reference cycle
+        found = {key: s for key, s in found.items()
+                 if any(live_stepper_of(p) is s for p in params)}
+    if also is not None and getattr(also, "retired_by", None) is None:
+        found[id(also)] = also
+    new = {id(p) for p in params}
+    for stepper in found.values():
+        owner = stepper.technique
+        left = [p for p in stepper.engine.parameters() if id(p) not in new]
+        if left:
+            raise ConfigurationError(
+                f"this {technique} call covers only part of the parameters an earlier "
+                f"{owner} optimizer still steps during backward ({len(left)} of its "
+                f"parameters, e.g. one of shape {tuple(left[0].shape)}, are not in "
+                f"params), so that one would keep stepping them. Release the earlier "
+                f"optimizer first (opt.release()), or pass params= covering all of its "
+                "parameters to replace it."
+            )
+        if stepper.stepped_since_step:
+            raise ConfigurationError(
+                f"an earlier {owner} optimizer on these parameters has stepped during "
+                f"a backward whose step() has not been called yet, so this {technique} "
+                "call would replace it in the middle of an optimizer step; call "
+                "step() (and zero_grad()) on it first, then build the new optimizer."
+            )
+    return list(found.values())
+
+
+def check_takeover(params: Iterable[torch.Tensor], technique: str,
+                   replaceable: Callable[[Any], bool], also: Any | None = None) -> list[Any]:
+    """:func:`plan_takeover`, then refuse what steps the other parameters during
+    backward (:func:`~overlapkit.overlap.setup.check_unclaimed`: torch's
+    ``_apply_optimizer_in_backward``). Changes nothing."""
+    params = list(params)
+    plan = plan_takeover(params, technique, replaceable, also)
+    replaced = {id(stepper) for stepper in plan}
+    check_unclaimed([p for p in params if id(live_stepper_of(p)) not in replaced], technique)
+    return plan
+
+
+def retire(steppers: Iterable[Any], technique: str) -> None:
+    """Stop each of ``steppers`` stepping (its hooks removed) and mark it replaced by
+    ``technique``: its optimizer's ``step()``, ``zero_grad()`` and
+    ``add_param_group()`` raise :func:`retired_error` from now on, before anything
+    (:func:`refuse_retired`)."""
+    for stepper in steppers:
+        stepper.remove()
+        stepper.retired_by = technique
+
+
+def release_steps(stepper: Any, params: list[torch.Tensor]) -> None:
+    """``opt.release()``: ``stepper`` stops stepping ``params`` during backward (its
+    hooks removed; a DDP model's comm hook reduces alone), which are no longer claimed
+    nor guarded against torch's clipping. Nothing for a retired stepper: the
+    parameters are its successor's."""
+    if getattr(stepper, "retired_by", None) is not None:
+        return
+    remove = getattr(stepper, "remove", None)
+    if remove is not None:
+        remove()
+    unclaim_params(params)
+    unwatch(params)
+
+
+def retired_error(stepper: Any, what: str) -> ConfigurationError | None:
+    """The error of ``what`` (``"step()"``) on an optimizer whose ``stepper`` a later
+    call replaced, or None while it is not retired."""
+    by = getattr(stepper, "retired_by", None)
+    if by is None:
+        return None
+    return ConfigurationError(
+        f"this {stepper.technique} optimizer was replaced by a later {by} call on the "
+        f"same parameters and no longer steps them, so {what} on it would do nothing "
+        f"the loop expects; use the optimizer that {by} call returned (the old one's "
+        "state_dict() still reads, to carry its state over: "
+        "new.load_state_dict(old.state_dict()))."
+    )
+
+
+def refuse_retired(stepper: Any, what: str) -> None:
+    """:raises ConfigurationError: :func:`retired_error`, where ``stepper`` is retired."""
+    error = retired_error(stepper, what)
+    if error is not None:
+        raise error

@@ -1,0 +1,116 @@
+"""The rank side of tests/test_rebuild.py: a new optimizer built on a DDP model an
+overlapkit optimizer already steps (:mod:`overlapkit.overlap.rebuild`), against the
+plain loop doing the same, on gloo ranks.
+
+Each function returns what differed (a :class:`~helpers.Comparison`), the errors raised
+(:func:`~helpers.error_of`) or the figures measured, so that a failing test says what.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from helpers import compare, error_of, rank_batches, values
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import overlapkit
+
+HOWS = ("reassign", "del", "release")
+#: the overlapped set-ups rebuilt: (technique function, its options)
+VARIANTS: dict[str, tuple[Any, dict[str, Any]]] = {
+    "overlap_ddp": (overlapkit.overlap_ddp, {}),
+    "sharded": (overlapkit.overlap_ddp, {"shard_optimizer_state": True}),
+    "optimizer_in_backward": (overlapkit.optimizer_in_backward, {}),
+}
+
+
+def _ddp() -> DDP:
+    torch.manual_seed(0)
+    return DDP(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)))
+
+
+def _train(model: nn.Module, opt: Any, data: list[torch.Tensor]) -> None:
+    for x in data:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _plain(data: list[torch.Tensor]) -> DDP:
+    """Adam for 2 steps, then a new SGD for 2: the plain loop."""
+    model = _ddp()
+    _train(model, torch.optim.Adam(model.parameters(), lr=1e-2), data[:2])
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.1), data[2:])
+    return model
+
+
+def rebuilds(rank: int, world_size: int, variants: list[str]) -> dict[str, Any]:
+    """For each variant and each way to drop the first optimizer (:data:`HOWS`): Adam
+    in backward for 2 steps, the same call with SGD for 2; the parameters against the
+    plain loop, the retired optimizer's later use, and whether the first optimizer and
+    its stepper were collected (no thread left behind)."""
+    data = rank_batches(rank, 4, shape=(8, 16))
+    reference = values(_plain(data))
+    out: dict[str, Any] = {}
+    for variant in variants:
+        build, options = VARIANTS[variant]
+        for how in HOWS:
+            model = _ddp()
+            opt = build(model, torch.optim.Adam, lr=1e-2, **options)
+            _train(model, opt, data[:2])
+            first, stepper = weakref.ref(opt), weakref.ref(opt._steps)
+            kept = opt if how == "reassign" else None
+            if how == "release":
+                opt.release()
+            if how != "reassign":
+                del opt
+                gc.collect()
+            opt = build(model, torch.optim.SGD, lr=0.1, **options)
+            _train(model, opt, data[2:])
+            result: dict[str, Any] = {"parity": compare(reference, values(model))}
+            if kept is not None:
+                result["step"] = error_of(kept.step)
+                result["zero_grad"] = error_of(kept.zero_grad)
+                result["release"] = error_of(kept.release)  # a no-op
+                result["state_dict"] = error_of(kept.state_dict)  # still reads
+                del kept
+            del opt, model
+            gc.collect()
+            dist.barrier()
+            result["collected"] = first() is None and stepper() is None
+            result["threads"] = threading.active_count()
+            out[f"{variant} {how}"] = result
+    return out
+
+
+def plain_after_drop(rank: int, world_size: int) -> dict[str, Any]:
+    """overlap_ddp with Adam for 2 steps, dropped, then a plain SGD on the same DDP
+    model: refused at its first step (the parameters as the backward left them);
+    released first, bitwise the plain loop."""
+    data = rank_batches(rank, 4, shape=(8, 16))
+    out: dict[str, Any] = {}
+    model = _ddp()
+    opt = overlapkit.overlap_ddp(model, torch.optim.Adam, lr=1e-2)
+    _train(model, opt, data[:2])
+    del opt
+    gc.collect()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(data[2]).square().mean().backward()
+    before = values(model)
+    out["dropped"] = error_of(sgd.step)
+    out["unchanged by the refused step"] = compare(before, values(model))
+
+    model = _ddp()
+    opt = overlapkit.overlap_ddp(model, torch.optim.Adam, lr=1e-2)
+    _train(model, opt, data[:2])
+    opt.release()
+    del opt
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.1), data[2:])
+    out["released"] = compare(values(_plain(data)), values(model))
+    return out
