@@ -180,3 +180,13 @@ def test_parameters_left_to_a_plain_optimizer_with_params_are_not_refused() -> N
         plain_adam.zero_grad()
         plain_sgd.zero_grad()
     assert compare(values(plain), values(model))
+
+
+def test_the_plain_step_guard_leaves_the_engines_steps_past_torchs_wrapper() -> None:
+    from torch.optim import optimizer as torch_optimizer
+
+    from overlapkit.overlap.core.direct_step import unwrapped_step
+
+    opt = overlapkit.optimizer_in_backward(_module(), torch.optim.Adam, lr=1e-2)
+    assert torch_optimizer._global_optimizer_pre_hooks  # the guard is installed
+    assert unwrapped_step(opt.optimizer) is not None

@@ -28,6 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from overlapkit.errors import ConfigurationError
 from overlapkit.optimizer_wrapper import OptimizerWrapper
+from overlapkit.overlap.core.direct_step import PASSING_PRE_HOOKS
 from overlapkit.overlap.rules.late_clipping import current_stepper
 
 __all__ = ["claims_changed", "install", "refuse_plain_step"]
@@ -43,8 +44,9 @@ _passed: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]] = (
 def install() -> None:
     """Register :func:`refuse_plain_step` with torch (once; idempotent)."""
     if not _installed:
-        _installed.append(
-            register_optimizer_step_pre_hook(refuse_plain_step))
+        # it passes the engines' optimizers: their steps still skip torch's wrapper
+        PASSING_PRE_HOOKS.add(refuse_plain_step)
+        _installed.append(register_optimizer_step_pre_hook(refuse_plain_step))
 
 
 def claims_changed() -> None:

@@ -106,8 +106,10 @@ def overlap_ddp(
     :raises UnsupportedOptimizerError: ``optim_cls`` is not an optimizer class, or
         cannot step per bucket (LBFGS, SparseAdam).
     :raises UnknownNameError: no comm hook is called ``comm_hook``.
-    :raises ConfigurationError: a second call on one model, a comm hook already
-        registered, ``params`` not managed by the model, bad optimizer arguments,
+    :raises ConfigurationError: a second call over part of a live optimizer's
+        parameters (over all of them it replaces it: :mod:`overlapkit.overlap.rebuild`),
+        a comm hook already registered, ``params`` not managed by the model, bad
+        optimizer arguments,
         ``clip_grad_norm_scope="bucket"`` on a model with ``find_unused_parameters`` or
         ``static_graph``; with ``shard_optimizer_state``: ``step_thread="comm"``,
         ``find_unused_parameters``, a policy that answers badly or differently on
@@ -199,9 +201,10 @@ def optimizer_in_backward(
     :raises UnsupportedOptimizerError: ``optim_cls`` is not an optimizer class, or
         cannot step part by part (LBFGS, SparseAdam).
     :raises UnknownNameError: no comm hook is called ``comm_hook``.
-    :raises ConfigurationError: no trainable parameters, a second call for the same
-        parameters, mixing with ``overlap_ddp``, ``params`` not in the model, a comm
-        hook for a model that is not DDP, bad optimizer or clipping arguments,
+    :raises ConfigurationError: no trainable parameters, a second call over part of a
+        live optimizer's parameters (all of them: it replaces it), mixing with
+        ``overlap_ddp``, ``params`` not in the model, a comm hook for a model that is
+        not DDP, bad optimizer or clipping arguments,
         ``clip_grad_norm_scope="bucket"`` on a DDP model with
         ``find_unused_parameters`` or ``static_graph``.
     """

@@ -24,7 +24,11 @@ from typing import Any
 import torch
 from torch.optim import optimizer as torch_optimizer
 
-__all__ = ["step_optimizer", "unwrapped_step"]
+__all__ = ["PASSING_PRE_HOOKS", "step_optimizer", "unwrapped_step"]
+
+#: global step pre-hooks that pass every engine's real optimizer, so need not run for
+#: it (overlapkit's plain-step guard, :mod:`overlapkit.overlap.plain_step_guard`)
+PASSING_PRE_HOOKS: set[Callable[..., Any]] = set()
 
 
 def unwrapped_step(
@@ -46,7 +50,8 @@ def unwrapped_step(
     pre_hooks = getattr(optimizer, "_optimizer_step_pre_hooks", None)
     post_hooks = getattr(optimizer, "_optimizer_step_post_hooks", None)
     if (pre_hooks is None or post_hooks is None or pre_hooks or post_hooks
-            or torch_optimizer._global_optimizer_pre_hooks
+            or any(hook not in PASSING_PRE_HOOKS
+                   for hook in torch_optimizer._global_optimizer_pre_hooks.values())
             or torch_optimizer._global_optimizer_post_hooks):
         return None
     if torch._C._autograd._profiler_enabled():
