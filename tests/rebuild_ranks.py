@@ -90,27 +90,30 @@ def rebuilds(rank: int, world_size: int, variants: list[str]) -> dict[str, Any]:
 
 
 def plain_after_drop(rank: int, world_size: int) -> dict[str, Any]:
-    """overlap_ddp with Adam for 2 steps, dropped, then a plain SGD on the same DDP
-    model: refused at its first step (the parameters as the backward left them);
-    released first, bitwise the plain loop."""
+    """overlap_ddp with Adam for 2 steps, then a plain SGD on the same DDP model for 2:
+    with the overlapped optimizer released, bitwise the plain loop; still held, or
+    dropped (``del``, collected: the model's comm hook still steps it, on every rank),
+    the SGD's first step is refused (the parameters as the backward left them)."""
     data = rank_batches(rank, 4, shape=(8, 16))
+    reference = values(_plain(data))
     out: dict[str, Any] = {}
-    model = _ddp()
-    opt = overlapkit.overlap_ddp(model, torch.optim.Adam, lr=1e-2)
-    _train(model, opt, data[:2])
-    del opt
-    gc.collect()
-    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-    model(data[2]).square().mean().backward()
-    before = values(model)
-    out["dropped"] = error_of(sgd.step)
-    out["unchanged by the refused step"] = compare(before, values(model))
-
-    model = _ddp()
-    opt = overlapkit.overlap_ddp(model, torch.optim.Adam, lr=1e-2)
-    _train(model, opt, data[:2])
-    opt.release()
-    del opt
-    _train(model, torch.optim.SGD(model.parameters(), lr=0.1), data[2:])
-    out["released"] = compare(values(_plain(data)), values(model))
+    for how in ("released", "dropped", "held"):
+        model = _ddp()
+        opt = overlapkit.overlap_ddp(model, torch.optim.Adam, lr=1e-2)
+        _train(model, opt, data[:2])
+        if how == "released":
+            opt.release()
+        held = opt if how == "held" else None
+        del opt
+        gc.collect()
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        if how == "released":
+            _train(model, sgd, data[2:])
+            out[how] = compare(reference, values(model))
+            continue
+        model(data[2]).square().mean().backward()
+        before = values(model)
+        out[how] = error_of(sgd.step)
+        out[f"{how}: unchanged by the refused step"] = compare(before, values(model))
+        del held
     return out

@@ -52,15 +52,17 @@ def test_a_rebuilt_optimizer_on_a_ddp_model_trains_bitwise_as_the_plain_loop(
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_a_plain_optimizer_after_a_dropped_overlap_ddp_is_refused_and_after_release_is_exact(
+def test_a_plain_optimizer_after_overlap_ddp_is_exact_once_released_and_refused_before(
         world_size: int) -> None:
     for rank, result in enumerate(run_distributed(ranks_.plain_after_drop, world_size,
                                                   timeout=300)):
-        error = result["dropped"]
-        assert error is not None and error["type"] == "ConfigurationError", (rank, error)
-        assert "release()" in error["message"], error
-        assert result["unchanged by the refused step"], result
         assert result["released"], (rank, result["released"])
+        for how in ("dropped", "held"):
+            error = result[how]
+            assert error is not None and error["type"] == "ConfigurationError", \
+                (rank, how, error)
+            assert "release()" in error["message"], error
+            assert result[f"{how}: unchanged by the refused step"], result
 
 
 # -- optimizer_in_backward on a plain module ------------------------------------------
@@ -142,13 +144,41 @@ def test_a_rebuild_between_a_stepping_backward_and_step_is_refused() -> None:
     opt.zero_grad()
 
 
-def test_a_plain_optimizer_on_a_module_stepped_in_backward_is_refused_before_it_steps() -> None:
+@pytest.mark.parametrize("how", ["dropped", "released"])
+def test_a_plain_optimizer_after_optimizer_in_backward_dropped_or_released_is_exact(
+        how: str) -> None:
+    data = rank_batches(0, 4)
+    model = _module()
+    opt = overlapkit.optimizer_in_backward(model, torch.optim.Adam, lr=1e-2)
+    _train(model, opt, data[:2])
+    if how == "released":
+        opt.release()
+    del opt
+    gc.collect()
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.1), data[2:])
+    assert compare(_plain(data), values(model))
+
+
+def test_a_backward_only_loop_that_keeps_no_optimizer_still_trains() -> None:
+    data = rank_batches(0, 3)
+    model, plain = _module(), _module()
+    overlapkit.optimizer_in_backward(model, torch.optim.SGD, lr=0.1)  # not kept
+    gc.collect()
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for x in data:
+        model(x).square().mean().backward()
+        plain(x).square().mean().backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+    assert compare(values(plain), values(model))
+
+
+def test_a_plain_optimizer_beside_a_held_optimizer_in_backward_is_refused_before_it_steps(
+) -> None:
     data = rank_batches(0, 3)
     model = _module()
     opt = overlapkit.optimizer_in_backward(model, torch.optim.Adam, lr=1e-2)
     _train(model, opt, data[:1])
-    del opt
-    gc.collect()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     model(data[1]).square().mean().backward()
     for p in model.parameters():

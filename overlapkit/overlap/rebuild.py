@@ -4,16 +4,17 @@ In plain PyTorch building a second optimizer on the same model is legal and comm
 second phase with another optimizer or learning rate, a reset after a loss spike, a
 fine-tune after unfreezing. An overlapped optimizer steps during backward from hooks
 on the model (a DDP model's comm hook, a plain module's per-parameter hooks), and those
-hooks keep it stepping even once the loop has dropped it (``opt`` reassigned or
-deleted: the model still holds it, which is what lets a loop that never keeps the
-returned optimizer train). So a later ``overlap_ddp`` / ``optimizer_in_backward`` call
-over the parameters an earlier one steps takes them over when the earlier one
+hooks hold it: a loop that never keeps the returned optimizer (backward only) trains
+through them. So a later ``overlap_ddp`` / ``optimizer_in_backward`` call over the
+parameters an earlier one steps takes them over when the earlier one
 
 - was released (``opt.release()``): nothing of it steps any more;
-- is gone (collected with its model), or
+- was dropped by a loop that called its ``step()``, on a plain module
+  (:func:`orphan_when_dropped`: it is released at the model's next forward), or is
+  gone with its model, or
 - is fully replaced: every parameter it steps is in the new call (the reassign idiom
   ``opt = overlap_ddp(ddp_model, ...)``, where the earlier object is still alive
-  during the call, and ``del opt`` where the model keeps it).
+  during the call).
 
 The replaced optimizer is *retired*: its hooks are removed (a DDP model's comm hook
 now dispatches to the new stepper), and its later ``step()``, ``zero_grad()`` or
@@ -29,8 +30,9 @@ taken).
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -38,8 +40,10 @@ from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.rules.late_clipping import current_stepper, unwatch
 from overlapkit.overlap.setup import check_unclaimed, unclaim_params
 
-__all__ = ["check_takeover", "live_stepper_of", "plan_takeover", "refuse_retired",
-           "release_steps", "retire", "retired_error"]
+T = TypeVar("T")
+
+__all__ = ["before_forward", "check_takeover", "live_stepper_of", "orphan_when_dropped",
+           "plan_takeover", "refuse_retired", "release_steps", "retire", "retired_error"]
 
 
 def live_stepper_of(param: torch.Tensor) -> Any | None:
@@ -80,7 +84,7 @@ def plan_takeover(params: Iterable[torch.Tensor], technique: str,
     for stepper in found.values():
         owner = stepper.technique
         left = [p for p in stepper.engine.parameters() if id(p) not in new]
-        if left:
+        if left and not getattr(stepper, "orphaned", False):
             raise ConfigurationError(
                 f"this {technique} call covers only part of the parameters an earlier "
                 f"{owner} optimizer still steps during backward ({len(left)} of its "
@@ -112,13 +116,48 @@ def check_takeover(params: Iterable[torch.Tensor], technique: str,
 
 
 def retire(steppers: Iterable[Any], technique: str) -> None:
-    """Stop each of ``steppers`` stepping (its hooks removed) and mark it replaced by
-    ``technique``: its optimizer's ``step()``, ``zero_grad()`` and
-    ``add_param_group()`` raise :func:`retired_error` from now on, before anything
-    (:func:`refuse_retired`)."""
+    """Stop each of ``steppers`` stepping (its hooks removed, its parameters no longer
+    claimed: the new call claims them next) and mark it replaced by ``technique``: its
+    optimizer's ``step()``, ``zero_grad()`` and ``add_param_group()`` raise
+    :func:`retired_error` from now on, before anything (:func:`refuse_retired`)."""
     for stepper in steppers:
-        stepper.remove()
+        release_steps(stepper, stepper.engine.parameters())
         stepper.retired_by = technique
+
+
+def orphan_when_dropped(optimizer: T) -> T:
+    """Return ``optimizer`` (a facade on a plain module), its stepper marked orphaned
+    once it is collected, where its loop called ``step()`` after its backwards: no
+    ``step()`` can come any more, so the loop has gone on without it (a plain
+    optimizer, another call). Its next forward then releases it
+    (:func:`before_forward`), never in the middle of a backward, where a collection
+    may run. A loop that never called ``step()`` (backward only: PyTorch's
+    ``_apply_optimizer_in_backward`` idiom, which keeps no optimizer) keeps training
+    through the model's hooks.
+
+    Not on a DDP or FSDP2 model: its ranks need not collect their optimizers at the
+    same moment (one in a reference cycle waits for a collection), and one rank
+    stepping in backward while another no longer does would drift apart or hang. There
+    a dropped optimizer steps on until ``release()`` or a new call replaces it, and a
+    plain optimizer beside it is refused (:mod:`~overlapkit.overlap.plain_step_guard`)
+    on every rank."""
+    weakref.finalize(optimizer, _orphan, weakref.ref(optimizer._steps))  # type: ignore[attr-defined]
+    return optimizer
+
+
+def _orphan(stepper_ref: weakref.ref[Any]) -> None:
+    stepper = stepper_ref()
+    if stepper is not None and stepper.calls_step:
+        stepper.orphaned = True
+
+
+def before_forward(stepper: Any) -> None:
+    """The model's forward pre-hook: ``stepper``'s own ``before_forward()``, then its
+    release if orphaned (:func:`orphan_when_dropped`)."""
+    stepper.before_forward()
+    if getattr(stepper, "orphaned", False):
+        stepper.orphaned = False
+        release_steps(stepper, stepper.engine.parameters())
 
 
 def release_steps(stepper: Any, params: list[torch.Tensor]) -> None:

@@ -22,7 +22,7 @@ from overlapkit.overlap.ddp.setup import check_on_ddp, resolve_on_ddp, set_up_on
 from overlapkit.overlap.in_backward.optimizer import TECHNIQUE as IN_BACKWARD
 from overlapkit.overlap.in_backward.optimizer import OptimizerInBackward
 from overlapkit.overlap.in_backward.setup import model_kind, replaceable, set_up_on_module
-from overlapkit.overlap.rebuild import check_takeover
+from overlapkit.overlap.rebuild import check_takeover, orphan_when_dropped
 from overlapkit.overlap.resolved import ModelFacts, resolve_setup
 from overlapkit.overlap.rules.clipping import GradClipping
 from overlapkit.overlap.sharded.optimizer import ShardedOverlapOptimizer
@@ -228,4 +228,6 @@ def optimizer_in_backward(
     setup = resolve_setup(ModelFacts.of(module, kind, IN_BACKWARD), optim_cls, args,
                           optim_kwargs, params, clipping=clipping, grad_scaler=grad_scaler)
     check_takeover(setup.stepped, IN_BACKWARD, replaceable)
-    return set_up_on_module(setup)
+    optimizer = set_up_on_module(setup)
+    # one process's: a DDP or FSDP2 model's ranks would not collect it at once
+    return orphan_when_dropped(optimizer) if kind == "module" else optimizer

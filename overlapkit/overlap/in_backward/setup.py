@@ -20,7 +20,7 @@ from overlapkit.errors import ConfigurationError, UnsupportedModelError
 from overlapkit.overlap.core.side_stream import SideStream
 from overlapkit.overlap.in_backward.optimizer import TECHNIQUE, OptimizerInBackward
 from overlapkit.overlap.in_backward.param_stepper import ParamStepper
-from overlapkit.overlap.rebuild import plan_takeover, retire
+from overlapkit.overlap.rebuild import before_forward, plan_takeover, retire
 from overlapkit.overlap.resolved import MODEL_KINDS, ResolvedSetup
 from overlapkit.overlap.rules.global_step import step_rules
 from overlapkit.overlap.setup import claim_params
@@ -79,7 +79,7 @@ def set_up_on_module(setup: ResolvedSetup) -> OptimizerInBackward:
     # a backward that raised leaves its scope open (on CPU a batch, on an accelerator
     # a side stream not joined), and a frozen parameter may have been unfrozen since
     stepper.handles.append(module.register_forward_pre_hook(
-        lambda module, args: stepper.before_forward()))
+        lambda module, args: before_forward(stepper)))
     claim_params(owned, TECHNIQUE)
     return OptimizerInBackward(engine, stepper, setup.model)
 
