@@ -13,6 +13,7 @@ __all__ = [
     "ConfigurationError",
     "ExchangeFailedError",
     "MissingDependencyError",
+    "NotPicklableError",
     "OverlapkitError",
     "PluginConflictError",
     "PluginLoadError",
@@ -59,6 +60,14 @@ class UnsupportedOptimizerError(OverlapkitError, TypeError):
 
 class UnsupportedModelError(OverlapkitError, TypeError):
     """The model is not of a kind the requested technique works with."""
+
+
+class NotPicklableError(OverlapkitError, TypeError):
+    """An object bound to a live model (an overlapped optimizer) was pickled or
+    deep-copied; the message says what to save or copy instead.
+
+    .. versionadded:: 0.4
+    """
 
 
 class CheckpointError(OverlapkitError, ValueError):

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from overlapkit.errors import ConfigurationError, OverlapkitError
+from overlapkit.errors import ConfigurationError, NotPicklableError, OverlapkitError
 from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.overlap.core.window import (
@@ -243,7 +243,8 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
 
     def _refuse_changed_gradients(self, marks: FirstWindow) -> None:
         refuse_changed_gradients(marks, getattr(self, "_names", {}),
-                                 self._engine.parameters(), self._technique)
+                                 self._engine.parameters(), self._technique,
+                                 self._engine.param_groups)
 
     def second_backward_refusal(self, error: BaseException) -> OverlapkitError | None:
         """The ConfigurationError naming what to do for autograd's ``error`` from a second
@@ -390,10 +391,10 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         watch(params, self._steps)
 
     def __getstate__(self) -> dict[str, Any]:
-        raise TypeError(
-            f"a {type(self).__name__} is bound to a live model and cannot be pickled; "
-            "save optimizer.state_dict() instead."
-        )
+        raise NotPicklableError(
+            f"a {type(self).__name__} is bound to a live model (hooks step it during "
+            "backward), so it cannot be pickled or deep-copied; save or copy "
+            "optimizer.state_dict() instead (copy.deepcopy(opt.state_dict())).")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._engine.optimizer!r})"

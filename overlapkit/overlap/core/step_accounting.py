@@ -37,14 +37,19 @@ backward-only loop clearing gradients now and then, and is accepted.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
 from overlapkit.errors import ConfigurationError, OverlapkitError
 from overlapkit.overlap.core.foreign_loop import foreign_trainer_refusal
-from overlapkit.overlap.core.window import FirstWindow
+from overlapkit.overlap.core.window import FirstWindow, settings, zero_grad_in_window_error
 
-__all__ = ["StepAccount", "accumulation_error", "backward_without_step_error"]
+if TYPE_CHECKING:
+    from overlapkit.overlap.core.engine import OverlapEngine
+
+__all__ = ["StepAccount", "accumulation_error", "backward_without_step_error",
+           "step_again_error"]
 
 
 def backward_without_step_error(technique: str, accumulate: str) -> ConfigurationError:
@@ -77,6 +82,22 @@ def accumulation_error(technique: str, accumulate: str, backwards: int) -> Confi
         "(they then step nothing, and the last backward steps the sum, exactly as the "
         "plain step() would). The parameters have already taken those steps: restart from "
         "the last checkpoint after fixing the loop."
+    )
+
+
+def step_again_error(technique: str) -> ConfigurationError:
+    """The error of a ``step()`` with no stepping backward since the last one, while
+    the gradients the last backward stepped and freed would still be held by the plain
+    loop (no ``zero_grad()`` since): the plain ``step()`` would step them again, or
+    their sum with what ``no_step()`` backwards added since."""
+    return ConfigurationError(
+        "optimizer.step() was called again after the step of the last backward, with no "
+        "zero_grad() in between: the plain step() would step that backward's gradients "
+        f"again (or their sum with what later no_step() backwards added), but "
+        f"{technique} freed them once it had stepped them during backward. Nothing was "
+        "stepped now. Call step() once per backward, and zero_grad() after it; to "
+        "accumulate gradients over several backwards, run all but the last "
+        "inside the technique's no_step() / the model's no_sync()."
     )
 
 
@@ -117,6 +138,12 @@ class StepAccount:
         #: ``step()``: a change before ``step()`` could not reach that step
         #: (:meth:`stepped_backward_ended`, checked by the facade's ``step()``)
         self.stepped_marks: FirstWindow | None = None
+        #: ``zero_grad()`` was called after a stepping backward, before ``step()``
+        self.zeroed_after_stepping = False
+        #: the parameters whose gradients the last stepping backward freed once stepped,
+        #: while neither ``zero_grad()`` nor a stepping backward has come since (the
+        #: plain loop still holds them: a ``step()`` now would step them again), or None
+        self.freed: list[torch.Tensor] | None = None
 
     def backward_starts(self) -> OverlapkitError | None:
         """Count a stepping backward that starts now: the error to hold until it ends
@@ -135,6 +162,8 @@ class StepAccount:
             return backward_without_step_error(self.technique, self.accumulate)
         self.window += 1
         self.stepped_since_step = self.has_stepped = True
+        self.zeroed_after_stepping = False
+        self.freed = None
         return None
 
     def deferred_backward_starts(self) -> OverlapkitError | None:
@@ -156,12 +185,16 @@ class StepAccount:
         :meth:`deferred_backward_starts` while steps are deferred."""
         return self.deferred_backward_starts() if self.deferring else self.backward_starts()
 
-    def stepped_backward_ended(self, params: Iterable[torch.Tensor]) -> None:
-        """A backward that stepped ``params`` ended: in a loop that calls ``step()``, mark
-        their gradients (kept, or freed: None), so that ``step()`` sees one the loop
-        changed or set in between — too late for the step it was meant for."""
-        if self.calls_step:
-            marks = FirstWindow()
+    def stepped_backward_ended(self, engine: OverlapEngine, freed: bool) -> None:
+        """A backward that stepped ``engine``'s parameters ended (``freed``: their
+        gradients were freed). In a loop that calls ``step()``, or may (its first
+        stepping backward), mark their gradients (kept, or freed: None) and the param
+        groups' hyperparameters, so that ``step()`` sees one the loop changed or set in
+        between — too late for the step it was meant for."""
+        params = engine.parameters()
+        self.freed = params if freed else None
+        if self.calls_step or self.window == 1:
+            marks = FirstWindow(stepped_with=settings(engine.param_groups))
             marks.mark(params)
             self.stepped_marks = marks
 
@@ -185,10 +218,15 @@ class StepAccount:
         """
         window, self.window = self.window, 0
         stepped, self.stepped_since_step = self.stepped_since_step, False
+        zeroed, self.zeroed_after_stepping = self.zeroed_after_stepping, False
         if window:
             self.calls_step = True
         if window > 1:
             raise accumulation_error(self.technique, self.accumulate, window)
+        if stepped and zeroed:
+            raise zero_grad_in_window_error(self.technique)
+        if not stepped and self.freed and all(p.grad is None for p in self.freed):
+            raise step_again_error(self.technique)  # none set again by hand either
         return stepped
 
     def zero_grad_called(self) -> None:
@@ -197,3 +235,6 @@ class StepAccount:
             self.calls_step = True
         self.window = 0
         self.stepped_marks = None
+        self.freed = None
+        if self.stepped_since_step:
+            self.zeroed_after_stepping = True

@@ -38,14 +38,41 @@ from torch.utils._pytree import tree_flatten
 
 from overlapkit.errors import ConfigurationError
 
-__all__ = ["FirstWindow", "end_first_window", "plain_order_warning", "quiet_reads",
-           "refuse_changed_gradients", "second_backward_refusal", "state"]
+__all__ = ["FirstWindow", "end_first_window", "kept_graph_refusal", "plain_order_warning",
+           "quiet_reads",
+           "refuse_changed_gradients", "refuse_changed_settings", "second_backward_refusal",
+           "settings", "state", "zero_grad_in_window_error"]
 
 
 def state(param: torch.Tensor) -> tuple[int, int]:
     """What tells that ``param``'s gradient changed: its identity and version counter."""
     grad = param.grad
     return (0, 0) if grad is None else (id(grad), grad._version)
+
+
+def _fingerprint(value: Any) -> Any:
+    """What tells that a hyperparameter changed: the value, or for a tensor (a tensor
+    ``lr``, changed in place by a scheduler) its identity and version counter."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value), value._version)
+    if isinstance(value, (tuple, list)):
+        return tuple(_fingerprint(each) for each in value)
+    return value
+
+
+def settings(groups: Iterable[Mapping[str, Any]]) -> list[dict[str, tuple[Any, str]]]:
+    """Each param group's hyperparameters as a step read them: ``key -> (fingerprint,
+    shown)``; ``params`` and a scheduler's ``initial_lr`` (read by no step) left out."""
+    return [{key: (_fingerprint(value), _shown(value)) for key, value in group.items()
+             if key not in ("params", "initial_lr")} for group in groups]
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return f"{value.item():g}"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return repr(value)[:40]
 
 
 #: property reads of a gradient that read no values (``.shape``, ``.dtype``, ...)
@@ -114,6 +141,9 @@ class FirstWindow:
     watching: dict[int, str] | None = None
     #: the names of the gradients the loop read
     read: list[str] = attrs.field(factory=list)
+    #: the param groups' hyperparameters the marked backward stepped with
+    #: (:func:`settings`), or None when not recorded
+    stepped_with: list[dict[str, tuple[Any, str]]] | None = None
 
     def mark(self, params: Iterable[torch.Tensor]) -> None:
         """Record the gradients of ``params`` as they are now (end of a backward, or
@@ -128,6 +158,21 @@ class FirstWindow:
                     id(param), f"a parameter of shape {tuple(param.shape)}")
                 param.grad = watched
             self.marks[id(param)] = state(param)
+
+    def changed_settings(self, groups: list[dict[str, Any]]) -> list[str]:
+        """``param_groups[i]['key'] (a -> b)`` for each hyperparameter changed since
+        :attr:`stepped_with` was recorded."""
+        if self.stepped_with is None:
+            return []
+        found = []
+        for index, (was, now) in enumerate(zip(self.stepped_with, settings(groups),
+                                               strict=False)):
+            for key, (fingerprint, shown) in was.items():
+                after = now.get(key)
+                if after is None or after[0] != fingerprint:
+                    found.append(f"param_groups[{index}][{key!r}] ({shown} -> "
+                                 f"{'removed' if after is None else after[1]})")
+        return found
 
     def note_read(self, name: str) -> None:
         if name not in self.read:
@@ -217,11 +262,14 @@ def end_first_window(steps: Any, names: Mapping[int, str], params: list[torch.Te
 
 
 def refuse_changed_gradients(marks: FirstWindow, names: Mapping[int, str],
-                             params: list[torch.Tensor], technique: str) -> None:
+                             params: list[torch.Tensor], technique: str,
+                             groups: list[dict[str, Any]]) -> None:
     """:raises ConfigurationError: the loop changed (or set) a gradient after the
-    backward that stepped it, before this ``step()``: the change missed that step."""
+    backward that stepped it, before this ``step()``: the change missed that step; or
+    it changed a hyperparameter of ``groups`` (:func:`refuse_changed_settings`)."""
     edited = marks.edited(dict(names), params)
     if not edited:
+        refuse_changed_settings(marks, groups, technique)
         return
     shown = ", ".join(edited[:3]) + (" and others" if len(edited) > 3 else "")
     raise ConfigurationError(
@@ -237,6 +285,44 @@ def refuse_changed_gradients(marks: FirstWindow, names: Mapping[int, str],
     )
 
 
+def refuse_changed_settings(marks: FirstWindow, groups: list[dict[str, Any]],
+                            technique: str) -> None:
+    """:raises ConfigurationError: the loop changed a hyperparameter of a param group
+    (``lr``, ``weight_decay``, ``betas``, ``momentum``: a hand-written warm-up, or
+    ``lr_scheduler.step()`` called before ``optimizer.step()``) after the backward that
+    stepped with the old value, before this ``step()``, which the plain loop would have
+    taken with the new one."""
+    changed = marks.changed_settings(groups)
+    if not changed:
+        return
+    shown = ", ".join(changed[:3]) + (" and others" if len(changed) > 3 else "")
+    raise ConfigurationError(
+        f"{shown} changed between backward() and optimizer.step(), after {technique} "
+        "had already stepped the parameters with the old value during backward, where "
+        "the plain step() would use the new one (measured: 0.015 off the plain loop "
+        "after 3 steps of a hand-written warm-up). A learning-rate warm-up written "
+        "before optimizer.step(), or lr_scheduler.step() called before "
+        "optimizer.step(), does this. Change hyperparameters before backward() (before "
+        "the forward, as at the top of the loop), and call lr_scheduler.step() after "
+        "optimizer.step(), the order torch documents. The parameters have taken this "
+        "step: restart from the last checkpoint after fixing the loop."
+    )
+
+
+def zero_grad_in_window_error(technique: str) -> ConfigurationError:
+    """The error of ``step()`` after ``zero_grad()``, both after a backward that
+    stepped: the plain ``step()`` would step the cleared gradients (nothing, or zeros
+    that still move momentum), where ``technique`` has stepped the backward's."""
+    return ConfigurationError(
+        "optimizer.zero_grad() was called between backward() and optimizer.step(): the "
+        "plain step() would then step cleared gradients (None: nothing; zeros: only "
+        f"momentum and weight decay), but {technique} had already stepped the "
+        "parameters with the backward's gradients during backward. Call zero_grad() "
+        "after step() (or before backward()). The parameters have taken that step: "
+        "restart from the last checkpoint after fixing the loop."
+    )
+
+
 def second_backward_refusal(steps: Any, error: BaseException) -> ConfigurationError | None:
     """The error for autograd's ``error`` from a backward through a graph kept with
     ``retain_graph=True`` whose saved parameters the previous backward's step changed in
@@ -244,19 +330,27 @@ def second_backward_refusal(steps: Any, error: BaseException) -> ConfigurationEr
     training), or None when it is something else. Autograd raises before any of the
     technique's hooks see that backward (measured on torch 2.13: the parameters are
     unchanged by it), so the step-accounting refusal of a second backward never runs.
+    (:mod:`~overlapkit.overlap.core.kept_graph` raises it first where the graph's output
+    is the model's.)
 
     :param steps: the facade's :class:`~overlapkit.overlap.facade.BackwardSteps`.
     """
     if not (isinstance(error, RuntimeError) and steps.stepped_since_step
             and "modified by an inplace operation" in str(error)):
         return None
+    return kept_graph_refusal(steps)
+
+
+def kept_graph_refusal(steps: Any) -> ConfigurationError:
+    """The error of a second backward before ``step()`` through a graph kept with
+    ``retain_graph=True``, after a backward that stepped the parameters it saved."""
     return ConfigurationError(
         f"backward() ran again before optimizer.step(), through a graph kept with "
         f"retain_graph=True, after the previous backward had stepped the parameters "
         f"that graph saved: {steps.technique} steps during backward, so every backward is "
-        "one optimizer step, and autograd refused the second (its saved parameters were "
-        "changed in place). Nothing was stepped in this backward; the parameters have "
-        "taken the first one's step. Sum the losses into one backward "
+        "one optimizer step, and autograd cannot run the second (its saved parameters "
+        "were changed in place). Nothing was stepped in this backward; the parameters "
+        "have taken the first one's step. Sum the losses into one backward "
         f"(loss + aux_loss), or run all but the last backward {steps.accumulate}; "
         "restart from the last checkpoint after fixing the loop."
     )

@@ -29,6 +29,12 @@ only: nothing is added to the steps) and
   ``max_grad_norm=0``) is answered with the gradients' norm where they were kept
   (``overlap_ddp``), else NaN with a warning: freed gradients have no norm.
 
+torch's two halves of ``clip_grad_norm_`` are guarded too: ``clip_grads_with_norm_``
+as ``clip_grad_norm_`` (answered where the optimizer applied that clip, else refused
+before it touches a gradient), and ``get_total_norm``, which over the gradients that
+``optimizer_in_backward`` freed (None, or filtered out) returns NaN with the warning
+below, instead of torch's ``AttributeError`` from inside it, or a norm of 0.
+
 Code that calls ``torch.nn.utils.clip_grad.clip_grad_norm_`` directly, or bound the
 function to another name before the first overlapped optimizer existed, is not
 guarded; overlapkit's own clipping calls :func:`unguarded_clip_grad_norm_`.
@@ -52,12 +58,16 @@ from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.core.window import quiet_reads, state
 
 __all__ = ["FreedGradientNormWarning", "guarded_clip_grad_norm_", "guarded_clip_grad_value_",
-           "install", "late_clip_error", "unguarded_clip_grad_norm_",
-           "unguarded_clip_grad_value_", "watch", "unwatch"]
+           "guarded_clip_grads_with_norm_", "guarded_get_total_norm", "install",
+           "late_clip_error", "unguarded_clip_grad_norm_", "unguarded_clip_grad_value_",
+           "watch", "unwatch"]
 
 #: torch's own functions, which overlapkit's clipping calls (never the guarded ones)
 unguarded_clip_grad_norm_ = torch_clip_grad.clip_grad_norm_
 unguarded_clip_grad_value_ = torch_clip_grad.clip_grad_value_
+# public as torch.nn.utils.clip_grads_with_norm_ / get_total_norm (torch 2.13)
+unguarded_clip_grads_with_norm_ = torch_clip_grad._clip_grads_with_norm_
+unguarded_get_total_norm = torch_clip_grad._get_total_norm
 
 # parameter -> weakref to the stepper (a StepAccount) stepping it during backward. The
 # value is a weak reference: a strong one would keep the parameter (its key) alive.
@@ -93,10 +103,12 @@ def unwatch(params: Iterable[torch.Tensor]) -> None:
 def install() -> None:
     """Put the guarded functions in ``torch.nn.utils`` (once; idempotent)."""
     utils = torch.nn.utils
-    if utils.clip_grad_norm_ is not guarded_clip_grad_norm_:
-        setattr(utils, "clip_grad_norm_", guarded_clip_grad_norm_)  # noqa: B010
-    if utils.clip_grad_value_ is not guarded_clip_grad_value_:
-        setattr(utils, "clip_grad_value_", guarded_clip_grad_value_)  # noqa: B010
+    for name, guarded in (("clip_grad_norm_", guarded_clip_grad_norm_),
+                          ("clip_grad_value_", guarded_clip_grad_value_),
+                          ("clip_grads_with_norm_", guarded_clip_grads_with_norm_),
+                          ("get_total_norm", guarded_get_total_norm)):
+        if getattr(utils, name) is not guarded:
+            setattr(utils, name, guarded)
 
 
 def _as_list(parameters: Any) -> list[torch.Tensor]:
@@ -304,3 +316,68 @@ def guarded_clip_grad_value_(parameters: Any, clip_value: float,
     raise late_clip_error(steppers[0].technique,
                           f"clip_grad_value_(..., clip_value={float(clip_value):g})",
                           f"clip_grad_value={float(clip_value):g}")
+
+
+def guarded_clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: torch.Tensor,
+                                  foreach: bool | None = None) -> None:
+    """``torch.nn.utils.clip_grads_with_norm_`` (the second half of ``clip_grad_norm_``),
+    guarded as :func:`guarded_clip_grad_norm_`: unchanged for parameters no overlapped
+    optimizer has stepped since its last ``step()``; a no-op where that optimizer
+    applied this clip (same ``clip_grad_norm=``, same parameters).
+
+    :raises ConfigurationError: any other clip of parameters already stepped, before it
+        touches a gradient.
+    """
+    params = _as_list(parameters)
+    steppers = _stepped(params) if params else []
+    if not steppers:
+        _refuse_other_clip_in_window(params, float(max_norm), 2.0)
+        before = [state(p) for p in params]
+        with quiet_reads():
+            unguarded_clip_grads_with_norm_(params, max_norm, total_norm, foreach)
+        _clipped_in_window(params, before)
+        return
+    max_norm = float(max_norm)
+    rule = steppers[0].global_step
+    if (len(steppers) == 1 and rule is not None and rule.clipping.norm is not None
+            and _applied_norm(steppers[0], params, max_norm, rule.clipping.norm_type)
+            is not None):
+        return
+    raise late_clip_error(steppers[0].technique,
+                          f"clip_grads_with_norm_(..., max_norm={max_norm:g})",
+                          f"clip_grad_norm={max_norm:g}")
+
+
+def guarded_get_total_norm(tensors: Any, norm_type: float = 2.0,
+                           error_if_nonfinite: bool = False,
+                           foreach: bool | None = None) -> torch.Tensor:
+    """``torch.nn.utils.get_total_norm``, unchanged, except after a backward in which
+    ``optimizer_in_backward`` stepped and freed the gradients: given None among
+    ``tensors`` (``[p.grad for p in params]``, where torch raises an ``AttributeError``
+    from inside itself) or none at all (the Nones filtered out, where torch returns
+    0), it returns NaN with a :class:`FreedGradientNormWarning`, as
+    ``clip_grad_norm_(..., max_norm=inf)`` does: freed gradients have no norm.
+    """
+    listed = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    if not listed or any(each is None for each in listed):
+        freeing = _freeing_technique()
+        if freeing is not None:
+            warnings.warn(
+                f"torch.nn.utils.get_total_norm asked for the norm of gradients that "
+                f"{freeing} freed during backward (None, or none left): NaN is "
+                f"returned. Pass clip_grad_norm= to {freeing} to have the norm computed "
+                "(clip_grad_norm_(..., max_norm=inf) then returns it), or use "
+                "overlap_ddp, which keeps the gradients.",
+                FreedGradientNormWarning, stacklevel=2)
+            return torch.tensor(float("nan"))
+    return unguarded_get_total_norm(listed, norm_type, error_if_nonfinite, foreach)
+
+
+def _freeing_technique() -> str | None:
+    """The technique of an overlapped optimizer whose last backward freed the gradients
+    it stepped, or None (read on an error path only)."""
+    for ref in list(_STEPPERS.values()):
+        stepper = ref()
+        if stepper is not None and getattr(stepper, "freed", None):
+            return str(stepper.technique)
+    return None
