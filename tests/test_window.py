@@ -91,7 +91,19 @@ def test_zero_grad_between_backward_and_step_is_refused_at_step(
     # the plain step() steps nothing after it (0.4.0: a step taken, silently)
     for rank_results in two_ranks:
         _refused(rank_results, f"{technique} zero_grad", 0,
-                 "zero_grad() was called between backward() and optimizer.step()")
+                 "zero_grad() was called after a backward and before optimizer.step()")
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+def test_a_skipped_step_is_refused_at_its_zero_grad_clearing_nothing(
+        two_ranks: list[dict[str, Any]], technique: str) -> None:
+    # backward, zero_grad(), no step() (a loop skipping a step on a non-finite norm):
+    # the plain loop takes no step there (0.4.0: stepped silently, 0.017 off)
+    for rank_results in two_ranks:
+        found = rank_results[f"{technique} skipped step"]
+        _refused(rank_results, f"{technique} skipped step", 1,
+                 "(or instead of it, skipping this step)")
+        assert found["unchanged by it"], found
 
 
 def test_a_second_step_after_freed_gradients_is_refused_before_it_changes_anything(
@@ -188,3 +200,39 @@ def test_copying_or_pickling_the_optimizer_is_refused_naming_the_state_dict(
         copy_it(opt)
     assert isinstance(info.value, TypeError)
     copy.deepcopy(opt.state_dict())  # what the message says works
+
+
+def _stepped_once(params: Any = None) -> tuple[nn.Module, Any]:
+    """A plain module under optimizer_in_backward after one ordinary step and the
+    backward of the next."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    opt = overlapkit.optimizer_in_backward(
+        module, torch.optim.AdamW, lr=1e-2,
+        params=None if params is None else params(module))
+    first, second = rank_batches(0, 2)
+    module(first).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    module(second).square().mean().backward()
+    return module, opt
+
+
+def test_load_state_dict_between_backward_and_step_is_refused_loading_nothing() -> None:
+    # the plain step() steps from the loaded state (0.4.0: 0.018 off, silently)
+    _, opt = _stepped_once()
+    saved = copy.deepcopy(opt.state_dict())
+    with pytest.raises(overlapkit.ConfigurationError, match="Nothing was loaded"):
+        opt.load_state_dict({**saved, "state": {}})
+    assert compare(saved["state"][0], opt.state_dict()["state"][0])
+    opt.step()
+    opt.zero_grad()
+    opt.load_state_dict(saved)  # after step(): the plain loop's
+
+
+def test_a_param_group_added_between_backward_and_step_is_refused_at_step() -> None:
+    # the plain step() steps the added parameters with this backward's gradients
+    module, opt = _stepped_once(lambda m: list(m[0].parameters()))
+    opt.add_param_group({"params": list(module[2].parameters())})
+    with pytest.raises(overlapkit.ConfigurationError, match=r"param_groups \(1 groups -> 2\)"):
+        opt.step()

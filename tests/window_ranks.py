@@ -48,12 +48,12 @@ def _model() -> DDP:
                bucket_cap_mb=0.001)
 
 
-def _loop(rank: int, technique: str | None, window: Callable[[Any, Any, int], None],
+def _loop(rank: int, technique: str | None, window: Callable[[Any, Any, int], Any],
           after_step: Callable[[Any], None] | None = None) -> dict[str, Any]:
-    """Three steps of ``backward, window(ddp, opt, i), step(), [after_step(opt)],
-    zero_grad()``, plainly (``technique`` None) or overlapped: what was raised where,
-    the parameters then and whether the call that raised changed them (a call in the
-    window: the gradients)."""
+    """Three steps of ``backward, window(ddp, opt, i), step() (unless the window says
+    "skip"), [after_step(opt)], zero_grad()``, plainly (``technique`` None) or
+    overlapped: what was raised where, the parameters then and whether the call that
+    raised changed them (a call in the window: the gradients)."""
     ddp = _model()
     params = list(ddp.parameters())
     if technique is None:
@@ -64,12 +64,15 @@ def _loop(rank: int, technique: str | None, window: Callable[[Any, Any, int], No
     for i, batch in enumerate(rank_batches(rank, 3)):
         ddp(batch).square().mean().backward()
         grads = [p.grad.clone() for p in params if p.grad is not None]
-        found["error"] = error_of(lambda: window(ddp, opt, i))  # noqa: B023
+        skips: list[Any] = []
+        found["error"] = error_of(lambda: skips.append(window(ddp, opt, i)))  # noqa: B023
         if found["error"] is not None:
             found["at"] = i
             found["unchanged by it"] = compare(
                 grads, [p.grad for p in params if p.grad is not None])
             break
+        if skips == ["skip"]:
+            continue
         before = values(ddp)
         found["error"] = error_of(opt.step)
         if found["error"] is None and after_step is not None:
@@ -112,6 +115,13 @@ def _zero_grad(ddp: Any, opt: Any, i: int) -> None:
     opt.zero_grad()
 
 
+def _skip_second_step(ddp: Any, opt: Any, i: int) -> str | None:
+    if i == 1:  # as on a non-finite gradient norm: no step() for this backward
+        opt.zero_grad()
+        return "skip"
+    return None
+
+
 def _clip_in_two_halves(ddp: Any, opt: Any, i: int) -> None:
     params = list(ddp.parameters())
     with warnings.catch_warnings():
@@ -120,11 +130,14 @@ def _clip_in_two_halves(ddp: Any, opt: Any, i: int) -> None:
     torch.nn.utils.clip_grads_with_norm_(params, 0.05, norm)
 
 
-WINDOWS: dict[str, tuple[Callable[[Any, Any, int], None], Callable[[Any], None] | None]] = {
+#: name -> (what the loop does between backward and step(), returning "skip" to skip
+#: that step(); what it does after step())
+WINDOWS: dict[str, tuple[Callable[[Any, Any, int], Any], Callable[[Any], None] | None]] = {
     "warm-up": (_warm_up, None),
     "scheduler first": (_scheduler_first(), None),
     "first gradients halved": (_halve_first_gradients, None),
     "zero_grad": (_zero_grad, None),
+    "skipped step": (_skip_second_step, None),
     "step twice": (lambda ddp, opt, i: None, lambda opt: opt.step()),
     "clip in two halves": (_clip_in_two_halves, None),
 }

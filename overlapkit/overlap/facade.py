@@ -46,8 +46,8 @@ __all__ = ["BackwardSteps", "OverlappedOptimizerFacade"]
 
 class BackwardSteps(Protocol):
     """What steps during backward (a :class:`~overlapkit.overlap.core.step_accounting.StepAccount`):
-    the facade reports ``step()`` and ``zero_grad()`` calls to it; ``register(params)``
-    hooks parameters added later (``add_param_group``)."""
+    the facade reports ``step()``, ``zero_grad()`` and ``load_state_dict()`` calls to it;
+    ``register(params)`` hooks parameters added later (``add_param_group``)."""
 
     #: any backward has stepped
     has_stepped: bool
@@ -59,6 +59,7 @@ class BackwardSteps(Protocol):
     def register(self, params: Iterable[torch.Tensor]) -> None: ...
 
     def synchronize(self) -> None: ...
+    def state_loading(self) -> None: ...
 
     #: what waits for the end of backward (global clipping, a GradScaler), or None
     global_step: GlobalStep | None
@@ -242,14 +243,12 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
                                 self._engine.parameters(), self._technique)
 
     def _refuse_changed_gradients(self, marks: FirstWindow) -> None:
-        refuse_changed_gradients(marks, getattr(self, "_names", {}),
-                                 self._engine.parameters(), self._technique,
-                                 self._engine.param_groups)
+        engine = self._engine
+        refuse_changed_gradients(marks, getattr(self, "_names", {}), engine.parameters(),
+                                 self._technique, engine.param_groups)
 
     def second_backward_refusal(self, error: BaseException) -> OverlapkitError | None:
-        """The ConfigurationError naming what to do for autograd's ``error`` from a second
-        backward before ``step()`` through a kept graph this optimizer has stepped, or
-        None (:func:`~overlapkit.overlap.core.window.second_backward_refusal`): for an
+        """:func:`~overlapkit.overlap.core.window.second_backward_refusal`, for an
         integration that runs the loop's backward (Accelerate's)."""
         return second_backward_refusal(self._steps, error)
 
@@ -370,6 +369,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         return self._engine.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._steps.state_loading()  # refused between a stepping backward and step()
         self.synchronize()
         self._engine.load_state_dict(state_dict)
 

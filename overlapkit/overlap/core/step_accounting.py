@@ -140,6 +140,9 @@ class StepAccount:
         self.stepped_marks: FirstWindow | None = None
         #: ``zero_grad()`` was called after a stepping backward, before ``step()``
         self.zeroed_after_stepping = False
+        #: the loop has called ``step()`` itself right after a stepping backward: a
+        #: ``zero_grad()`` right after one, with no ``step()``, skips the plain step
+        self.steps_after_backward = False
         #: the parameters whose gradients the last stepping backward freed once stepped,
         #: while neither ``zero_grad()`` nor a stepping backward has come since (the
         #: plain loop still holds them: a ``step()`` now would step them again), or None
@@ -220,7 +223,7 @@ class StepAccount:
         stepped, self.stepped_since_step = self.stepped_since_step, False
         zeroed, self.zeroed_after_stepping = self.zeroed_after_stepping, False
         if window:
-            self.calls_step = True
+            self.calls_step = self.steps_after_backward = True
         if window > 1:
             raise accumulation_error(self.technique, self.accumulate, window)
         if stepped and zeroed:
@@ -229,8 +232,31 @@ class StepAccount:
             raise step_again_error(self.technique)  # none set again by hand either
         return stepped
 
+    def state_loading(self) -> None:
+        """``load_state_dict()`` is about to replace the optimizer's state.
+
+        :raises ConfigurationError: between a stepping backward and ``step()``, in a loop
+            that calls ``step()``: the plain ``step()`` would step from the loaded state,
+            where this backward has stepped from the old one. Nothing is loaded.
+        """
+        if self.window and self.steps_after_backward:
+            raise ConfigurationError(
+                "optimizer.load_state_dict() was called between backward() and "
+                "optimizer.step(): the plain step() would step from the loaded state, but "
+                f"{self.technique} had already stepped the parameters from the old one "
+                "during backward. Nothing was loaded. Load the state before the forward "
+                "(or after step()).")
+
     def zero_grad_called(self) -> None:
-        """``zero_grad()`` was called: it ends the window (see the module docstring)."""
+        """``zero_grad()`` was called: it ends the window (see the module docstring).
+
+        :raises ConfigurationError: it follows a stepping backward with no ``step()``,
+            in a loop that calls ``step()`` after its backwards (a step skipped, or
+            ``zero_grad()`` before ``step()``): the plain loop takes no step with that
+            backward's gradients. Nothing is cleared.
+        """
+        if self.window and self.steps_after_backward:
+            raise zero_grad_in_window_error(self.technique)
         if self.window == 1:
             self.calls_step = True
         self.window = 0

@@ -22,6 +22,15 @@ At ``step()`` the first step is taken as the plain loop takes it (a full step of
 kept gradients). A loop that used the window keeps every later step in that plain
 order, with one warning naming what it did and how to keep the overlap: the run is
 the plain run, bitwise. Any other loop steps during backward from its second step on.
+
+In a loop no integration sets up, the step is taken during backward from the first,
+so what the loop does in the window that the plain ``step()`` would have used is
+refused at that ``step()`` (:func:`refuse_changed_gradients`): a gradient changed or
+set, a hyperparameter of a param group changed (a warm-up written before ``step()``,
+``lr_scheduler.step()`` called first), a param group added; ``zero_grad()`` there, or
+instead of ``step()`` (:func:`zero_grad_in_window_error`, from
+:mod:`~overlapkit.overlap.core.step_accounting`). The parameters have taken the step
+by then, and the message says so.
 """
 
 from __future__ import annotations
@@ -165,6 +174,8 @@ class FirstWindow:
         if self.stepped_with is None:
             return []
         found = []
+        if len(groups) != len(self.stepped_with):  # add_param_group: its parameters
+            found.append(f"param_groups ({len(self.stepped_with)} groups -> {len(groups)})")
         for index, (was, now) in enumerate(zip(self.stepped_with, settings(groups),
                                                strict=False)):
             for key, (fingerprint, shown) in was.items():
@@ -310,16 +321,20 @@ def refuse_changed_settings(marks: FirstWindow, groups: list[dict[str, Any]],
 
 
 def zero_grad_in_window_error(technique: str) -> ConfigurationError:
-    """The error of ``step()`` after ``zero_grad()``, both after a backward that
-    stepped: the plain ``step()`` would step the cleared gradients (nothing, or zeros
-    that still move momentum), where ``technique`` has stepped the backward's."""
+    """The error of ``zero_grad()`` after a backward that stepped, before ``step()`` (or
+    instead of it: a loop skipping a step, e.g. on a non-finite norm): the plain loop
+    takes no step with that backward's gradients (after ``zero_grad()`` its ``step()``
+    steps cleared ones: nothing, or zeros that still move momentum), where
+    ``technique`` has stepped with them."""
     return ConfigurationError(
-        "optimizer.zero_grad() was called between backward() and optimizer.step(): the "
-        "plain step() would then step cleared gradients (None: nothing; zeros: only "
-        f"momentum and weight decay), but {technique} had already stepped the "
-        "parameters with the backward's gradients during backward. Call zero_grad() "
-        "after step() (or before backward()). The parameters have taken that step: "
-        "restart from the last checkpoint after fixing the loop."
+        "optimizer.zero_grad() was called after a backward and before optimizer.step() "
+        "(or instead of it, skipping this step): the plain loop would take no step with "
+        f"this backward's gradients, but {technique} had already stepped the parameters "
+        "with them during backward. Call zero_grad() after step() (or before "
+        "backward()); to skip a step (a non-finite gradient norm), have the optimizer "
+        "decide during backward (grad_scaler= skips a step with an inf or NaN on any "
+        "rank). The parameters have taken that step: restart from the last checkpoint "
+        "after fixing the loop."
     )
 
 
