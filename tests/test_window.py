@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import math
 import pickle
+import warnings
 from typing import Any
 
 import pytest
@@ -236,3 +237,29 @@ def test_a_param_group_added_between_backward_and_step_is_refused_at_step() -> N
     opt.add_param_group({"params": list(module[2].parameters())})
     with pytest.raises(overlapkit.ConfigurationError, match=r"param_groups \(1 groups -> 2\)"):
         opt.step()
+
+
+def test_a_warm_up_seen_in_a_learned_first_step_keeps_the_plain_order_bitwise() -> None:
+    # the integrations' learn_first_step (Accelerate): a warm-up written before step()
+    # is seen before anything steps, and every step is taken at step() with the new lr
+    def train(technique: str | None) -> tuple[list[torch.Tensor], list[str]]:
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+        if technique is None:
+            opt: Any = torch.optim.AdamW(module.parameters(), lr=1e-2)
+        else:
+            opt = overlapkit.optimizer_in_backward(module, torch.optim.AdamW, lr=1e-2)
+            opt.learn_first_step(module)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i, batch in enumerate(rank_batches(0, 4)):
+                module(batch).square().mean().backward()
+                opt.param_groups[0]["lr"] = 1e-2 * (i + 1) / 4
+                opt.step()
+                opt.zero_grad()
+        return values(module), [str(w.message) for w in caught]
+
+    expected, _ = train(None)
+    ours, said = train("optimizer_in_backward")
+    assert compare(expected, ours)
+    assert len(said) == 1 and "param_groups[0]['lr'] (0.01 -> 0.0025) changed" in said[0]

@@ -36,7 +36,7 @@ backward-only loop clearing gradients now and then, and is accepted.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -177,11 +177,15 @@ class StepAccount:
             self.first_window.backwards += 1
         return self.backward_gate() if self.backward_gate is not None else None
 
-    def deferred_backward_ended(self, params: Iterable[torch.Tensor]) -> None:
+    def deferred_backward_ended(self, engine: OverlapEngine) -> None:
         """A backward ended while steps are deferred (its gradients are in ``.grad``): the
-        :attr:`first_window` marks them, to see whether the loop changes them."""
-        if self.first_window is not None:
-            self.first_window.mark(params)
+        :attr:`first_window` marks them and the param groups' hyperparameters, to see
+        whether the loop changes them."""
+        window = self.first_window
+        if window is not None:
+            window.mark(engine.parameters())
+            window.groups = engine.param_groups
+            window.stepped_with = settings(window.groups)
 
     def starting_backward(self) -> OverlapkitError | None:
         """What a stepper calls when a backward starts: :meth:`backward_starts`, or

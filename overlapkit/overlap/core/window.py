@@ -14,6 +14,9 @@ step nothing), and :class:`FirstWindow` records what the loop did until ``step()
 - each gradient's identity and version counter at the end of each backward (in-place
   changes bump a tensor's version; ``param.grad = ...`` replaces it): a gradient changed
   before ``step()`` shows the loop edits gradients;
+- the param groups' hyperparameters at the end of each backward: one changed before
+  ``step()`` (a warm-up written there, ``lr_scheduler.step()`` called first) shows the
+  plain step takes a value the step in backward could not know;
 - a ``clip_grad_norm_`` / ``clip_grad_value_`` the loop ran on the kept gradients (the
   plain loop's own clip, bumping their versions; not an edit, and the full step then
   does not clip again).
@@ -153,6 +156,8 @@ class FirstWindow:
     #: the param groups' hyperparameters the marked backward stepped with
     #: (:func:`settings`), or None when not recorded
     stepped_with: list[dict[str, tuple[Any, str]]] | None = None
+    #: the optimizer's live ``param_groups`` (the first window: compared at ``step()``)
+    groups: list[dict[str, Any]] | None = None
 
     def mark(self, params: Iterable[torch.Tensor]) -> None:
         """Record the gradients of ``params`` as they are now (end of a backward, or
@@ -250,6 +255,11 @@ def end_first_window(steps: Any, names: Mapping[int, str], params: list[torch.Te
         if edited:
             shown = ", ".join(edited[:3]) + (" and others" if len(edited) > 3 else "")
             used.append(f"the gradients of {shown} were changed")
+        changed = window.changed_settings(window.groups or [])
+        if changed:  # the deferred step takes the new value, as the plain step() does
+            shown = ", ".join(changed[:3]) + (" and others" if len(changed) > 3 else "")
+            used.append(f"{shown} changed (a warm-up before step(), or the scheduler "
+                        "stepped first)")
         read = [name for name in window.read if name not in edited]
         if read:
             shown = ", ".join(read[:3]) + (" and others" if len(read) > 3 else "")
