@@ -82,6 +82,8 @@ def test_a_learning_rate_changed_before_step_is_refused_at_that_step(
     for rank_results in two_ranks:
         _refused(rank_results, f"{technique} {window}", at,
                  "param_groups[0]['lr'] (0.01 -> ")
+        assert "optimizer.learn_first_step(model)" in rank_results[f"{technique} {window}"][
+            "error"]["message"]
         assert "lr_scheduler.step() after" in rank_results[f"{technique} {window}"][
             "error"]["message"]
 
@@ -134,6 +136,17 @@ def test_clip_grads_with_norm_after_a_stepping_backward_is_refused_before_it_cli
         _refused(rank_results, f"{technique} clip in two halves", 0,
                  "clip_grads_with_norm_(..., max_norm=0.05) was called after a backward")
         assert found["unchanged by it"], found
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+def test_a_loop_told_to_learn_its_first_step_keeps_gradient_noise_bitwise_with_one_warning(
+        two_ranks: list[dict[str, Any]], technique: str) -> None:
+    # the way out the refusals name: optimizer.learn_first_step(model) before the loop
+    for rank_results in two_ranks:
+        found = rank_results[f"{technique} learned"]
+        assert found["bitwise plain"], found
+        assert len(found["warnings"]) == 1, found["warnings"]
+        assert "in the plain order" in found["warnings"][0]
 
 
 @pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])

@@ -220,10 +220,10 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         (several backwards before ``step()``, a gradient changed), keep taking every
         step at ``step()`` in the plain order, with one warning.
 
-        For an integration whose loops call ``step()`` (Accelerate's): a loop that never
-        does would step nothing. ``model`` names the parameters in the warning;
-        ``accumulate`` says, in the refusal of a later second backward before
-        ``step()``, how that framework accumulates (``"inside `with ...`"``).
+        For a loop that calls ``step()`` (Accelerate's, a hand-written one that works in
+        that window; one that never does would step nothing). ``model`` names the
+        parameters in the warning; ``accumulate`` says, in the refusal of a later second
+        backward before ``step()``, how that framework accumulates (``"inside ..."``).
         """
         steps = self._steps
         if accumulate is not None:

@@ -134,6 +134,8 @@ class StepAccount:
         #: what the loop does in its first optimizer step, while that step is deferred to
         #: learn it (``OverlappedOptimizerFacade.learn_first_step``, :mod:`.window`)
         self.first_window: FirstWindow | None = None
+        #: that first step was learned, and the loop steps during backward since
+        self.learned = False
         #: the gradients a backward stepped, as it left them, in a loop that calls
         #: ``step()``: a change before ``step()`` could not reach that step
         #: (:meth:`stepped_backward_ended`, checked by the facade's ``step()``)
@@ -201,7 +203,8 @@ class StepAccount:
         params = engine.parameters()
         self.freed = params if freed else None
         if self.calls_step or self.window == 1:
-            marks = FirstWindow(stepped_with=settings(engine.param_groups))
+            marks = FirstWindow(stepped_with=settings(engine.param_groups),
+                                learned=self.learned)
             marks.mark(params)
             self.stepped_marks = marks
 

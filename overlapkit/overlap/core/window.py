@@ -158,6 +158,9 @@ class FirstWindow:
     stepped_with: list[dict[str, tuple[Any, str]]] | None = None
     #: the optimizer's live ``param_groups`` (the first window: compared at ``step()``)
     groups: list[dict[str, Any]] | None = None
+    #: the loop's first step was learned (``learn_first_step``): its refusals do not
+    #: suggest it
+    learned: bool = False
 
     def mark(self, params: Iterable[torch.Tensor]) -> None:
         """Record the gradients of ``params`` as they are now (end of a backward, or
@@ -276,10 +279,17 @@ def end_first_window(steps: Any, names: Mapping[int, str], params: list[torch.Te
         window.reset()
     else:  # from now on every step is taken during backward
         steps.first_window = None
+        steps.learned = True
         steps.deferring = False
         steps.deferred()
         steps.calls_step = True
     return clipped
+
+
+#: what a hand-written loop that works in the window calls to have it honoured
+LEARN = ("optimizer.learn_first_step(model) (the first step is then taken at "
+         "optimizer.step() and shows the loop uses this window: every step stays there, "
+         "in the plain order, bitwise the plain loop, with one warning)")
 
 
 def refuse_changed_gradients(marks: FirstWindow, names: Mapping[int, str],
@@ -299,10 +309,8 @@ def refuse_changed_gradients(marks: FirstWindow, names: Mapping[int, str],
         "with them during backward, so the change missed this step. The parameters "
         "have taken it: restart from the last checkpoint after fixing the loop. To "
         "change gradients, change them before they are reduced (a gradient hook on "
-        "the parameter, a DDP comm hook), or do it from the first step on under an "
-        "integration (overlapkit.integrations: the first step shows the loop uses "
-        "that window, and every step is then taken at optimizer.step(), in the plain "
-        "order)."
+        "the parameter, a DDP comm hook)"
+        + ("." if marks.learned else f", or keep the loop and call {LEARN} once before it.")
     )
 
 
@@ -325,8 +333,10 @@ def refuse_changed_settings(marks: FirstWindow, groups: list[dict[str, Any]],
         "before optimizer.step(), or lr_scheduler.step() called before "
         "optimizer.step(), does this. Change hyperparameters before backward() (before "
         "the forward, as at the top of the loop), and call lr_scheduler.step() after "
-        "optimizer.step(), the order torch documents. The parameters have taken this "
-        "step: restart from the last checkpoint after fixing the loop."
+        "optimizer.step(), the order torch documents"
+        + ("" if marks.learned else f", or keep the loop and call {LEARN} once before it")
+        + ". The parameters have taken this step: restart from the last checkpoint after "
+        "fixing the loop."
     )
 
 
