@@ -13,6 +13,7 @@ learn the loop at its first step instead
 
 from __future__ import annotations
 
+import collections
 import copy
 import math
 import pickle
@@ -276,3 +277,11 @@ def test_a_warm_up_seen_in_a_learned_first_step_keeps_the_plain_order_bitwise() 
     ours, said = train("optimizer_in_backward")
     assert compare(expected, ours)
     assert len(said) == 1 and "param_groups[0]['lr'] (0.01 -> 0.0025) changed" in said[0]
+
+
+def test_an_optimizer_state_reset_between_backward_and_step_is_refused_at_step() -> None:
+    # the plain step() starts from the empty state (0.4.0: silently kept this step's)
+    _, opt = _stepped_once()
+    opt.state = collections.defaultdict(dict)
+    with pytest.raises(overlapkit.ConfigurationError, match=r"optimizer\.state \(4 entries -> 0"):
+        opt.step()

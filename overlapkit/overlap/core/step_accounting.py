@@ -203,8 +203,10 @@ class StepAccount:
         params = engine.parameters()
         self.freed = params if freed else None
         if self.calls_step or self.window == 1:
+            state = engine.state
             marks = FirstWindow(stepped_with=settings(engine.param_groups),
-                                learned=self.learned)
+                                learned=self.learned, state_seen=(id(state), len(state)),
+                                optimizer=engine.optimizer)
             marks.mark(params)
             self.stepped_marks = marks
 

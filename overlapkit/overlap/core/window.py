@@ -161,6 +161,11 @@ class FirstWindow:
     #: the loop's first step was learned (``learn_first_step``): its refusals do not
     #: suggest it
     learned: bool = False
+    #: ``(id, len)`` of the optimizer's ``state`` the marked backward stepped, and that
+    #: optimizer: a state reset or replaced before ``step()`` shows (not a clear of one
+    #: parameter's entry: that would cost a look-up per parameter and backward)
+    state_seen: tuple[int, int] | None = None
+    optimizer: Any = None
 
     def mark(self, params: Iterable[torch.Tensor]) -> None:
         """Record the gradients of ``params`` as they are now (end of a backward, or
@@ -182,6 +187,10 @@ class FirstWindow:
         if self.stepped_with is None:
             return []
         found = []
+        state = None if self.optimizer is None else self.optimizer.state
+        if state is not None and (id(state), len(state)) != self.state_seen:
+            found.append(f"optimizer.state ({(self.state_seen or (0, 0))[1]} entries -> "
+                         f"{len(state)}, a reset)")
         if len(groups) != len(self.stepped_with):  # add_param_group: its parameters
             found.append(f"param_groups ({len(self.stepped_with)} groups -> {len(groups)})")
         for index, (was, now) in enumerate(zip(self.stepped_with, settings(groups),
