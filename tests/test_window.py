@@ -82,11 +82,10 @@ def test_a_learning_rate_changed_before_step_is_refused_at_that_step(
     # (0.015 off after 3 steps of a warm-up)
     for rank_results in two_ranks:
         _refused(rank_results, f"{technique} {window}", at,
-                 "param_groups[0]['lr'] (0.01 -> ")
-        assert "optimizer.learn_first_step(model)" in rank_results[f"{technique} {window}"][
-            "error"]["message"]
-        assert "lr_scheduler.step() after" in rank_results[f"{technique} {window}"][
-            "error"]["message"]
+                 "the optimizer's settings (lr of param group 0) were changed")
+        message = rank_results[f"{technique} {window}"]["error"]["message"]
+        assert "optimizer.learn_first_step(model)" in message
+        assert "lr_scheduler.step() called before optimizer.step()" in message
 
 
 @pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
@@ -95,7 +94,7 @@ def test_zero_grad_between_backward_and_step_is_refused_at_step(
     # the plain step() steps nothing after it (0.4.0: a step taken, silently)
     for rank_results in two_ranks:
         _refused(rank_results, f"{technique} zero_grad", 0,
-                 "zero_grad() was called after a backward and before optimizer.step()")
+                 "zero_grad() was called after a backward that stepped the parameters")
 
 
 @pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
@@ -106,7 +105,7 @@ def test_a_skipped_step_is_refused_at_its_zero_grad_clearing_nothing(
     for rank_results in two_ranks:
         found = rank_results[f"{technique} skipped step"]
         _refused(rank_results, f"{technique} skipped step", 1,
-                 "(or instead of it, skipping this step)")
+                 "zero_grad() was called after a backward that stepped the parameters")
         assert found["unchanged by it"], found
 
 
@@ -194,7 +193,7 @@ def test_a_plain_module_refuses_a_warm_up_and_a_second_step_too(optim: Any) -> N
     batches = rank_batches(0, 2)
     module(batches[0]).square().mean().backward()
     opt.param_groups[0]["betas"] = (0.8, 0.99)
-    with pytest.raises(overlapkit.ConfigurationError, match=r"\['betas'\] \(\(0\.9, 0\.999\)"):
+    with pytest.raises(overlapkit.ConfigurationError, match="betas of param group 0"):
         opt.step()
     opt.zero_grad()
     module(batches[1]).square().mean().backward()
@@ -249,7 +248,7 @@ def test_a_param_group_added_between_backward_and_step_is_refused_at_step() -> N
     # the plain step() steps the added parameters with this backward's gradients
     module, opt = _stepped_once(lambda m: list(m[0].parameters()))
     opt.add_param_group({"params": list(module[2].parameters())})
-    with pytest.raises(overlapkit.ConfigurationError, match=r"param_groups \(1 groups -> 2\)"):
+    with pytest.raises(overlapkit.ConfigurationError, match=r"settings \(param groups\)"):
         opt.step()
 
 
@@ -276,7 +275,7 @@ def test_a_warm_up_seen_in_a_learned_first_step_keeps_the_plain_order_bitwise() 
     expected, _ = train(None)
     ours, said = train("optimizer_in_backward")
     assert compare(expected, ours)
-    assert len(said) == 1 and "param_groups[0]['lr'] (0.01 -> 0.0025) changed" in said[0]
+    assert len(said) == 1 and "settings (lr of param group 0) were changed" in said[0]
 
 
 def test_an_optimizer_state_reset_between_backward_and_step_is_refused_at_step() -> None:

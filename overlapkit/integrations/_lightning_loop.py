@@ -9,7 +9,8 @@ that accumulate run the closure directly, under ``no_sync()`` on DDP. Here the c
 runs once, its backward steps (clipping included, configured at set-up), the hooks are
 called as Lightning calls them, and ``step()`` is the overlapped optimizer's (a no-op
 after a stepping backward). On one device the accumulating backwards run under
-``no_step()``, as DDP's under Lightning's ``no_sync()``.
+``no_step()``, as DDP's under Lightning's ``no_sync()``. What works in the window
+(:mod:`~overlapkit.integrations._lightning_window`) has its steps deferred to ``step()``.
 
 Private to :mod:`overlapkit.integrations.lightning`.
 """
@@ -17,8 +18,8 @@ Private to :mod:`overlapkit.integrations.lightning`.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import ExitStack, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
@@ -28,58 +29,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.errors import ConfigurationError, OverlapkitError
 from overlapkit.integrations._lightning_setup import clipping_of
+from overlapkit.integrations._lightning_window import (
+    GradientWrites,
+    OptimizerChanges,
+    by_hand_warning,
+    second_backward_error,
+    switch_warning,
+)
 from overlapkit.overlap.core.window import FirstWindow
 from overlapkit.overlap.facade import OverlappedOptimizerFacade
 
-__all__ = ["AutomaticOptimization", "GradientWrites"]
-
-
-class GradientWrites:
-    """Catches a hook that changes ``.grad`` after the backward that already stepped on
-    it (``overlap_ddp`` keeps the gradients, so reading them is exact; a change would be
-    used by the plain run's step and by nothing here).
-
-    A change is seen by the gradient's version counter (bumped by every in-place write)
-    or a new ``.grad`` object: a few attribute reads per parameter, only around the hooks
-    of :data:`~overlapkit.integrations._lightning_setup.WRITING_HOOKS` that the module or
-    a callback overrides.
-    """
-
-    def __init__(self, named_params: list[tuple[str, torch.Tensor]], technique: str,
-                 hooks: list[tuple[str, str]]) -> None:
-        self.named_params = named_params
-        self.technique = technique
-        self.hooks = {hook: [f"{owner}.{hook}" for owner, h in hooks if h == hook]
-                      for _, hook in hooks}
-
-    @contextmanager
-    def watching(self, hook: str, stepped: bool, probing: bool = False) -> Iterator[None]:
-        """Around Lightning's call of ``hook`` (callbacks and module); checks when a
-        backward stepped since the last step, or in the first optimizer step, whose
-        backwards are deferred (``probing``: nothing has stepped yet, and the change is
-        refused before anything does)."""
-        owners = self.hooks.get(hook)
-        if not (stepped or probing) or not owners:
-            yield
-            return
-        before = [(name, p, p.grad, None if p.grad is None else p.grad._version)
-                  for name, p in self.named_params]
-        yield
-        changed = [name for name, p, grad, version in before
-                   if p.grad is not grad or (grad is not None and grad._version != version)]
-        if changed:
-            when = ("Nothing was stepped (the first optimizer step checks for this before "
-                    "it steps)" if probing else
-                    f"{self.technique} had already stepped on it during backward, so the "
-                    "change was not used")
-            raise ConfigurationError(
-                f"{' or '.join(owners)} changed the gradient of {changed[0]!r}"
-                f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''} after "
-                f"backward: {self.technique} steps during backward, before this hook runs, "
-                f"so such a change cannot be used, where the plain run's step would use "
-                f"it. {when}. Change gradients before they are reduced and stepped (a "
-                "hook on the parameter, or the loss), or train with strategy='ddp'."
-            )
+__all__ = ["AutomaticOptimization"]
 
 
 def _reduces(strategy: pl.strategies.Strategy) -> bool:
@@ -87,6 +47,11 @@ def _reduces(strategy: pl.strategies.Strategy) -> bool:
     which Lightning enters for accumulating micro-batches)."""
     model = getattr(strategy, "model", None)
     return not isinstance(model, DistributedDataParallel) or model.require_backward_grad_sync
+
+
+def _accumulates(module: pl.LightningModule) -> bool:
+    """Whether Lightning runs this micro-batch's closure itself, to accumulate."""
+    return bool(module.trainer.fit_loop._should_accumulate())
 
 
 class AutomaticOptimization:
@@ -109,52 +74,55 @@ class AutomaticOptimization:
         self.writes: GradientWrites | None = None
         #: every step taken at step(), the backwards deferred for the whole fit
         self.plain_order = False
-        #: the clipping the optimizer was built with (:func:`clipping_of` the Trainer)
+        #: the Trainer's clipping at set-up (:func:`clipping_of`), the optimizer's unless
+        #: the module's configure_gradient_clipping clips (own_clipping)
         self.clipping: dict[str, float] = {}
+        self.own_clipping = False
         #: inside optimizer_step's call of Lightning's closure
         self._in_optimizer_step = False
         #: inside Lightning's backward (the precision plugin's call of loss.backward)
         self._in_backward = False
         #: stepping backwards since the last optimizer step
         self._stepped = 0
-        #: until the first optimizer step of the fit, the backwards are deferred (they
-        #: reduce and step nothing: the facade's defer_steps(), held open here; the gate
-        #: is still asked at each), so that what cannot be honoured — a second backward
-        #: before the step, a hook changing gradients — is refused before anything
-        #: steps; that first step() is then a full step of the kept gradients, bitwise
-        #: the plain step
+        #: until the first optimizer step of the fit, the backwards are deferred (the
+        #: facade's defer_steps(), held open here; the gate is still asked at each), so
+        #: that a second backward before the step is refused before anything steps; that
+        #: first step() is a full step of the kept gradients, bitwise the plain step
         self._probed = True
         self._deferred = ExitStack()
         #: backwards through the losses of the probe's synchronised micro-batches: a
-        #: second one is refused from a hook on the loss, before it reaches a parameter
-        #: (a backward through a kept graph, ``retain_graph=True``, runs no DDP comm
-        #: hook, so the optimizer's gate never sees it)
+        #: second one is refused from a hook on the loss (a backward through a kept graph
+        #: runs no DDP comm hook, so the optimizer's gate never sees it)
         self._probe_backwards = 0
         #: tensor hooks on the parameters noting backwards inside training_step
         #: (:meth:`watch_training_step`), and whether one was seen
         self._grad_hooks: list[Any] = []
-        self._backward_in_training_step = False
-        self._in_training_step = False
+        self._backward_in_training_step = self._in_training_step = False
         #: the DDP model whose parameters optimizer_in_backward frees early, until detach
         self._freeing_ddp_model: DistributedDataParallel | None = None
         #: optimizer_in_backward: the gradients the first optimizer step kept, watched
         #: for reads until the next training_step (:meth:`_after_first_step`)
         self._reads: tuple[FirstWindow, list[torch.Tensor]] | None = None
+        #: what changes in the optimizer turns the fit to the plain order
+        self._changes: OptimizerChanges | None = None
+        #: inside a synchronised backward of a closure the user's optimizer_step ran
+        self._by_hand = self._warned_by_hand = False
 
     def attach(self, optimizer: OverlappedOptimizerFacade, writes: GradientWrites | None,
-               clipping: dict[str, float], plain_order: bool = False) -> None:
+               clipping: dict[str, float], plain_order: bool = False,
+               own_clipping: bool = False) -> None:
         """Drive ``optimizer``, built with ``clipping``: from now on, a stepping backward
         anywhere but in Lightning's backward, or a second one before the optimizer step,
         is refused before anything steps in it. ``plain_order``: every step of the fit
         is taken at ``step()``, as the first one (the backwards stay deferred and keep
-        their gradients until the next ``zero_grad``, as in the plain loop)."""
-        self.optimizer = optimizer
-        self.writes = writes
-        self.clipping = clipping
-        self.plain_order = plain_order
+        their gradients until the next ``zero_grad``, as in the plain loop);
+        ``own_clipping``: the module's ``configure_gradient_clipping`` clips there."""
+        self.optimizer, self.writes, self.clipping = optimizer, writes, clipping
+        self.plain_order, self.own_clipping = plain_order, own_clipping
         self._stepped = 0
         self._probed = False
         self._probe_backwards = 0
+        self._warned_by_hand = False
         self._deferred.enter_context(optimizer.defer_steps())
         optimizer.gate_backwards(self._gate)
 
@@ -175,10 +143,19 @@ class AutomaticOptimization:
         self._grad_hooks = [p.register_hook(note) for p in params if p.requires_grad]
         self._freeing_ddp_model = ddp_model
 
+    def watch_changes(self, params: list[torch.Tensor], ddp: bool) -> None:
+        """After :meth:`attach`: what changes in the optimizer turns the fit to the plain
+        order, seen before each training_step (:class:`OptimizerChanges`)."""
+        assert self.optimizer is not None
+        self._changes = OptimizerChanges(self.optimizer.optimizer, params, ddp)
+
     def training_step(self, step: Callable[[], Any]) -> Any:
         """``Strategy.training_step``, refused after it ran a backward that
         :meth:`watch_training_step` saw (before Lightning's backward: nothing stepped)."""
         self._after_first_step()
+        found = None if self._changes is None or self.plain_order else self._changes.found()
+        if found is not None:
+            self._plain_order_from_now("from this one on", *found)
         self._in_training_step = True
         try:
             output = step()
@@ -202,6 +179,7 @@ class AutomaticOptimization:
         model Lightning drops, were it kept, is refused, never stepped by this fit's
         optimizer."""
         self._deferred.close()  # a fit that ended before its first step
+        self._changes = None
         if self._reads is not None:
             window, params = self._reads
             window.unwatch(params)
@@ -238,21 +216,34 @@ class AutomaticOptimization:
         closure_loss = precision.pre_backward(closure_loss, module)
         accumulating = (self.optimizer is not None and self.accumulate_with_no_step
                         and not self._in_optimizer_step)
+        # DDP: a synchronised backward outside optimizer.step(closure) is the user's
+        # optimizer_step running the closure itself; whether a step() follows is not
+        # known yet, so it steps nothing (step() takes it in the plain order, or the
+        # next zero_grad drops it, as in the plain loop)
+        by_hand = (self.optimizer is not None and not self.accumulate_with_no_step
+                   and not self._in_optimizer_step and _reduces(strategy))
         probing = not self._probed
         stepped_before = self._stepped
-        counted = (probing and not accumulating and _reduces(strategy)
-                   and closure_loss.requires_grad)
+        counted = (probing and not self._adds_second_backward() and not accumulating
+                   and not by_hand and _reduces(strategy) and closure_loss.requires_grad)
         handle = closure_loss.register_hook(self._count_probe_backward) if counted else None
-        with self.optimizer.no_step() if accumulating else nullcontext():  # type: ignore[union-attr]
-            self._in_backward = True
+        if by_hand or (accumulating and not _accumulates(module)):  # one device: a
+            self._warn_by_hand()  # step() follows or not, its backward is a no_step() one
+        context: Any = nullcontext()
+        if accumulating:
+            context = self.optimizer.no_step()  # type: ignore[union-attr]
+        elif by_hand and self._probed and not self.plain_order:  # else deferred already
+            context = self.optimizer.defer_steps()  # type: ignore[union-attr]
+        with context:
+            self._in_backward, self._by_hand = True, by_hand
             try:
                 precision.backward(closure_loss, module, optimizer, *args, **kwargs)
             except RuntimeError as error:
                 if self._stepped > stepped_before and "modified by an inplace" in str(error):
-                    raise self._second_backward_error() from error
+                    raise second_backward_error(self.technique) from error
                 raise
             finally:
-                self._in_backward = False
+                self._in_backward = self._by_hand = False
                 if handle is not None:
                     handle.remove()
         with self._watch("on_after_backward", self._stepped > stepped_before, probing):
@@ -265,11 +256,11 @@ class AutomaticOptimization:
                        **kwargs: Any) -> Any:
         """Lightning's ``optimizer.step(closure)``: the closure once (its backward
         steps), ``on_before_optimizer_step`` of the callbacks and the module, then the
-        overlapped ``step()``. Lightning's clipping is not called: the backward clipped
-        (``gradient_clip_val``, read at set-up)."""
+        overlapped ``step()``. Lightning's clipping is called only when the module
+        overrides it; else the backward clipped (``gradient_clip_val``, read at set-up)."""
         model = model or strategy.lightning_module
         trainer = model.trainer
-        if clipping_of(trainer) != self.clipping:
+        if not self.own_clipping and clipping_of(trainer) != self.clipping:
             raise ConfigurationError(
                 f"the Trainer's gradient_clip_val or gradient_clip_algorithm changed during "
                 f"the fit, and {self.technique} clips during backward as it was set up "
@@ -286,6 +277,10 @@ class AutomaticOptimization:
         with self._watch("on_before_optimizer_step", self._stepped > 0, probing):
             call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
             call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+        if self.own_clipping:  # Lightning's call, as its precision plugin makes it
+            strategy.precision_plugin._clip_gradients(
+                model, optimizer, trainer.gradient_clip_val,
+                gradient_clip_algorithm=trainer.gradient_clip_algorithm)
         if probing:
             if not self.plain_order:
                 self._deferred.close()  # from now on the backwards step
@@ -306,26 +301,38 @@ class AutomaticOptimization:
     def _after_first_step(self) -> None:
         """Before the training_step that follows the first optimizer step: when a hook
         read the gradients that step kept (which optimizer_in_backward frees from the
-        second step on), every later step is taken at ``step()`` in the plain order,
-        its backwards deferred: bitwise, with one warning."""
+        second step on), every later step is taken at ``step()`` in the plain order."""
         if self._reads is None:
             return
         (window, params), self._reads = self._reads, None
         window.unwatch(params)
         if window.read and self.optimizer is not None:
-            self.plain_order = True
-            self._deferred.enter_context(self.optimizer.defer_steps())
             shown = ", ".join(window.read[:3]) + (" and others" if len(window.read) > 3
                                                    else "")
-            warnings.warn(
-                f"{self.strategy_name} (optimizer_in_backward) takes every step of this fit "
-                "from the second on at optimizer.step(), in the plain order, without "
-                f"overlap: the gradients of {shown} were read after the first optimizer "
-                "step (by a hook), where the plain loop keeps them until the next "
-                "zero_grad and optimizer_in_backward would have freed them. The run is "
-                "the plain Trainer's, bitwise. To keep the overlap: read gradients in no "
-                "hook, or use OverlapDDPStrategy(technique='overlap_ddp') (it keeps them).",
-                UserWarning, stacklevel=2)
+            self._plain_order_from_now(
+                "from the second on", f"the gradients of {shown} were read after the "
+                "first optimizer step (by a hook), where the plain loop keeps them until "
+                "the next zero_grad and optimizer_in_backward would have freed them",
+                "read gradients in no hook, or use "
+                "OverlapDDPStrategy(technique='overlap_ddp') (it keeps them)")
+
+    def _plain_order_from_now(self, steps: str, why: str, keep: str) -> None:
+        """Take every later step at ``step()`` in the plain order (its backwards
+        deferred): bitwise, with one warning saying ``why`` and how to ``keep`` the
+        overlap."""
+        assert self.optimizer is not None
+        self.plain_order = True
+        if self._probed:  # (the first step's backwards are deferred already)
+            self._deferred.enter_context(self.optimizer.defer_steps())
+        warnings.warn(switch_warning(self.strategy_name, self.technique, steps, why, keep),
+                      UserWarning, stacklevel=3)
+
+    def _warn_by_hand(self) -> None:
+        """Once per fit: a step taken at ``step()`` because the closure ran outside it."""
+        if not (self._warned_by_hand or self.plain_order):
+            self._warned_by_hand = True
+            warnings.warn(by_hand_warning(self.strategy_name, self.technique), UserWarning,
+                          stacklevel=3)
 
     # -- the gate ---------------------------------------------------------------------
 
@@ -335,7 +342,7 @@ class AutomaticOptimization:
         parameter, while nothing has stepped."""
         self._probe_backwards += 1
         if self._probe_backwards > 1:
-            raise self._second_backward_error()
+            raise second_backward_error(self.technique)
 
     def _watch(self, hook: str, stepped: bool, probing: bool = False) -> Any:
         if self.writes is None:
@@ -353,24 +360,18 @@ class AutomaticOptimization:
                 "let Lightning run the backward (sum several losses into one), or train "
                 "with strategy='ddp'."
             )
+        if self._by_hand or self._adds_second_backward():  # deferred: steps nothing
+            return None
         if self._stepped:
-            return self._second_backward_error()
+            return second_backward_error(self.technique)
         self._stepped += 1
         return None
 
-    def _second_backward_error(self) -> ConfigurationError:
-        """A second backward before the optimizer step: refused by the gate, or failed in
-        autograd (through a graph kept with ``retain_graph=True``, whose saved parameters
-        the first backward's step changed in place)."""
-        return ConfigurationError(
-            "a second backward ran before the optimizer step (Lightning's closure "
-            "called twice, or LightningModule.backward running more than one "
-            f"backward): {self.technique} steps the optimizer during backward, so each "
-            "backward is one optimizer step, and the closure of one step may run one. "
-            "Nothing was stepped in this backward. Return one loss from training_step "
-            "(the sum of several: its backward is one step, as Lightning's plain step "
-            "of the accumulated gradients), or train with strategy='ddp'."
-        )
+    def _adds_second_backward(self) -> bool:
+        """In the plain order a second backward adds to ``.grad`` as in the plain loop,
+        but where optimizer_in_backward frees DDP's local gradients early (measured:
+        the second backward's gradients lost, nothing stepped: refused there)."""
+        return self.plain_order and self._freeing_ddp_model is None
 
     def _after_fit(self) -> OverlapkitError | None:
         return ConfigurationError(

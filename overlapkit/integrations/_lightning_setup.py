@@ -1,6 +1,6 @@
 """The set-up of overlapkit's Lightning strategies, once per fit, before the first step:
 what cannot be honoured is refused here, and the optimizer that ``configure_optimizers``
-returned is rebuilt as an overlapped one on the model Lightning has just wrapped.
+returned is adopted by an overlapped one on the model Lightning has just wrapped.
 
 Private to :mod:`overlapkit.integrations.lightning`, which checks that Lightning is
 installed before importing this module.
@@ -8,39 +8,23 @@ installed before importing this module.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
-from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from overlapkit.errors import ConfigurationError
 from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.overlap.facade import OverlappedOptimizerFacade
 
-__all__ = ["AFTER_STEP_HOOKS", "GRADIENT_HOOKS", "TECHNIQUES", "WRITING_HOOKS",
-           "after_step_readers", "check_fit", "clipping_of", "gradient_readers",
-           "overlapped_like", "plain_order_warning", "plain_optimizer",
-           "rebind_schedulers"]
+__all__ = ["TECHNIQUES", "check_fit", "clipping_of", "overlapped_like", "plain_optimizer"]
 
 #: what the strategies step with
 TECHNIQUES = ("overlap_ddp", "optimizer_in_backward")
-#: the hooks of a LightningModule or a Callback that run after backward and may read
-#: ``.grad``: Lightning's plain loop calls them before the optimizer step (and before
-#: clipping), where overlapkit has already stepped during backward
-GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
-#: those whose changes to ``.grad`` the plain loop's step would use (zero_grad follows
-#: the third)
-WRITING_HOOKS = ("on_after_backward", "on_before_optimizer_step")
-#: the hooks that run after the optimizer step, where the plain loop still holds that
-#: step's gradients (until the next step's ``zero_grad``) and ``optimizer_in_backward``
-#: has freed them
-AFTER_STEP_HOOKS = ("on_train_batch_end",)
 #: the precisions whose optimizer step is the plain ``optimizer.step(closure)``, tested
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed")
 
@@ -50,8 +34,8 @@ def check_fit(module: pl.LightningModule, precision: Precision, strategy: str,
     """Refuse what Lightning would do after backward, where the overlapped optimizer has
     already stepped.
 
-    :raises ConfigurationError: manual optimization, an overridden
-        ``configure_gradient_clipping``, a precision other than ``SUPPORTED_PRECISIONS``.
+    :raises ConfigurationError: manual optimization, a precision other than
+        ``SUPPORTED_PRECISIONS``.
     """
     name = type(module).__name__
     if not module.automatic_optimization:
@@ -63,14 +47,6 @@ def check_fit(module: pl.LightningModule, precision: Precision, strategy: str,
             "would step all of them at once). Return the loss from training_step and let "
             "Lightning optimize, or train this module with strategy='ddp' (or the default "
             "single-device strategy)."
-        )
-    if is_overridden("configure_gradient_clipping", module):
-        raise ConfigurationError(
-            f"{name} overrides configure_gradient_clipping, which Lightning calls after "
-            f"backward, where {technique} has already stepped: its clipping would come too "
-            "late and change nothing. Remove the override and set Trainer(gradient_clip_val="
-            f"..., gradient_clip_algorithm='norm' or 'value'): {strategy} clips exactly as "
-            "Lightning does, during backward, before the step."
         )
     kind = getattr(precision, "precision", type(precision).__name__)
     if type(precision) is Precision or (
@@ -139,91 +115,6 @@ def clipping_of(trainer: pl.Trainer) -> dict[str, float]:
     return {"clip_grad_norm": float(value)}
 
 
-def gradient_readers(trainer: pl.Trainer, module: pl.LightningModule
-                     ) -> list[tuple[str, str]]:
-    """``(owner, hook)`` of each of :data:`GRADIENT_HOOKS` the module or a callback
-    overrides."""
-    found = [(type(module).__name__, hook) for hook in GRADIENT_HOOKS
-             if is_overridden(hook, module)]
-    callbacks: list[Callback] = getattr(trainer, "callbacks", [])  # a property, untyped
-    for callback in callbacks:
-        found += [(type(callback).__name__, hook) for hook in GRADIENT_HOOKS
-                  if is_overridden(hook, callback, Callback)]
-    return found
-
-
-def _users(hook: Any) -> bool:
-    """Whether ``hook`` (a bound method, or a function a ``LambdaCallback`` holds) is
-    user code, not one of Lightning's own callbacks (progress bars, ``ModelCheckpoint``,
-    the tuner's: they read no gradients)."""
-    return not getattr(hook, "__module__", "").startswith("lightning.")
-
-
-def after_step_readers(trainer: pl.Trainer, module: pl.LightningModule
-                       ) -> list[tuple[str, str]]:
-    """``(owner, hook)`` of each of :data:`AFTER_STEP_HOOKS` that user code overrides:
-    the module's, or a callback's that is not one of Lightning's own."""
-    found = [(type(module).__name__, hook) for hook in AFTER_STEP_HOOKS
-             if is_overridden(hook, module)]
-    callbacks: list[Callback] = getattr(trainer, "callbacks", [])
-    for callback in callbacks:
-        found += [(type(callback).__name__, hook) for hook in AFTER_STEP_HOOKS
-                  if is_overridden(hook, callback, Callback)
-                  and _users(getattr(callback, hook))]
-    return found
-
-
-def plain_order_warning(readers: list[tuple[str, str]], strategy: str) -> str:
-    """The one warning of a fit whose every step is taken at ``step()`` because of
-    ``readers`` (:func:`after_step_readers`)."""
-    hooks = ", ".join(f"{owner}.{hook}" for owner, hook in readers)
-    return (
-        f"{strategy} (optimizer_in_backward) takes every step of this fit at "
-        f"optimizer.step(), in the plain order, without overlap: {hooks} run"
-        f"{'s' if len(readers) == 1 else ''} after the step and may read .grad, which "
-        "the plain loop keeps until the next zero_grad and optimizer_in_backward would "
-        "free during backward. The run is the plain Trainer's, bitwise. To keep the "
-        f"overlap: pass {strategy}(..., reads_grads_after_step=False) if these hooks "
-        "read no gradients, or OverlapDDPStrategy(technique='overlap_ddp') (it keeps "
-        "the gradients)."
-    )
-
-
-def check_gradient_readers(readers: list[tuple[str, str]], technique: str,
-                           clipping: Mapping[str, float], strategy: str
-                           ) -> list[tuple[str, str]]:
-    """Refuse the hooks that would see other gradients than the plain run's; the ones
-    left to watch for writes (:class:`~overlapkit.integrations._lightning_loop.
-    GradientWrites`).
-
-    :raises ConfigurationError: any gradient hook under ``optimizer_in_backward`` (the
-        gradients are freed during backward); ``on_after_backward`` or
-        ``on_before_optimizer_step`` under ``overlap_ddp`` with clipping (Lightning
-        calls them before clipping; overlapkit clipped during backward).
-    """
-    if technique == "optimizer_in_backward":
-        refused = readers
-        why = (f"{technique} steps each gradient during backward and frees it, so they "
-               "would read None where the plain run reads the gradients")
-        what = (f"use {strategy}(technique='overlap_ddp') (it keeps the gradients), "
-                "strategy='ddp', or remove the hook")
-    elif clipping:
-        refused = [r for r in readers if r[1] in WRITING_HOOKS]
-        why = (f"{technique} clips during backward, so they would read the clipped "
-               "gradients where the plain run (which clips after them) reads the "
-               "unclipped ones")
-        what = "clip no gradients (gradient_clip_val=None), use strategy='ddp', or remove the hook"
-    else:
-        return [r for r in readers if r[1] in WRITING_HOOKS]
-    if refused:
-        hooks = ", ".join(f"{owner}.{hook}" for owner, hook in refused)
-        raise ConfigurationError(
-            f"{hooks} run{'s' if len(refused) == 1 else ''} after backward and may read "
-            f".grad: {why}. Nothing was changed; {what}."
-        )
-    return []
-
-
 def overlapped_like(plain: torch.optim.Optimizer, technique: str, model: torch.nn.Module,
                     clipping: Mapping[str, float], options: Mapping[str, Any]
                     ) -> OverlappedOptimizerFacade:
@@ -241,33 +132,3 @@ def overlapped_like(plain: torch.optim.Optimizer, technique: str, model: torch.n
     check_adopted(overlapped.optimizer, plain)
     overlapped.clip_in_order(p for group in plain.param_groups for p in group["params"])
     return overlapped
-
-
-def _schedulers(scheduler: Any) -> Iterator[Any]:
-    """A scheduler and the ones it chains (``SequentialLR``, ``ChainedScheduler``)."""
-    yield scheduler
-    for inner in getattr(scheduler, "_schedulers", None) or ():
-        yield from _schedulers(inner)
-
-
-def rebind_schedulers(configs: Sequence[Any], plain: torch.optim.Optimizer,
-                      overlapped: torch.optim.Optimizer) -> None:
-    """Point the LR schedulers of ``configure_optimizers`` at the overlapped optimizer.
-
-    They were built on ``plain``: their base LRs and ``initial_lr`` are in its groups,
-    which the overlapped optimizer copied, so from now on they drive its live groups.
-    torch's schedulers mark the optimizer's ``step`` to warn when it is replaced after
-    them; the overlapped optimizer's gets the same mark.
-    """
-    for config in configs:
-        for scheduler in _schedulers(config.scheduler):
-            if getattr(scheduler, "optimizer", None) is plain:
-                scheduler.optimizer = overlapped
-    step = overlapped.step
-    if configs and not hasattr(step, "_wrapped_by_lr_sched"):
-        def tracked_step(*args: Any, **kwargs: Any) -> Any:
-            overlapped._opt_called = True  # type: ignore[attr-defined]
-            return step(*args, **kwargs)
-
-        tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        overlapped.step = tracked_step  # type: ignore[method-assign]

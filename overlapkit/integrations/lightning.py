@@ -21,7 +21,9 @@ checkpoints and ``ckpt_path=``)::
   :func:`~overlapkit.optimizer_in_backward` of the LightningModule.
 
 Both train bitwise as the same Trainer with ``strategy="ddp"`` (one device: the default
-strategy) and the plain optimizer. What they cannot honour raises an
+strategy) and the plain optimizer. A fit that works in the window between backward and
+the step (:mod:`overlapkit.integrations._lightning_window`) is stepped in the plain
+order, with one warning. What they cannot honour raises an
 :class:`~overlapkit.OverlapkitError` before the first step
 (:mod:`overlapkit.integrations._lightning_setup`). Needs the ``lightning`` extra
 (``pip install 'overlapkit[lightning]'``, Lightning 2.6.6, the version it
@@ -46,18 +48,19 @@ from overlapkit.errors import ConfigurationError
 # before the modules that import Lightning: raises MissingDependencyError, naming the
 # extra, when it is not installed
 from overlapkit.integrations._lightning_available import TESTED_LIGHTNING, pl
-from overlapkit.integrations._lightning_loop import AutomaticOptimization, GradientWrites
+from overlapkit.integrations._lightning_loop import AutomaticOptimization
 from overlapkit.integrations._lightning_setup import (
     TECHNIQUES,
-    after_step_readers,
     check_fit,
-    check_gradient_readers,
     clipping_of,
-    gradient_readers,
     overlapped_like,
     plain_optimizer,
+)
+from overlapkit.integrations._lightning_window import (
+    GradientWrites,
+    clips_itself,
     plain_order_warning,
-    rebind_schedulers,
+    window_users,
 )
 
 __all__ = ["TESTED_LIGHTNING", "TECHNIQUES", "OverlapDDPStrategy",
@@ -83,9 +86,12 @@ class _StepsInBackward(pl.strategies.Strategy):
 
     _technique: str
     _automatic: AutomaticOptimization
-    #: None: a user's on_train_batch_end may read .grad (optimizer_in_backward then
+    #: None: a user's on_train_batch_end (...) may read .grad (optimizer_in_backward then
     #: steps in the plain order); False: the user said it reads none
     _reads_grads_after_step: bool | None = None
+    #: the user's on_after_backward / on_before_optimizer_step read nothing but .grad
+    #: (overlap_ddp without clipping then keeps the overlap)
+    _hooks_read_only_grads: bool = False
 
     @property
     def technique(self) -> str:
@@ -112,8 +118,6 @@ class _StepsInBackward(pl.strategies.Strategy):
                 "the module again, or build a new LightningModule (load the weights with "
                 "new.load_state_dict(old.state_dict()))."
             )
-        check_gradient_readers(gradient_readers(trainer, module), self._technique,
-                               clipping_of(trainer), name)
 
     def _replace_optimizer(self, trainer: pl.Trainer, model: torch.nn.Module,
                            options: Mapping[str, Any]) -> None:
@@ -121,22 +125,32 @@ class _StepsInBackward(pl.strategies.Strategy):
         the overlapped one of ``model``, after the checks of the optimizer."""
         module = self.lightning_module
         assert module is not None
-        plain = plain_optimizer(self.optimizers, type(self).__name__)
+        name = type(self).__name__
+        plain = plain_optimizer(self.optimizers, name)
         clipping = clipping_of(trainer)
-        watched = check_gradient_readers(gradient_readers(trainer, module),
-                                         self._technique, clipping, type(self).__name__)
-        overlapped = overlapped_like(plain, self._technique, model, clipping, options)
+        users, watched = window_users(
+            trainer, module, self._technique, clipping=bool(clipping),
+            reads_grads_after_step=self._reads_grads_after_step,
+            hooks_read_only_grads=self._hooks_read_only_grads)
+        # an overridden configure_gradient_clipping clips at step() (the plain order),
+        # as Lightning calls it, in place of the technique's clipping
+        own_clipping = clips_itself(module)
+        overlapped = overlapped_like(plain, self._technique, model,
+                                     {} if own_clipping else clipping, options)
         _SET_UP.add(module)
-        rebind_schedulers(self.lr_scheduler_configs, plain, overlapped)
+        # the LR schedulers stay on `plain`, the adopted optimizer the technique steps:
+        # torch's "scheduler before optimizer.step()" check sees its steps, and
+        # LearningRateMonitor finds it behind trainer.optimizers[0].optimizer, named as
+        # in the plain run (re-pointed at `overlapped`, it logged each group twice)
         writes = (GradientWrites(list(module.named_parameters()), self._technique, watched)
                   if watched else None)
-        readers = (after_step_readers(trainer, module)
-                   if self._technique == "optimizer_in_backward"
-                   and self._reads_grads_after_step is not False else [])
-        if readers:
-            warnings.warn(plain_order_warning(readers, type(self).__name__), UserWarning,
+        if users:
+            warnings.warn(plain_order_warning(users, name, self._technique), UserWarning,
                           stacklevel=2)
-        self._automatic.attach(overlapped, writes, clipping, plain_order=bool(readers))
+        self._automatic.attach(overlapped, writes, clipping, plain_order=bool(users),
+                               own_clipping=own_clipping)
+        self._automatic.watch_changes(list(module.parameters()),
+                                      isinstance(model, DistributedDataParallel))
         if self._technique == "optimizer_in_backward" and isinstance(
                 model, DistributedDataParallel):
             self._automatic.watch_training_step(model, list(module.parameters()))
@@ -186,12 +200,22 @@ class OverlapDDPStrategy(_StepsInBackward, pl.strategies.DDPStrategy):
     :param comm_hook_options: keyword options for the comm hook's builder.
     :param step_thread: ``overlap_ddp`` only: see :func:`~overlapkit.overlap_ddp`.
     :param reads_grads_after_step: ``optimizer_in_backward`` only. By default, when the
-        module or a callback of the user's overrides ``on_train_batch_end``, which may
-        read ``.grad`` after the step (the plain loop keeps the gradients until the
-        next ``zero_grad``; ``optimizer_in_backward`` frees them during backward),
+        module or a callback of the user's overrides a hook that runs after a step and
+        before the next ``zero_grad`` (``on_train_batch_end`` / ``_start``, the
+        ``on_train_epoch_*``, ``on_validation_*`` and ``on_train_end`` hooks), which may
+        read ``.grad`` there (the plain loop keeps the gradients until the next
+        ``zero_grad``; ``optimizer_in_backward`` frees them during backward),
         every step of the fit is taken at ``optimizer.step()`` in the plain order,
         bitwise, with one warning. ``False``: those hooks read no gradients; keep the
         overlap.
+    :param hooks_read_only_grads: ``overlap_ddp`` without clipping only. By default, a
+        fit whose module or callbacks override ``on_after_backward`` or
+        ``on_before_optimizer_step`` (or whose module overrides ``backward``) is
+        stepped in the plain order, bitwise, with one warning: those hooks run before
+        the plain step and may read the parameters or the optimizer state before it, or
+        change ``.grad``. ``True``: they only read ``.grad`` (gradient-norm logging),
+        which ``overlap_ddp`` keeps as the plain run's; keep the overlap (a change of
+        ``.grad`` there is then refused).
     :param ddp_options: :class:`~lightning.pytorch.strategies.DDPStrategy`'s own
         arguments (``find_unused_parameters``, ``static_graph``, ``timeout``,
         ``start_method``, ...), but those that put a comm hook of their own on the
@@ -204,7 +228,7 @@ class OverlapDDPStrategy(_StepsInBackward, pl.strategies.DDPStrategy):
     def __init__(self, technique: str = "overlap_ddp", *, comm_hook: str = "allreduce",
                  comm_hook_options: Mapping[str, Any] | None = None,
                  step_thread: str = "backward", reads_grads_after_step: bool | None = None,
-                 **ddp_options: Any) -> None:
+                 hooks_read_only_grads: bool = False, **ddp_options: Any) -> None:
         if technique not in TECHNIQUES:
             raise ConfigurationError(
                 f"technique must be one of {', '.join(map(repr, TECHNIQUES))}, got "
@@ -228,6 +252,7 @@ class OverlapDDPStrategy(_StepsInBackward, pl.strategies.DDPStrategy):
         super().__init__(**ddp_options)
         self._technique = technique
         self._reads_grads_after_step = reads_grads_after_step
+        self._hooks_read_only_grads = bool(hooks_read_only_grads)
         self._overlap_options = options
         self._automatic = AutomaticOptimization(technique, type(self).__name__,
                                                 accumulate_with_no_step=False)

@@ -67,6 +67,7 @@ from overlapkit.integrations.accelerate import (  # noqa: E402
 )
 from overlapkit.integrations.existing_optimizer import check_technique  # noqa: E402
 from overlapkit.optimizer_wrapper import OptimizerWrapper  # noqa: E402
+from overlapkit.overlap.core.foreign_loop import trainer_window_users  # noqa: E402
 from overlapkit.overlap.facade import OverlappedOptimizerFacade  # noqa: E402
 
 __all__ = ["OverlapTrainer"]
@@ -74,13 +75,6 @@ __all__ = ["OverlapTrainer"]
 #: options the Trainer's arguments decide, which ``overlap_options`` may not set
 _FROM_ARGUMENTS = {"clip_grad_norm": "max_grad_norm", "clip_norm_type": "max_grad_norm",
                    "params": "the Trainer's param groups", "grad_scaler": "fp16"}
-
-#: the Trainer's callback events inside the window between backward and step
-_WINDOW_EVENTS = ("on_pre_optimizer_step", "on_optimizer_step")
-
-#: the Trainer's methods whose override may work in that window (two backwards, an edit
-#: of ``.grad`` before returning the loss) or keep the optimizer they build
-_WINDOW_METHODS = ("training_step", "create_optimizer")
 
 #: where the classes of optimizers the Trainer builds from ``args.optim`` may come from
 #: (torch's own and transformers' Adafactor): stepping them part by part is what
@@ -98,6 +92,14 @@ class _SetUpOverlap(TrainerCallback):
         trainer = self._trainer()
         if trainer is not None:
             trainer.set_up_overlap()
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """A callback working in the window added during training (by another callback):
+        the plain order from this step on, before its backward."""
+        trainer = self._trainer()
+        if trainer is not None and isinstance(
+                getattr(trainer.optimizer, "optimizer", None), OverlappedOptimizerFacade):
+            trainer.set_up_overlap(from_step=state.global_step + 1)
 
 
 class OverlapTrainer(Trainer):
@@ -223,50 +225,51 @@ class OverlapTrainer(Trainer):
 
     def window_users(self) -> list[str]:
         """What in this run works in the window between backward and ``optimizer.step()``,
-        which stepping during backward removes: an override of :data:`_WINDOW_METHODS`
-        in a subclass of ``OverlapTrainer`` (a ``training_step`` running two backwards or
-        editing ``.grad``, a ``create_optimizer`` keeping its optimizer), a callback
+        which stepping during backward removes: an override of
+        :data:`~overlapkit.overlap.core.foreign_loop.WINDOW_METHODS` in a subclass of
+        ``OverlapTrainer`` or a Trainer subclass listed after it (a ``training_step``
+        running two backwards or editing ``.grad``, a ``create_optimizer`` keeping its
+        optimizer, a ``_clip_grad_norm`` of one's own), a callback
         overriding ``on_pre_optimizer_step`` / ``on_optimizer_step`` (reading or changing
         ``.grad`` there), ``step_in_plain_order=True``. A callback class declaring
         ``overlapkit_reads_no_gradients = True`` is left out: it reads no gradient there;
         so are the overrides of a subclass declaring it (one backward, no ``.grad``
         edit, no optimizer kept).
         """
-        found = []
-        if self.overlap_in_plain_order:
-            found.append("step_in_plain_order=True")
-        cls = type(self)
-        # a subclass whose overrides do not work in the window says so the same way
-        for name in () if getattr(self, "overlapkit_reads_no_gradients", False) \
-                else _WINDOW_METHODS:
-            for klass in cls.__mro__[:cls.__mro__.index(OverlapTrainer)]:
-                if name in vars(klass):
-                    found.append(f"{klass.__qualname__}.{name} (an override)")
-                    break
-        for callback in self.callback_handler.callbacks:
-            if getattr(callback, "overlapkit_reads_no_gradients", False):
-                continue
-            for event in _WINDOW_EVENTS:
-                if getattr(type(callback), event) is not getattr(TrainerCallback, event):
-                    found.append(f"the callback {type(callback).__qualname__}.{event}")
-        return found
+        found = ["step_in_plain_order=True"] if self.overlap_in_plain_order else []
+        return found + trainer_window_users(self, skip=(OverlapTrainer,))
 
-    def set_up_overlap(self) -> None:
+    def set_up_overlap(self, from_step: int | None = None) -> None:
         """Set the technique up on ``self.model_wrapped`` around the optimizer the Trainer
         prepared (called at ``on_train_begin``; a second ``train()`` keeps it).
 
         When something in the run works in the window between backward and step
         (:meth:`window_users`), every step is taken by the Trainer's ``optimizer.step()``
         in the plain order instead — the plain ``Trainer``'s run, bitwise — with one
-        warning naming what turned the overlap off and how to keep it."""
+        warning naming what turned the overlap off and how to keep it. A ``train()``
+        after one that set the technique up, or a step of it (``on_step_begin``: a
+        callback added since), switches the set-up optimizer to the plain order, which
+        it keeps from then on
+        (:meth:`~overlapkit.overlap.facade.OverlappedOptimizerFacade.learn_first_step`).
+
+        :param from_step: the step about to begin, when called during training (the
+            warning names it).
+        """
         prepared = self.optimizer
         users = self.window_users()
-        set_up = isinstance(getattr(prepared, "optimizer", None), OverlappedOptimizerFacade)
-        if users and not set_up:  # (a second train() keeps what the first set up)
+        facade = getattr(prepared, "optimizer", None)
+        set_up = isinstance(facade, OverlappedOptimizerFacade)
+        if users:
+            if users != self.overlap_off_by:  # one warning, not one per train()
+                warnings.warn(_plain_order_warning(self.overlap_technique, users, from_step),
+                              UserWarning, stacklevel=2)
             self.overlap_off_by = users
-            warnings.warn(_plain_order_warning(self.overlap_technique, users),
-                          UserWarning, stacklevel=2)
+            if isinstance(facade, OverlappedOptimizerFacade):  # set up by an earlier
+                facade.learn_first_step(plain_order=True)  # train(): a callback added since
             return
+        if set_up:  # a second train() keeps what the first set up
+            return
+        self.overlap_off_by = []
         if not isinstance(prepared, AcceleratedOptimizer):
             raise ConfigurationError(
                 "OverlapTrainer expected the optimizer prepared by Accelerate "
@@ -274,8 +277,6 @@ class OverlapTrainer(Trainer):
                 "trainer.optimizer replaced after the Trainer was built?"
             )
         inner = prepared.optimizer
-        if isinstance(inner, OverlappedOptimizerFacade):
-            return  # set up by an earlier train() of this Trainer
         self.check_optimizer(inner)
         max_norm = self.args.max_grad_norm
         clip = float(max_norm) if max_norm is not None and max_norm > 0 else None
@@ -290,9 +291,11 @@ class OverlapTrainer(Trainer):
             clip_grad_norm=clip, **self.overlap_options)
 
 
-def _plain_order_warning(technique: str, users: list[str]) -> str:
+def _plain_order_warning(technique: str, users: list[str], from_step: int | None) -> str:
+    steps = ("every step of this run" if from_step is None
+             else f"every step from step {from_step} on")
     return (
-        f"OverlapTrainer(technique={technique!r}) takes every step of this run at the "
+        f"OverlapTrainer(technique={technique!r}) takes {steps} at the "
         "Trainer's optimizer.step(), in the plain order, without overlap: "
         f"{', '.join(users)} may read or change the gradients (or the optimizer) between "
         "backward and step, a window that stepping during backward removes. The run is "

@@ -20,12 +20,8 @@ import torch
 from overlapkit.errors import ConfigurationError, NotPicklableError, OverlapkitError
 from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.overlap.core.engine import OverlapEngine
-from overlapkit.overlap.core.window import (
-    FirstWindow,
-    end_first_window,
-    refuse_changed_gradients,
-    second_backward_refusal,
-)
+from overlapkit.overlap.core.kept_graph import second_backward_refusal
+from overlapkit.overlap.core.window import FirstWindow, end_first_window, refuse_changed_gradients
 from overlapkit.overlap.rules.amp_scaler import (
     guard_param_groups,
     hand_inf_check,
@@ -46,8 +42,8 @@ __all__ = ["BackwardSteps", "OverlappedOptimizerFacade"]
 
 class BackwardSteps(Protocol):
     """What steps during backward (a :class:`~overlapkit.overlap.core.step_accounting.StepAccount`):
-    the facade reports ``step()``, ``zero_grad()`` and ``load_state_dict()`` calls to it;
-    ``register(params)`` hooks parameters added later (``add_param_group``)."""
+    the facade reports ``step()``, ``zero_grad()`` and ``load_state_dict()`` calls to
+    it; ``register(params)`` hooks parameters added later (``add_param_group``)."""
 
     #: any backward has stepped
     has_stepped: bool
@@ -59,6 +55,7 @@ class BackwardSteps(Protocol):
     def register(self, params: Iterable[torch.Tensor]) -> None: ...
 
     def synchronize(self) -> None: ...
+
     def state_loading(self) -> None: ...
 
     #: what waits for the end of backward (global clipping, a GradScaler), or None
@@ -93,6 +90,8 @@ class BackwardSteps(Protocol):
 
     #: the gradients the last stepping backward left, to check at step(), or None
     stepped_marks: FirstWindow | None
+    #: the real optimizer whose param-group settings a change before step() would miss
+    settings_of: torch.optim.Optimizer | None
 
 
 class OverlappedOptimizerFacade(OptimizerWrapper):
@@ -122,6 +121,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         self._steps = steps
         self._technique = technique
         self._check_params = check_params
+        steps.settings_of = engine.optimizer
         # a torch clip_grad_norm_ after a backward that stepped is refused, or
         # answered when it is the clip this optimizer applied (late_clipping)
         watch(engine.parameters(), steps)
@@ -213,19 +213,24 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
             steps.deferred()
 
     def learn_first_step(self, model: torch.nn.Module | None = None,
-                         accumulate: str | None = None) -> None:
+                         accumulate: str | None = None, *, plain_order: bool = False) -> None:
         """Defer the first optimizer step, to see what the loop does between backward and
         ``step()`` before anything steps (:mod:`~overlapkit.overlap.core.window`), then step
         during backward from the second step on — or, when the loop used that window
         (several backwards before ``step()``, a gradient changed), keep taking every
         step at ``step()`` in the plain order, with one warning.
 
-        For a loop that calls ``step()`` (Accelerate's, a hand-written one that works in
-        that window; one that never does would step nothing). ``model`` names the
-        parameters in the warning; ``accumulate`` says, in the refusal of a later second
-        backward before ``step()``, how that framework accumulates (``"inside ..."``).
+        For a loop that calls ``step()`` (Accelerate's, or a hand-written one working in
+        that window, :data:`~overlapkit.overlap.core.window.LEARN`); one that never does
+        would step nothing. ``model`` names the parameters in the warning;
+        ``accumulate`` says, in the refusal of a later second backward before
+        ``step()``, how that framework accumulates (``"inside `with ...`"``).
+        ``plain_order``: every step at ``step()`` from now on, nothing to learn (an
+        integration that found the loop uses the window after set-up warns itself).
         """
         steps = self._steps
+        if plain_order and steps.first_window is not None and steps.first_window.plain_order:
+            return
         if accumulate is not None:
             steps.accumulate = accumulate
         self._names = {} if model is None else {
@@ -233,22 +238,15 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         # a gradient read in the window is the plain loop's only while the technique
         # keeps it unclipped (overlap_ddp without clipping or a loss scaler)
         reads_matter = self._technique == "optimizer_in_backward" or steps.full_step is not None
-        steps.first_window = FirstWindow(watching=dict(self._names) if reads_matter else None)
+        steps.first_window = FirstWindow(
+            watching=dict(self._names) if reads_matter and not plain_order else None,
+            optimizer=self._engine.optimizer, plain_order=plain_order)
         steps.deferring = True
 
-    def _end_first_window(self) -> bool:
-        """At ``step()`` while :meth:`learn_first_step` defers
-        (:func:`~overlapkit.overlap.core.window.end_first_window`)."""
-        return end_first_window(self._steps, getattr(self, "_names", {}),
-                                self._engine.parameters(), self._technique)
-
-    def _refuse_changed_gradients(self, marks: FirstWindow) -> None:
-        engine = self._engine
-        refuse_changed_gradients(marks, getattr(self, "_names", {}), engine.parameters(),
-                                 self._technique, engine.param_groups)
-
     def second_backward_refusal(self, error: BaseException) -> OverlapkitError | None:
-        """:func:`~overlapkit.overlap.core.window.second_backward_refusal`, for an
+        """The ConfigurationError naming what to do for autograd's ``error`` from a second
+        backward before ``step()`` through a kept graph this optimizer has stepped, or
+        None (:func:`~overlapkit.overlap.core.kept_graph.second_backward_refusal`): for an
         integration that runs the loop's backward (Accelerate's)."""
         return second_backward_refusal(self._steps, error)
 
@@ -329,9 +327,10 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
             )
         scaler = self._scaler_driving()
         self.synchronize()
-        steps = self._steps
-        clipped_by_loop = (steps.first_window is not None and steps.deferring
-                           and self._end_first_window())
+        steps, names = self._steps, getattr(self, "_names", {})
+        # the first window learnt (learn_first_step): the plain order kept, or not
+        clipped_by_loop = (steps.first_window is not None and steps.deferring and end_first_window(
+            steps, names, self._engine.parameters(), self._technique))
         try:
             stepped = steps.step_called()
         except ConfigurationError:
@@ -341,7 +340,8 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         marks, steps.stepped_marks = steps.stepped_marks, None
         if stepped:
             if marks is not None:
-                self._refuse_changed_gradients(marks)
+                refuse_changed_gradients(marks, names, self._engine.parameters(),
+                                         self._technique)
             rule = steps.global_step
         else:
             rule = steps.full_step

@@ -9,7 +9,7 @@ parameter, deep inside the graph, with its own ``RuntimeError`` ("modified by an
 inplace operation"). A hook on the model's output nodes runs first: each output node
 of a forward counts the backwards through it, and the second one after a stepping
 backward (no ``step()`` between) raises
-:func:`~overlapkit.overlap.core.window.kept_graph_refusal` there, before any node of
+:func:`kept_graph_refusal` there, before any node of
 the model runs — so no gradient, DDP bucket or step is touched, and every rank (running
 the same loop) raises at the same point. Measured on torch 2.13: an exception raised in
 a node's pre-hook leaves ``backward()`` as itself.
@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.core.step_accounting import StepAccount
-from overlapkit.overlap.core.window import kept_graph_refusal
 
-__all__ = ["refusing_second_backwards"]
+__all__ = ["kept_graph_refusal", "refusing_second_backwards", "second_backward_refusal"]
 
 
 class _BackwardsThrough:
@@ -60,3 +60,36 @@ def refusing_second_backwards(steps: StepAccount) -> Callable[..., None]:
                 node.register_prehook(_BackwardsThrough(steps))
 
     return after_forward
+
+
+def second_backward_refusal(steps: Any, error: BaseException) -> ConfigurationError | None:
+    """The error for autograd's ``error`` from a backward through a graph kept with
+    ``retain_graph=True`` whose saved parameters the previous backward's step changed in
+    place (a second backward before ``step()``: an auxiliary loss, adversarial
+    training), or None when it is something else. Autograd raises before any of the
+    technique's hooks see that backward (measured on torch 2.13: the parameters are
+    unchanged by it), so the step-accounting refusal of a second backward never runs.
+    (:func:`refusing_second_backwards` raises it first where the graph's output is the
+    model's.)
+
+    :param steps: the facade's :class:`~overlapkit.overlap.facade.BackwardSteps`.
+    """
+    if not (isinstance(error, RuntimeError) and steps.stepped_since_step
+            and "modified by an inplace operation" in str(error)):
+        return None
+    return kept_graph_refusal(steps)
+
+
+def kept_graph_refusal(steps: Any) -> ConfigurationError:
+    """The error of a second backward before ``step()`` through a graph kept with
+    ``retain_graph=True``, after a backward that stepped the parameters it saved."""
+    return ConfigurationError(
+        f"backward() ran again before optimizer.step(), through a graph kept with "
+        f"retain_graph=True, after the previous backward had stepped the parameters "
+        f"that graph saved: {steps.technique} steps during backward, so every backward is "
+        "one optimizer step, and autograd cannot run the second (its saved parameters "
+        "were changed in place). Nothing was stepped in this backward; the parameters "
+        "have taken the first one's step. Sum the losses into one backward "
+        f"(loss + aux_loss), or run all but the last backward {steps.accumulate}; "
+        "restart from the last checkpoint after fixing the loop."
+    )

@@ -31,25 +31,29 @@ known only from what it calls, so :class:`StepAccount` learns it:
 A ``step()`` or ``zero_grad()`` that does not follow a stepping backward (set-up code
 creating optimizer state, a first ``zero_grad()`` before the loop) says nothing about
 the loop. A ``zero_grad()`` after several stepping backwards (with no ``step()``) is a
-backward-only loop clearing gradients now and then, and is accepted.
+backward-only loop clearing gradients now and then, and is accepted — unless the loop
+has called ``step()`` right after a stepping backward before: it then discards
+gradients the step was already taken with (a GAN's generator loss reaching the
+discriminator, a step skipped on a bad loss), and raises
+:func:`discarded_step_error` (the step is taken: never silently).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
 from overlapkit.errors import ConfigurationError, OverlapkitError
 from overlapkit.overlap.core.foreign_loop import foreign_trainer_refusal
-from overlapkit.overlap.core.window import FirstWindow, settings, zero_grad_in_window_error
+from overlapkit.overlap.core.window import FirstWindow
 
 if TYPE_CHECKING:
     from overlapkit.overlap.core.engine import OverlapEngine
 
 __all__ = ["StepAccount", "accumulation_error", "backward_without_step_error",
-           "step_again_error"]
+           "discarded_step_error", "step_again_error"]
 
 
 def backward_without_step_error(technique: str, accumulate: str) -> ConfigurationError:
@@ -85,18 +89,34 @@ def accumulation_error(technique: str, accumulate: str, backwards: int) -> Confi
     )
 
 
+def discarded_step_error(technique: str) -> ConfigurationError:
+    """The error of a ``zero_grad()`` that discards the gradients of a backward that
+    stepped, in a loop that calls ``step()`` after its backwards: the plain loop takes
+    no step with them (a second optimizer's loss reaching these parameters, as a GAN's
+    generator loss reaches the discriminator; a step skipped on a bad loss)."""
+    return ConfigurationError(
+        "zero_grad() was called after a backward that stepped the parameters, with no "
+        f"optimizer.step() between them, in a loop that calls step() after its "
+        f"backwards: the plain loop discards these gradients, but {technique} steps "
+        "during backward and took a step with them. The parameters have taken it: "
+        "restart from the last checkpoint after fixing the loop. Keep a backward that "
+        "must not step these parameters from reaching them (requires_grad_(False) on "
+        "them during it, as Lightning's toggle_optimizer does; .detach() the input that "
+        "leads to them), or decide before backward() whether to step."
+    )
+
+
 def step_again_error(technique: str) -> ConfigurationError:
     """The error of a ``step()`` with no stepping backward since the last one, while
     the gradients the last backward stepped and freed would still be held by the plain
-    loop (no ``zero_grad()`` since): the plain ``step()`` would step them again, or
-    their sum with what ``no_step()`` backwards added since."""
+    loop (no ``zero_grad()`` since, none set again): the plain ``step()`` would step
+    them again."""
     return ConfigurationError(
         "optimizer.step() was called again after the step of the last backward, with no "
         "zero_grad() in between: the plain step() would step that backward's gradients "
-        f"again (or their sum with what later no_step() backwards added), but "
-        f"{technique} freed them once it had stepped them during backward. Nothing was "
-        "stepped now. Call step() once per backward, and zero_grad() after it; to "
-        "accumulate gradients over several backwards, run all but the last "
+        f"again, but {technique} freed them once it had stepped them during backward. "
+        "Nothing was stepped now. Call step() once per backward, and zero_grad() after "
+        "it; to accumulate gradients over several backwards, run all but the last "
         "inside the technique's no_step() / the model's no_sync()."
     )
 
@@ -134,21 +154,25 @@ class StepAccount:
         #: what the loop does in its first optimizer step, while that step is deferred to
         #: learn it (``OverlappedOptimizerFacade.learn_first_step``, :mod:`.window`)
         self.first_window: FirstWindow | None = None
-        #: that first step was learned, and the loop steps during backward since
-        self.learned = False
         #: the gradients a backward stepped, as it left them, in a loop that calls
         #: ``step()``: a change before ``step()`` could not reach that step
         #: (:meth:`stepped_backward_ended`, checked by the facade's ``step()``)
         self.stepped_marks: FirstWindow | None = None
+        #: the real optimizer whose param-group settings (``lr``, ...) the loop may
+        #: change between backward and ``step()``, or None (set by the facade)
+        self.settings_of: torch.optim.Optimizer | None = None
+        #: the loop has called ``step()`` (not only ``zero_grad()``) right after a
+        #: stepping backward
+        self.steps_after_backward = False
         #: ``zero_grad()`` was called after a stepping backward, before ``step()``
         self.zeroed_after_stepping = False
-        #: the loop has called ``step()`` itself right after a stepping backward: a
-        #: ``zero_grad()`` right after one, with no ``step()``, skips the plain step
-        self.steps_after_backward = False
         #: the parameters whose gradients the last stepping backward freed once stepped,
         #: while neither ``zero_grad()`` nor a stepping backward has come since (the
         #: plain loop still holds them: a ``step()`` now would step them again), or None
         self.freed: list[torch.Tensor] | None = None
+        #: the first step was learnt (``learn_first_step``), and the loop steps during
+        #: backward since: its refusals do not suggest learning it
+        self.learned = False
 
     def backward_starts(self) -> OverlapkitError | None:
         """Count a stepping backward that starts now: the error to hold until it ends
@@ -179,15 +203,13 @@ class StepAccount:
             self.first_window.backwards += 1
         return self.backward_gate() if self.backward_gate is not None else None
 
-    def deferred_backward_ended(self, engine: OverlapEngine) -> None:
+    def deferred_backward_ended(self, params: Iterable[torch.Tensor]) -> None:
         """A backward ended while steps are deferred (its gradients are in ``.grad``): the
-        :attr:`first_window` marks them and the param groups' hyperparameters, to see
-        whether the loop changes them."""
-        window = self.first_window
-        if window is not None:
-            window.mark(engine.parameters())
-            window.groups = engine.param_groups
-            window.stepped_with = settings(window.groups)
+        :attr:`first_window` marks them, to see whether the loop changes them."""
+        if self.first_window is not None:
+            self.first_window.mark(params)
+            self.first_window.mark_settings()
+            self.first_window.watch_state()
 
     def starting_backward(self) -> OverlapkitError | None:
         """What a stepper calls when a backward starts: :meth:`backward_starts`, or
@@ -197,17 +219,16 @@ class StepAccount:
     def stepped_backward_ended(self, engine: OverlapEngine, freed: bool) -> None:
         """A backward that stepped ``engine``'s parameters ended (``freed``: their
         gradients were freed). In a loop that calls ``step()``, or may (its first
-        stepping backward), mark their gradients (kept, or freed: None) and the param
-        groups' hyperparameters, so that ``step()`` sees one the loop changed or set in
+        stepping backward), mark their gradients (kept, or freed: None), the param-group
+        settings and the state, so that ``step()`` sees one the loop changed or set in
         between — too late for the step it was meant for."""
         params = engine.parameters()
         self.freed = params if freed else None
         if self.calls_step or self.window == 1:
-            state = engine.state
-            marks = FirstWindow(stepped_with=settings(engine.param_groups),
-                                learned=self.learned, state_seen=(id(state), len(state)),
-                                optimizer=engine.optimizer)
+            marks = FirstWindow(optimizer=self.settings_of, learned=self.learned)
             marks.mark(params)
+            marks.mark_settings()
+            marks.mark_state()
             self.stepped_marks = marks
 
     def deferred(self) -> None:
@@ -235,8 +256,8 @@ class StepAccount:
             self.calls_step = self.steps_after_backward = True
         if window > 1:
             raise accumulation_error(self.technique, self.accumulate, window)
-        if stepped and zeroed:
-            raise zero_grad_in_window_error(self.technique)
+        if stepped and zeroed:  # the first step: zero_grad() did not know the loop yet
+            raise discarded_step_error(self.technique)
         if not stepped and self.freed and all(p.grad is None for p in self.freed):
             raise step_again_error(self.technique)  # none set again by hand either
         return stepped
@@ -259,17 +280,16 @@ class StepAccount:
     def zero_grad_called(self) -> None:
         """``zero_grad()`` was called: it ends the window (see the module docstring).
 
-        :raises ConfigurationError: it follows a stepping backward with no ``step()``,
-            in a loop that calls ``step()`` after its backwards (a step skipped, or
-            ``zero_grad()`` before ``step()``): the plain loop takes no step with that
-            backward's gradients. Nothing is cleared.
+        :raises ConfigurationError: it discards the gradients of a stepping backward in
+            a loop that calls ``step()`` (:func:`discarded_step_error`).
         """
-        if self.window and self.steps_after_backward:
-            raise zero_grad_in_window_error(self.technique)
-        if self.window == 1:
-            self.calls_step = True
-        self.window = 0
-        self.stepped_marks = None
+        if self.first_window is not None and self.deferring:
+            self.first_window.discard()
+        window, self.window, self.stepped_marks = self.window, 0, None
+        if window and self.steps_after_backward:
+            raise discarded_step_error(self.technique)
         self.freed = None
         if self.stepped_since_step:
             self.zeroed_after_stepping = True
+        if window == 1:
+            self.calls_step = True

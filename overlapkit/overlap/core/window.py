@@ -14,12 +14,15 @@ step nothing), and :class:`FirstWindow` records what the loop did until ``step()
 - each gradient's identity and version counter at the end of each backward (in-place
   changes bump a tensor's version; ``param.grad = ...`` replaces it): a gradient changed
   before ``step()`` shows the loop edits gradients;
-- the param groups' hyperparameters at the end of each backward: one changed before
-  ``step()`` (a warm-up written there, ``lr_scheduler.step()`` called first) shows the
-  plain step takes a value the step in backward could not know;
 - a ``clip_grad_norm_`` / ``clip_grad_value_`` the loop ran on the kept gradients (the
   plain loop's own clip, bumping their versions; not an edit, and the full step then
-  does not clip again).
+  does not clip again);
+- the optimizer's param-group settings (``lr``, ``weight_decay``, ...) at the end of
+  each backward: one changed before ``step()`` (a warm-up written by hand, a scheduler
+  stepped before the optimizer) is taken by the plain step, and would miss a step
+  taken during backward;
+- a read of ``optimizer.state`` (Adam's moments logged): from the second step on it
+  would hold that step's update already (:class:`_WatchedState`).
 
 At ``step()`` the first step is taken as the plain loop takes it (a full step of the
 kept gradients). A loop that used the window keeps every later step in that plain
@@ -28,19 +31,18 @@ the plain run, bitwise. Any other loop steps during backward from its second ste
 
 In a loop no integration sets up, the step is taken during backward from the first,
 so what the loop does in the window that the plain ``step()`` would have used is
-refused at that ``step()`` (:func:`refuse_changed_gradients`): a gradient changed or
-set, a hyperparameter of a param group changed (a warm-up written before ``step()``,
-``lr_scheduler.step()`` called first), a param group added; ``zero_grad()`` there, or
-instead of ``step()`` (:func:`zero_grad_in_window_error`, from
-:mod:`~overlapkit.overlap.core.step_accounting`). The parameters have taken the step
-by then, and the message says so.
+refused at that ``step()`` (:func:`refuse_changed_gradients`), from the first step on:
+a gradient changed or set, a param-group setting changed (a warm-up written before
+``step()``, ``lr_scheduler.step()`` called first), a param group added, the state reset.
+The parameters have taken the step by then: the message says so, and names
+``learn_first_step`` (:data:`LEARN`), which has such a loop learnt as above.
 """
 
 from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -49,11 +51,15 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from overlapkit.errors import ConfigurationError
+from overlapkit.overlap.core.group_settings import changed_settings, settings
 
-__all__ = ["FirstWindow", "end_first_window", "kept_graph_refusal", "plain_order_warning",
-           "quiet_reads",
-           "refuse_changed_gradients", "refuse_changed_settings", "second_backward_refusal",
-           "settings", "state", "zero_grad_in_window_error"]
+__all__ = ["LEARN", "FirstWindow", "end_first_window", "plain_order_warning",
+           "quiet_reads", "refuse_changed_gradients", "state"]
+
+#: what a hand-written loop that works in the window calls to have it honoured
+LEARN = ("optimizer.learn_first_step(model) (the first step is then taken at "
+         "optimizer.step() and shows the loop uses this window: every step stays there, "
+         "in the plain order, bitwise the plain loop, with one warning)")
 
 
 def state(param: torch.Tensor) -> tuple[int, int]:
@@ -62,29 +68,8 @@ def state(param: torch.Tensor) -> tuple[int, int]:
     return (0, 0) if grad is None else (id(grad), grad._version)
 
 
-def _fingerprint(value: Any) -> Any:
-    """What tells that a hyperparameter changed: the value, or for a tensor (a tensor
-    ``lr``, changed in place by a scheduler) its identity and version counter."""
-    if isinstance(value, torch.Tensor):
-        return ("tensor", id(value), value._version)
-    if isinstance(value, (tuple, list)):
-        return tuple(_fingerprint(each) for each in value)
-    return value
-
-
-def settings(groups: Iterable[Mapping[str, Any]]) -> list[dict[str, tuple[Any, str]]]:
-    """Each param group's hyperparameters as a step read them: ``key -> (fingerprint,
-    shown)``; ``params`` and a scheduler's ``initial_lr`` (read by no step) left out."""
-    return [{key: (_fingerprint(value), _shown(value)) for key, value in group.items()
-             if key not in ("params", "initial_lr")} for group in groups]
-
-
-def _shown(value: Any) -> str:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return f"{value.item():g}"
-    if isinstance(value, float):
-        return f"{value:g}"
-    return repr(value)[:40]
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (" and others" if len(names) > 3 else "")
 
 
 #: property reads of a gradient that read no values (``.shape``, ``.dtype``, ...)
@@ -134,6 +119,34 @@ class _WatchedGrad(torch.Tensor):
             return func(*args, **kwargs)
 
 
+class _WatchedState(MutableMapping[Any, Any]):
+    """The optimizer's ``state`` between a backward and ``step()`` in the first window:
+    the same dict behind it; the loop reading it (or writing) is noted in the window."""
+
+    def __init__(self, state: MutableMapping[Any, Any], window: FirstWindow) -> None:
+        self.state, self.window = state, window
+
+    def _note(self) -> MutableMapping[Any, Any]:
+        if not getattr(_QUIET, "on", False):
+            self.window.state_read = True
+        return self.state
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._note()[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._note()[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        del self._note()[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._note())
+
+    def __len__(self) -> int:
+        return len(self._note())
+
+
 @attrs.define
 class FirstWindow:
     """What the loop did between backward and ``step()`` while steps are deferred to learn
@@ -153,19 +166,25 @@ class FirstWindow:
     watching: dict[int, str] | None = None
     #: the names of the gradients the loop read
     read: list[str] = attrs.field(factory=list)
-    #: the param groups' hyperparameters the marked backward stepped with
-    #: (:func:`settings`), or None when not recorded
-    stepped_with: list[dict[str, tuple[Any, str]]] | None = None
-    #: the optimizer's live ``param_groups`` (the first window: compared at ``step()``)
-    groups: list[dict[str, Any]] | None = None
-    #: the loop's first step was learned (``learn_first_step``): its refusals do not
+    #: the real optimizer whose param-group settings are compared, or None
+    optimizer: torch.optim.Optimizer | None = None
+    #: its :func:`settings` at the end of the last backward
+    settings: list[dict[str, Any]] | None = None
+    #: the loop read (or wrote) ``optimizer.state`` between a backward and ``step()``
+    state_read: bool = False
+    #: ``zero_grad()`` discarded the gradients of a backward without a ``step()``
+    discarded: bool = False
+    #: the loop's own clip by a finite norm has run on the kept gradients
+    clipped_to_norm: bool = False
+    #: the loop clipped (or asked their norm) again after that: it reads the clipped
+    #: gradients' norm, which a step taken during backward does not keep
+    clipped_again: bool = False
+    #: the loop's first step was learnt (``learn_first_step``): its refusals do not
     #: suggest it
     learned: bool = False
-    #: ``(id, len)`` of the optimizer's ``state`` the marked backward stepped, and that
-    #: optimizer: a state reset or replaced before ``step()`` shows (not a clear of one
-    #: parameter's entry: that would cost a look-up per parameter and backward)
+    #: ``(id, len)`` of the optimizer's ``state`` after a stepping backward
+    #: (:meth:`mark_state`), or None
     state_seen: tuple[int, int] | None = None
-    optimizer: Any = None
 
     def mark(self, params: Iterable[torch.Tensor]) -> None:
         """Record the gradients of ``params`` as they are now (end of a backward, or
@@ -181,34 +200,60 @@ class FirstWindow:
                 param.grad = watched
             self.marks[id(param)] = state(param)
 
-    def changed_settings(self, groups: list[dict[str, Any]]) -> list[str]:
-        """``param_groups[i]['key'] (a -> b)`` for each hyperparameter changed since
-        :attr:`stepped_with` was recorded."""
-        if self.stepped_with is None:
+    def mark_settings(self) -> None:
+        """Record the optimizer's param-group settings as a backward leaves them (those
+        a step taken in it used)."""
+        if self.optimizer is not None:
+            self.settings = settings(self.optimizer)
+
+    def mark_state(self) -> None:
+        """Record the optimizer's ``state`` as a stepping backward leaves it: a reset or
+        replaced state before ``step()`` shows (not a clear of one parameter's entry:
+        that would cost a look-up per parameter and backward). Not while it is watched."""
+        if self.optimizer is not None:
+            state = self.optimizer.state
+            self.state_seen = (id(state), len(state))
+
+    def state_reset(self) -> list[str]:
+        """``["optimizer.state (N entries -> M)"]`` when it changed since
+        :meth:`mark_state`, else empty."""
+        if self.optimizer is None or self.state_seen is None:
             return []
-        found = []
-        state = None if self.optimizer is None else self.optimizer.state
-        if state is not None and (id(state), len(state)) != self.state_seen:
-            found.append(f"optimizer.state ({(self.state_seen or (0, 0))[1]} entries -> "
-                         f"{len(state)}, a reset)")
-        if len(groups) != len(self.stepped_with):  # add_param_group: its parameters
-            found.append(f"param_groups ({len(self.stepped_with)} groups -> {len(groups)})")
-        for index, (was, now) in enumerate(zip(self.stepped_with, settings(groups),
-                                               strict=False)):
-            for key, (fingerprint, shown) in was.items():
-                after = now.get(key)
-                if after is None or after[0] != fingerprint:
-                    found.append(f"param_groups[{index}][{key!r}] ({shown} -> "
-                                 f"{'removed' if after is None else after[1]})")
-        return found
+        state = self.optimizer.state
+        if (id(state), len(state)) == self.state_seen:
+            return []
+        return [f"optimizer.state ({self.state_seen[1]} entries -> {len(state)}, a reset)"]
+
+    def watch_state(self) -> None:
+        """Note the loop's reads of ``optimizer.state`` until :meth:`unwatch` (while
+        the first window is learnt)."""
+        optimizer = self.optimizer
+        if (optimizer is not None and not self.plain_order
+                and not isinstance(optimizer.state, _WatchedState)):
+            optimizer.state = _WatchedState(optimizer.state, self)  # type: ignore[assignment]
+
+    def changed_settings(self) -> list[str]:
+        """The settings changed since :meth:`mark_settings` (:func:`changed_settings`)."""
+        if self.optimizer is None or self.settings is None:
+            return []
+        return changed_settings(self.settings, self.optimizer)
+
+    def discard(self) -> None:
+        """``zero_grad()`` was called: the backwards so far are not this step's."""
+        self.discarded = self.discarded or self.backwards > 0
+        self.backwards, self.marks = 0, {}
 
     def note_read(self, name: str) -> None:
         if name not in self.read:
             self.read.append(name)
 
     def unwatch(self, params: Iterable[torch.Tensor]) -> None:
-        """Put the plain gradients back (before the step reads them); stop watching."""
+        """Put the plain gradients and state back (before the step reads them); stop
+        watching."""
         self.watching = None
+        state = None if self.optimizer is None else self.optimizer.state
+        if isinstance(state, _WatchedState):
+            self.optimizer.state = state.state
         for param in params:
             grad = param.grad
             if isinstance(grad, _WatchedGrad):
@@ -230,7 +275,8 @@ class FirstWindow:
 
     def reset(self) -> None:
         """A new optimizer step starts (after ``step()``)."""
-        self.backwards, self.marks, self.clipped = 0, {}, False
+        self.backwards, self.marks, self.clipped, self.settings = 0, {}, False, None
+        self.clipped_to_norm = False
 
 
 def plain_order_warning(technique: str, used: str) -> str:
@@ -265,16 +311,24 @@ def end_first_window(steps: Any, names: Mapping[int, str], params: list[torch.Te
                         "(gradient accumulation outside accelerator.accumulate)")
         edited = window.edited(dict(names), params)
         if edited:
-            shown = ", ".join(edited[:3]) + (" and others" if len(edited) > 3 else "")
-            used.append(f"the gradients of {shown} were changed")
-        changed = window.changed_settings(window.groups or [])
-        if changed:  # the deferred step takes the new value, as the plain step() does
-            shown = ", ".join(changed[:3]) + (" and others" if len(changed) > 3 else "")
-            used.append(f"{shown} changed (a warm-up before step(), or the scheduler "
-                        "stepped first)")
+            used.append(f"the gradients of {_shown(edited)} were changed")
+        changed = window.changed_settings()
+        if changed:
+            used.append(f"the optimizer's settings ({_shown(changed)}) were changed "
+                        "(the plain step takes the new values)")
+        if window.discarded:
+            used.append("zero_grad() discarded the gradients of a backward without a step "
+                        "(a second optimizer's loss reaching these parameters)")
+        if window.clipped_again:
+            used.append("clip_grad_norm_ was called again after the loop's clip (the "
+                        "plain one returns the clipped gradients' norm)")
+        if window.state_read:
+            used.append(f"the optimizer's state was read (from the second step on it "
+                        f"would hold that step's update already: {technique} steps "
+                        "during backward)")
         read = [name for name in window.read if name not in edited]
         if read:
-            shown = ", ".join(read[:3]) + (" and others" if len(read) > 3 else "")
+            shown = _shown(read)
             freed = ("frees them once stepped" if technique == "optimizer_in_backward"
                      else "clips them during backward")
             used.append(f"the gradients of {shown} were read (from the second step on "
@@ -295,106 +349,32 @@ def end_first_window(steps: Any, names: Mapping[int, str], params: list[torch.Te
     return clipped
 
 
-#: what a hand-written loop that works in the window calls to have it honoured
-LEARN = ("optimizer.learn_first_step(model) (the first step is then taken at "
-         "optimizer.step() and shows the loop uses this window: every step stays there, "
-         "in the plain order, bitwise the plain loop, with one warning)")
-
-
 def refuse_changed_gradients(marks: FirstWindow, names: Mapping[int, str],
-                             params: list[torch.Tensor], technique: str,
-                             groups: list[dict[str, Any]]) -> None:
+                             params: list[torch.Tensor], technique: str) -> None:
     """:raises ConfigurationError: the loop changed (or set) a gradient after the
-    backward that stepped it, before this ``step()``: the change missed that step; or
-    it changed a hyperparameter of ``groups`` (:func:`refuse_changed_settings`)."""
+    backward that stepped it, before this ``step()``: the change missed that step."""
+    learn = "." if marks.learned else f", or keep the loop and call {LEARN} once before it."
+    changed = marks.changed_settings() + marks.state_reset()
+    if changed:
+        raise ConfigurationError(
+            f"the optimizer's settings ({_shown(changed)}) were changed between backward() and "
+            f"optimizer.step(), after {technique} had already stepped the parameters with "
+            "the values before the change during backward, so the change missed this "
+            "step (a hand-written warm-up, or lr_scheduler.step() called before "
+            "optimizer.step()). The parameters have taken it: restart from the last "
+            "checkpoint after fixing the loop. Change the learning rate and the other "
+            "settings before backward() (an LR scheduler stepped after optimizer.step() "
+            f"does){learn}"
+        )
     edited = marks.edited(dict(names), params)
     if not edited:
-        refuse_changed_settings(marks, groups, technique)
         return
-    shown = ", ".join(edited[:3]) + (" and others" if len(edited) > 3 else "")
+    shown = _shown(edited)
     raise ConfigurationError(
         f"the gradients of {shown} were changed between backward() and "
         f"optimizer.step(), after {technique} had already stepped the parameters "
         "with them during backward, so the change missed this step. The parameters "
         "have taken it: restart from the last checkpoint after fixing the loop. To "
         "change gradients, change them before they are reduced (a gradient hook on "
-        "the parameter, a DDP comm hook)"
-        + ("." if marks.learned else f", or keep the loop and call {LEARN} once before it.")
-    )
-
-
-def refuse_changed_settings(marks: FirstWindow, groups: list[dict[str, Any]],
-                            technique: str) -> None:
-    """:raises ConfigurationError: the loop changed a hyperparameter of a param group
-    (``lr``, ``weight_decay``, ``betas``, ``momentum``: a hand-written warm-up, or
-    ``lr_scheduler.step()`` called before ``optimizer.step()``) after the backward that
-    stepped with the old value, before this ``step()``, which the plain loop would have
-    taken with the new one."""
-    changed = marks.changed_settings(groups)
-    if not changed:
-        return
-    shown = ", ".join(changed[:3]) + (" and others" if len(changed) > 3 else "")
-    raise ConfigurationError(
-        f"{shown} changed between backward() and optimizer.step(), after {technique} "
-        "had already stepped the parameters with the old value during backward, where "
-        "the plain step() would use the new one (measured: 0.015 off the plain loop "
-        "after 3 steps of a hand-written warm-up). A learning-rate warm-up written "
-        "before optimizer.step(), or lr_scheduler.step() called before "
-        "optimizer.step(), does this. Change hyperparameters before backward() (before "
-        "the forward, as at the top of the loop), and call lr_scheduler.step() after "
-        "optimizer.step(), the order torch documents"
-        + ("" if marks.learned else f", or keep the loop and call {LEARN} once before it")
-        + ". The parameters have taken this step: restart from the last checkpoint after "
-        "fixing the loop."
-    )
-
-
-def zero_grad_in_window_error(technique: str) -> ConfigurationError:
-    """The error of ``zero_grad()`` after a backward that stepped, before ``step()`` (or
-    instead of it: a loop skipping a step, e.g. on a non-finite norm): the plain loop
-    takes no step with that backward's gradients (after ``zero_grad()`` its ``step()``
-    steps cleared ones: nothing, or zeros that still move momentum), where
-    ``technique`` has stepped with them."""
-    return ConfigurationError(
-        "optimizer.zero_grad() was called after a backward and before optimizer.step() "
-        "(or instead of it, skipping this step): the plain loop would take no step with "
-        f"this backward's gradients, but {technique} had already stepped the parameters "
-        "with them during backward. Call zero_grad() after step() (or before "
-        "backward()); to skip a step (a non-finite gradient norm), have the optimizer "
-        "decide during backward (grad_scaler= skips a step with an inf or NaN on any "
-        "rank). The parameters have taken that step: restart from the last checkpoint "
-        "after fixing the loop."
-    )
-
-
-def second_backward_refusal(steps: Any, error: BaseException) -> ConfigurationError | None:
-    """The error for autograd's ``error`` from a backward through a graph kept with
-    ``retain_graph=True`` whose saved parameters the previous backward's step changed in
-    place (a second backward before ``step()``: an auxiliary loss, adversarial
-    training), or None when it is something else. Autograd raises before any of the
-    technique's hooks see that backward (measured on torch 2.13: the parameters are
-    unchanged by it), so the step-accounting refusal of a second backward never runs.
-    (:mod:`~overlapkit.overlap.core.kept_graph` raises it first where the graph's output
-    is the model's.)
-
-    :param steps: the facade's :class:`~overlapkit.overlap.facade.BackwardSteps`.
-    """
-    if not (isinstance(error, RuntimeError) and steps.stepped_since_step
-            and "modified by an inplace operation" in str(error)):
-        return None
-    return kept_graph_refusal(steps)
-
-
-def kept_graph_refusal(steps: Any) -> ConfigurationError:
-    """The error of a second backward before ``step()`` through a graph kept with
-    ``retain_graph=True``, after a backward that stepped the parameters it saved."""
-    return ConfigurationError(
-        f"backward() ran again before optimizer.step(), through a graph kept with "
-        f"retain_graph=True, after the previous backward had stepped the parameters "
-        f"that graph saved: {steps.technique} steps during backward, so every backward is "
-        "one optimizer step, and autograd cannot run the second (its saved parameters "
-        "were changed in place). Nothing was stepped in this backward; the parameters "
-        "have taken the first one's step. Sum the losses into one backward "
-        f"(loss + aux_loss), or run all but the last backward {steps.accumulate}; "
-        "restart from the last checkpoint after fixing the loop."
+        f"the parameter, a DDP comm hook){learn}"
     )

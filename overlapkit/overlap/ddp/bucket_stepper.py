@@ -303,7 +303,7 @@ class BucketStepper(BucketSteps):
             self.backward_refused()  # the loop learns of it here, not at step()
             raise error
         if self.deferring:
-            self.deferred_backward_ended(self.engine)
+            self.deferred_backward_ended(self.engine.parameters())
             return  # nothing stepped, nothing freed: step() takes the full step
         self._stepped_grads_kept = not self.free_grads
         if self.global_step is not None:

@@ -224,7 +224,7 @@ class ParamStepper(StepAccount):
             self.backward_refused()  # the loop learns of it here, not at step()
             raise error
         if self.deferring:
-            self.deferred_backward_ended(self.engine)
+            self.deferred_backward_ended(self.engine.parameters())
         else:
             self.stepped_backward_ended(self.engine, freed=True)
 

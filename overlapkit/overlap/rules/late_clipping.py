@@ -27,13 +27,12 @@ only: nothing is added to the steps) and
   change the step, so it is refused at the first clip, naming the option and the
   integration to use. ``max_norm=inf`` (a norm for logging, what the Trainer asks with
   ``max_grad_norm=0``) is answered with the gradients' norm where they were kept
-  (``overlap_ddp``), else NaN with a warning: freed gradients have no norm.
+  (``overlap_ddp``), else NaN with a warning: freed gradients have no norm. Asked right
+  after the loop's own clip was answered, it is the clipped gradients' norm it asks
+  for, answered the same way (never the norm before the clip).
 
-torch's two halves of ``clip_grad_norm_`` are guarded too: ``clip_grads_with_norm_``
-as ``clip_grad_norm_`` (answered where the optimizer applied that clip, else refused
-before it touches a gradient), and ``get_total_norm``, which over the gradients that
-``optimizer_in_backward`` freed (None, or filtered out) returns NaN with the warning
-below, instead of torch's ``AttributeError`` from inside it, or a norm of 0.
+torch's two halves of ``clip_grad_norm_`` (``get_total_norm``,
+``clip_grads_with_norm_``) are guarded too: :mod:`~overlapkit.overlap.rules.clip_halves`.
 
 Code that calls ``torch.nn.utils.clip_grad.clip_grad_norm_`` directly, or bound the
 function to another name before the first overlapped optimizer existed, is not
@@ -58,20 +57,20 @@ from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.core.window import quiet_reads, state
 
 __all__ = ["FreedGradientNormWarning", "guarded_clip_grad_norm_", "guarded_clip_grad_value_",
-           "guarded_clip_grads_with_norm_", "guarded_get_total_norm", "install",
-           "late_clip_error", "unguarded_clip_grad_norm_", "unguarded_clip_grad_value_",
-           "watch", "unwatch"]
+           "install", "late_clip_error", "unguarded_clip_grad_norm_",
+           "unguarded_clip_grad_value_", "watch", "unwatch"]
 
 #: torch's own functions, which overlapkit's clipping calls (never the guarded ones)
 unguarded_clip_grad_norm_ = torch_clip_grad.clip_grad_norm_
 unguarded_clip_grad_value_ = torch_clip_grad.clip_grad_value_
-# public as torch.nn.utils.clip_grads_with_norm_ / get_total_norm (torch 2.13)
-unguarded_clip_grads_with_norm_ = torch_clip_grad._clip_grads_with_norm_
-unguarded_get_total_norm = torch_clip_grad._get_total_norm
 
 # parameter -> weakref to the stepper (a StepAccount) stepping it during backward. The
 # value is a weak reference: a strong one would keep the parameter (its key) alive.
 _STEPPERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: per step rule, the norm a loop's clip by a finite norm was answered with (its
+#: ``last_norm``): a clip by ``inf`` after it, in the same step, asks for the norm of
+#: the clipped gradients (a norm logged after the clip), not that one
+_ANSWERED: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
 
 
 class FreedGradientNormWarning(UserWarning):
@@ -102,6 +101,12 @@ def unwatch(params: Iterable[torch.Tensor]) -> None:
 
 def install() -> None:
     """Put the guarded functions in ``torch.nn.utils`` (once; idempotent)."""
+    # the halves' guards build on this module's look-ups (same package, no circle)
+    from overlapkit.overlap.rules.clip_halves import (
+        guarded_clip_grads_with_norm_,
+        guarded_get_total_norm,
+    )
+
     utils = torch.nn.utils
     for name, guarded in (("clip_grad_norm_", guarded_clip_grad_norm_),
                           ("clip_grad_value_", guarded_clip_grad_value_),
@@ -142,6 +147,17 @@ def _refuse_other_clip_in_window(params: list[torch.Tensor], max_norm: float,
             return  # every step is taken at step(): the loop's clip is the plain one
         rule = stepper.full_step
         clipping = None if rule is None else rule.clipping
+        others = [p for p in params if p.grad is not None and _stepper_of(p) is not stepper]
+        if others and clipping is not None and clipping.norm == max_norm:
+            raise ConfigurationError(
+                f"torch.nn.utils.clip_grad_norm_(..., max_norm={max_norm:g}) was called "
+                f"before the first optimizer.step() over {len(others)} parameters with "
+                f"gradients that this {stepper.technique} optimizer does not step (another "
+                "optimizer's): from the second step on it clips during backward with the "
+                "total norm of its own parameters' gradients only, not this call's. "
+                "Nothing has stepped yet. Clip each optimizer's parameters in its own call "
+                "(clip_grad_norm_(params_of_this_optimizer, ...)), or step them all with "
+                f"one optimizer.{_framework_hint()}")
         if (clipping is None or clipping.norm != max_norm
                 or float(clipping.norm_type) != float(norm_type)):
             option = f"clip_grad_norm={max_norm:g}" + (
@@ -156,20 +172,46 @@ def _refuse_other_clip_in_window(params: list[torch.Tensor], max_norm: float,
         return
 
 
+def _refuse_other_value_clip_in_window(params: list[torch.Tensor], clip_value: float) -> None:
+    """A clip by value in a deferred first step that is not the one the optimizer was
+    set up with: refused now, before anything steps, as a clip by norm is."""
+    for param in params:
+        stepper = _stepper_of(param)
+        if getattr(stepper, "first_window", None) is None or not stepper.deferring:
+            continue
+        if stepper.first_window.plain_order or stepper.clipping.value == clip_value:
+            return
+        raise ConfigurationError(
+            f"torch.nn.utils.clip_grad_value_(..., clip_value={clip_value:g}) was called "
+            f"before the first optimizer.step(), and {stepper.technique} was not set up "
+            "with this clip: from the second step on it steps during backward, before "
+            "such a call could clip. Nothing has stepped yet. Set it up with "
+            f"clip_grad_value={clip_value:g} (an option of the integration, e.g. "
+            "overlapkit.integrations.accelerate.prepare(..., clip_grad_value=...)); it "
+            "then clamps before each step, bitwise this call before a plain step()."
+            f"{_framework_hint()}")
+
+
 def _clipped_in_window(params: list[torch.Tensor], before: list[tuple[int, int]],
-                       by_norm: bool = True) -> None:
+                       by_norm: bool = True, finite: bool = False) -> None:
     """The loop clipped gradients that a deferred first step keeps
     (:mod:`overlapkit.overlap.core.window`): its own clip, not an edit of them (and after a
-    clip by norm, the full step does not clip by norm again)."""
+    clip by norm, the full step does not clip by norm again). A clip by norm after one
+    by a ``finite`` norm reads the clipped gradients (a norm logged after the clip)."""
+    windows: dict[int, Any] = {}
     for param, was in zip(params, before, strict=True):
         stepper = _stepper_of(param)
         window = getattr(stepper, "first_window", None)
         if window is not None and stepper.deferring:
+            windows[id(window)] = window
             window.clipped = window.clipped or by_norm
             window.clipped_by_loop(param, was)
         marks = getattr(stepper, "stepped_marks", None)
         if marks is not None:
             marks.clipped_by_loop(param, was)
+    for window in windows.values():  # once per call
+        window.clipped_again = window.clipped_again or (by_norm and window.clipped_to_norm)
+        window.clipped_to_norm = window.clipped_to_norm or finite
 
 
 def _stepper_of(param: torch.Tensor) -> Any:
@@ -257,12 +299,17 @@ def guarded_clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float =
         with quiet_reads():  # the loop's clip, honoured as such: not a read of its own
             total = unguarded_clip_grad_norm_(given, max_norm, norm_type,
                                               error_if_nonfinite, foreach)
-        _clipped_in_window(params, before)
+        _clipped_in_window(params, before, finite=not math.isinf(float(max_norm)))
         return total
     max_norm = float(max_norm)
     if len(steppers) == 1:
-        norm = _applied_norm(steppers[0], params, max_norm, norm_type)
+        rule = steppers[0].global_step
+        after_clip = (math.isinf(max_norm) and rule is not None and rule.last_norm is not None
+                      and _ANSWERED.get(rule) is rule.last_norm)
+        norm = None if after_clip else _applied_norm(steppers[0], params, max_norm, norm_type)
         if norm is not None:
+            if not math.isinf(max_norm):
+                _ANSWERED[rule] = norm
             if error_if_nonfinite and not bool(torch.isfinite(norm)):
                 raise RuntimeError(
                     f"The total norm of order {float(norm_type)} for gradients from "
@@ -305,6 +352,7 @@ def guarded_clip_grad_value_(parameters: Any, clip_value: float,
     params = _as_list(parameters)
     steppers = _stepped(params) if params else []
     if not steppers:
+        _refuse_other_value_clip_in_window(params, float(clip_value))
         before = [state(p) for p in params]
         with quiet_reads():
             unguarded_clip_grad_value_(params, clip_value, foreach)
@@ -316,68 +364,3 @@ def guarded_clip_grad_value_(parameters: Any, clip_value: float,
     raise late_clip_error(steppers[0].technique,
                           f"clip_grad_value_(..., clip_value={float(clip_value):g})",
                           f"clip_grad_value={float(clip_value):g}")
-
-
-def guarded_clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: torch.Tensor,
-                                  foreach: bool | None = None) -> None:
-    """``torch.nn.utils.clip_grads_with_norm_`` (the second half of ``clip_grad_norm_``),
-    guarded as :func:`guarded_clip_grad_norm_`: unchanged for parameters no overlapped
-    optimizer has stepped since its last ``step()``; a no-op where that optimizer
-    applied this clip (same ``clip_grad_norm=``, same parameters).
-
-    :raises ConfigurationError: any other clip of parameters already stepped, before it
-        touches a gradient.
-    """
-    params = _as_list(parameters)
-    steppers = _stepped(params) if params else []
-    if not steppers:
-        _refuse_other_clip_in_window(params, float(max_norm), 2.0)
-        before = [state(p) for p in params]
-        with quiet_reads():
-            unguarded_clip_grads_with_norm_(params, max_norm, total_norm, foreach)
-        _clipped_in_window(params, before)
-        return
-    max_norm = float(max_norm)
-    rule = steppers[0].global_step
-    if (len(steppers) == 1 and rule is not None and rule.clipping.norm is not None
-            and _applied_norm(steppers[0], params, max_norm, rule.clipping.norm_type)
-            is not None):
-        return
-    raise late_clip_error(steppers[0].technique,
-                          f"clip_grads_with_norm_(..., max_norm={max_norm:g})",
-                          f"clip_grad_norm={max_norm:g}")
-
-
-def guarded_get_total_norm(tensors: Any, norm_type: float = 2.0,
-                           error_if_nonfinite: bool = False,
-                           foreach: bool | None = None) -> torch.Tensor:
-    """``torch.nn.utils.get_total_norm``, unchanged, except after a backward in which
-    ``optimizer_in_backward`` stepped and freed the gradients: given None among
-    ``tensors`` (``[p.grad for p in params]``, where torch raises an ``AttributeError``
-    from inside itself) or none at all (the Nones filtered out, where torch returns
-    0), it returns NaN with a :class:`FreedGradientNormWarning`, as
-    ``clip_grad_norm_(..., max_norm=inf)`` does: freed gradients have no norm.
-    """
-    listed = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    if not listed or any(each is None for each in listed):
-        freeing = _freeing_technique()
-        if freeing is not None:
-            warnings.warn(
-                f"torch.nn.utils.get_total_norm asked for the norm of gradients that "
-                f"{freeing} freed during backward (None, or none left): NaN is "
-                f"returned. Pass clip_grad_norm= to {freeing} to have the norm computed "
-                "(clip_grad_norm_(..., max_norm=inf) then returns it), or use "
-                "overlap_ddp, which keeps the gradients.",
-                FreedGradientNormWarning, stacklevel=2)
-            return torch.tensor(float("nan"))
-    return unguarded_get_total_norm(listed, norm_type, error_if_nonfinite, foreach)
-
-
-def _freeing_technique() -> str | None:
-    """The technique of an overlapped optimizer whose last backward freed the gradients
-    it stepped, or None (read on an error path only)."""
-    for ref in list(_STEPPERS.values()):
-        stepper = ref()
-        if stepper is not None and getattr(stepper, "freed", None):
-            return str(stepper.technique)
-    return None

@@ -2,9 +2,12 @@
 (issue 30, cases 5 and 6): the manual accumulation of Accelerate's guide (``loss / 2``,
 backward every micro-batch, step every second, no ``accelerator.accumulate``), gradient
 noise and gradient masking between backward and step, and per-parameter gradient norms
-read there (before the clip). Each run with the plain
-``accelerator.prepare`` and with ``overlapkit.integrations.accelerate.prepare``, in the
-test process or on gloo ranks (``run``)."""
+read there (before the clip); and (0.4's probe) a warm-up written by hand (the learning
+rate set between backward and step), the optimizer state read there for logging, and
+the clipped gradients' norm asked after the clip.
+Each run with the plain ``accelerator.prepare`` and with
+``overlapkit.integrations.accelerate.prepare``, in the test process or on gloo ranks
+(``run``)."""
 
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ from hf_models import Tokens, gpt2, parameters, quiet
 from trainer_helpers import prepared
 
 CASES = ("manual accumulation", "gradient noise", "gradient masking",
-         "gradient norms logged")
+         "gradient norms logged", "warm-up by hand", "optimizer state logged",
+         "norm logged after the clip")
 STEPS, MAX_NORM, LR = 4, 1.0, 1e-2
 
 
@@ -45,6 +49,11 @@ def loop(case: str, technique: str | None) -> dict[str, Any]:
             if (index + 1) % every:
                 continue
             noise = torch.Generator().manual_seed(steps)
+            if case == "warm-up by hand":  # the plain step() takes this learning rate
+                for group in optimizer.param_groups:
+                    group["lr"] = LR * (steps + 1) / STEPS
+            elif case == "optimizer state logged":  # Adam's first moments, before the step
+                logged.extend(state["exp_avg"].norm() for state in optimizer.state.values())
             for param in model.parameters():
                 if case == "gradient noise":
                     param.grad.add_(torch.randn(param.grad.shape, generator=noise), alpha=1e-3)
@@ -53,6 +62,8 @@ def loop(case: str, technique: str | None) -> dict[str, Any]:
                 elif case == "gradient norms logged":  # read only, before the clip
                     logged.append(torch.linalg.vector_norm(param.grad))
             norms.append(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM))
+            if case == "norm logged after the clip":  # the clipped gradients' norm
+                norms.append(accelerator.clip_grad_norm_(model.parameters(), float("inf")))
             optimizer.step()
             optimizer.zero_grad()
             steps += 1
@@ -122,4 +133,160 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
                            for case in CASES}
     out["second backward"] = {t: second_backward(t)
                               for t in ("overlap_ddp", "optimizer_in_backward")}
+    out["gan"] = gans(("overlap_ddp", "optimizer_in_backward"))
     return out
+
+
+def gans(techniques: tuple[str, ...]) -> dict[str, Any]:
+    """Per technique: the generator-first GAN (bitwise the plain one, its warnings) and
+    the error of the discriminator-first one."""
+    from helpers import compare
+
+    plain = gan(None, generator_first=True)
+    out = {}
+    for technique in techniques:
+        ours = gan(technique, generator_first=True)
+        out[technique] = {
+            "generator first": (bool(compare(plain["params"], ours["params"]))
+                                and ours["error"] is None, ours["warnings"]),
+            "discriminator first": gan(technique, generator_first=False)["error"]}
+    return out
+
+
+def refused_in_the_window(case: str, technique: str) -> dict[str, Any]:
+    """A loop that, from its third step on, does ``case`` between backward and
+    ``optimizer.step()``: a learning rate changed by hand after the overlap began
+    ("late learning rate"), or that clips in a way the optimizer was not set up for from
+    the first step ("clip by value": ``clip_grad_value_``; "clip over two optimizers":
+    ``clip_grad_norm_`` over the parameters of an overlapped and a plain optimizer).
+    The error, and the step it came at (1: the first, before anything stepped)."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from helpers import error_of
+
+    quiet()
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True)
+    model = gpt2()
+    blocks = [p for name, p in model.named_parameters() if ".h." in name]
+    rest = [p for name, p in model.named_parameters() if ".h." not in name]
+    two = case == "clip over two optimizers"
+    optimizer = torch.optim.AdamW(blocks if two else model.parameters(), lr=LR)
+    model, optimizer = prepared(accelerator, model, optimizer, technique,
+                                None if case == "clip by value" else MAX_NORM)
+    other = accelerator.prepare(torch.optim.SGD(rest, lr=LR)) if two else None
+    data = accelerator.prepare(torch.utils.data.DataLoader(Tokens("gpt2"), batch_size=2))
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def one_step(step: int, batch: Any) -> None:
+        accelerator.backward(model(**batch).loss)
+        if case == "late learning rate" and step >= 3:
+            for group in optimizer.param_groups:
+                group["lr"] = LR / 2
+        if case == "clip by value":
+            accelerator.clip_grad_value_(model.parameters(), 0.05)
+        else:
+            accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+        for each in (optimizer, other):  # one step() each (a second is refused)
+            if each is not None:
+                each.step()
+                each.zero_grad()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step, batch in enumerate(data, start=1):
+            error = error_of(lambda: one_step(step, batch))  # noqa: B023
+            if error is not None:
+                unchanged = all(p.detach().equal(b) for p, b in
+                                zip(model.parameters(), before, strict=True))
+                return {"error": error, "step": step, "unchanged": unchanged}
+            if step == STEPS:
+                break
+    return {"error": None}
+
+
+def gan(technique: str | None, generator_first: bool, steps: int = 4) -> dict[str, Any]:
+    """A GAN with two optimizers, both set up by ``prepare`` (``technique``): the
+    generator's loss reaches the discriminator's parameters (no ``requires_grad_(False)``
+    on them), whose gradients the plain loop then discards with ``zero_grad()``. The
+    discriminator steps first (PyTorch's DCGAN tutorial) or after the generator. Both
+    models' parameters, the warnings, the error."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from helpers import error_of
+
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    generator = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(),
+                                    torch.nn.Linear(16, 8))
+    critic = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                 torch.nn.Linear(16, 1))
+    models, optimizers = [], []
+    for model in (generator, critic):
+        optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+        model, optimizer = prepared(accelerator, model, optimizer, technique, None) \
+            if technique is not None else accelerator.prepare(model, optimizer)
+        models.append(model)
+        optimizers.append(optimizer)
+    (generator, critic), (g_optimizer, c_optimizer) = models, optimizers
+    loss = torch.nn.BCEWithLogitsLoss()
+    data = torch.Generator().manual_seed(1)
+
+    def critic_step(real: torch.Tensor, fake: torch.Tensor) -> None:
+        c_optimizer.zero_grad()
+        accelerator.backward(loss(critic(real), torch.ones(8, 1))
+                             + loss(critic(fake.detach()), torch.zeros(8, 1)))
+        c_optimizer.step()
+
+    def train() -> None:
+        for _ in range(steps):
+            real, fake = torch.randn(8, 8, generator=data), generator(
+                torch.randn(8, 4, generator=data))
+            if not generator_first:
+                critic_step(real, fake)
+            g_optimizer.zero_grad()
+            accelerator.backward(loss(critic(fake), torch.ones(8, 1)))
+            g_optimizer.step()
+            if generator_first:
+                critic_step(real, fake)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        error = error_of(train)
+    return {"params": [p.detach().clone() for m in models for p in m.parameters()],
+            "error": error,
+            "warnings": [str(w.message) for w in caught if "plain order" in str(w.message)]}
+
+
+def norm_after_the_clip(technique: str | None) -> dict[str, Any]:
+    """A loop that, from its third step on (after the overlap began), also asks
+    ``clip_grad_norm_(..., inf)`` after its clip: the norms returned, the warnings."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    quiet()
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True)
+    model = gpt2()
+    model, optimizer = prepared(accelerator, model,
+                                torch.optim.AdamW(model.parameters(), lr=LR), technique,
+                                MAX_NORM)
+    data = accelerator.prepare(torch.utils.data.DataLoader(Tokens("gpt2"), batch_size=2))
+    norms = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, batch in enumerate(data, start=1):
+            accelerator.backward(model(**batch).loss)
+            accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+            if step >= 3:
+                norms.append(float(accelerator.clip_grad_norm_(model.parameters(),
+                                                               float("inf"))))
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == STEPS:
+                break
+    return {"norms": norms, "warnings": [str(w.message) for w in caught]}

@@ -6,14 +6,32 @@ gave a raw ``AttributeError`` under ``optimizer_in_backward`` after a step. Now 
 step is deferred to learn the loop (``overlapkit.overlap.core.window``), and such a loop
 takes every step in the plain order: bitwise the plain Accelerate run (parameters,
 optimizer state, clip norms), with one warning, on one process and on 2 gloo ranks,
-with both techniques."""
+with both techniques.
+0.4's probe found, each now the same: a warm-up written by hand (the learning rate set
+between backward and step: 0.0117 off), Adam's moments logged there and the norm
+asked again after the clip (other values logged). A later learning-rate change in that
+window now raises at that ``step()`` (before: silently 0.0044 off); a
+``clip_grad_value_`` or a clip over two optimizers' parameters the optimizer was not
+set up for is refused at the first clip, before anything steps (before: after the
+first step)."""
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
 
 import pytest
-from accelerate_window_runs import CASES, compare_case, run, second_backward
+from accelerate_window_runs import (
+    CASES,
+    MAX_NORM,
+    compare_case,
+    gans,
+    norm_after_the_clip,
+    refused_in_the_window,
+    run,
+    second_backward,
+)
 from trainer_helpers import check_plain_order
 
 from overlapkit.distributed import run_distributed
@@ -22,7 +40,10 @@ pytestmark = pytest.mark.trainers
 
 NAMED = {"manual accumulation": "2 backwards ran before one optimizer.step()",
          "gradient noise": "were changed", "gradient masking": "were changed",
-         "gradient norms logged": "were read"}
+         "gradient norms logged": "were read",
+         "warm-up by hand": "settings (lr of param group 0) were changed",
+         "optimizer state logged": "the optimizer's state was read",
+         "norm logged after the clip": "clip_grad_norm_ was called again after"}
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +104,65 @@ def test_two_ranks_a_second_backward_in_a_later_step_is_refused_stepping_nothing
         two_ranks: list[dict[str, Any]], technique: str) -> None:
     for rank_results in two_ranks:
         _refused_second_backward(rank_results["second backward"][technique])
+
+
+def test_a_learning_rate_changed_in_the_window_after_the_overlap_began_raises_at_step() -> None:
+    """The third step's backward has stepped with the old learning rate: never silently."""
+    result = refused_in_the_window("late learning rate", "optimizer_in_backward")
+    error = result["error"]
+    assert error is not None and error["type"] == "ConfigurationError", error
+    assert result["step"] == 3
+    assert "lr of param group 0" in error["message"]
+    assert "missed this step" in error["message"]
+
+
+@pytest.mark.parametrize(("case", "named"), [
+    ("clip by value", r"clip_grad_value_\(\.\.\., clip_value=0\.05\).*clip_grad_value=0\.05"),
+    ("clip over two optimizers", r"4 parameters with gradients that this .* does not step"),
+])
+def test_a_clip_the_optimizer_was_not_set_up_for_is_refused_before_anything_steps(
+        case: str, named: str) -> None:
+    result = refused_in_the_window(case, "optimizer_in_backward")
+    error = result["error"]
+    assert error is not None and error["type"] == "ConfigurationError", error
+    assert re.search(named, error["message"]), error["message"]
+    assert "Nothing has stepped yet" in error["message"]
+    assert result["step"] == 1 and result["unchanged"]
+
+
+def _gan_checked(result: dict[str, Any]) -> None:
+    same, warned = result["generator first"]
+    assert same
+    assert len(warned) == 1 and "zero_grad() discarded the gradients" in warned[0], warned
+    error = result["discriminator first"]
+    assert error is not None and error["type"] == "ConfigurationError", error
+    assert "zero_grad() was called after a backward that stepped" in error["message"]
+    assert "requires_grad_(False)" in error["message"]
+
+
+def test_one_process_a_gan_whose_generator_loss_reaches_the_discriminator_is_never_silent(
+        ) -> None:
+    """Generator first: its backward reaches the discriminator before that one's first
+    step, learnt then: plain order, bitwise, one warning. PyTorch's DCGAN order
+    (discriminator first): its first window is clean, the generator's backward then
+    steps it, and its zero_grad() discarding those gradients raises, naming the fix.
+    0.4 before the probe: the discriminator took an extra step per iteration, silently
+    (0.069 off after 4 iterations)."""
+    _gan_checked(gans(("optimizer_in_backward",))["optimizer_in_backward"])
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+def test_two_ranks_a_gan_whose_generator_loss_reaches_the_discriminator_is_never_silent(
+        two_ranks: list[dict[str, Any]], technique: str) -> None:
+    for rank_results in two_ranks:
+        _gan_checked(rank_results["gan"][technique])
+
+
+def test_the_norm_asked_after_the_clip_once_overlapping_is_never_the_unclipped_one() -> None:
+    """Before the probe: the norm before the clip, silently (plain: the clipped
+    gradients', about 1.0). optimizer_in_backward has freed them: NaN, with a warning."""
+    plain = norm_after_the_clip(None)["norms"]
+    ours = norm_after_the_clip("optimizer_in_backward")
+    assert all(norm <= MAX_NORM for norm in plain), plain
+    assert all(math.isnan(norm) for norm in ours["norms"]), ours["norms"]
+    assert any("freed during backward" in w for w in ours["warnings"]), ours["warnings"]

@@ -7,7 +7,12 @@ blaming ``optim='adamw_torch_fused'``), a ``training_step`` override running two
 backwards (FGM; 0.3: a raw ``TypeError`` or a refusal after a step). Each now takes its
 steps in the plain order: bitwise the plain ``Trainer`` (parameters, optimizer state,
 logged ``grad_norm`` and learning rates, the callback's logs), with one warning naming
-what turned the overlap off; on one process and on 2 gloo ranks, with both techniques."""
+what turned the overlap off; on one process and on 2 gloo ranks, with both techniques.
+Found by 0.4's probe, each silent or refused after a step before: a ``training_step``
+editing ``.grad`` in a Trainer subclass listed after ``OverlapTrainer`` (0.0148 off), a
+``_clip_grad_norm`` override (refused after the first step), a callback changing
+``.grad`` added for a second ``train()`` (ignored) or by another callback while training
+(0.0193 off), one set on a callback instance (0.0149 off)."""
 
 from __future__ import annotations
 
@@ -46,7 +51,11 @@ def one_launched_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
 NAMED = {"callback zeroes rows": "ZeroOldRows.on_pre_optimizer_step",
          "callback logs norms": "LogNorms.on_pre_optimizer_step",
          "create_optimizer": "CustomOptimizer.create_optimizer",
-         "two backwards": "FGM.training_step"}
+         "two backwards": "FGM.training_step",
+         "base listed after": "EditingBase.training_step",
+         "own clip": "OwnClip._clip_grad_norm",
+         "callback for a second train": "ZeroOldRows.on_pre_optimizer_step",
+         "callback added while training": "ZeroOldRows.on_pre_optimizer_step"}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -99,3 +108,79 @@ def test_a_subclass_declaring_it_reads_no_gradients_keeps_the_overlap(tmp_path: 
     trainer.train()
     assert type(trainer.optimizer.optimizer).__name__ == "OptimizerInBackward"
     assert trainer.overlap_off_by == []
+
+
+def test_a_compute_loss_override_keeps_the_overlap_and_is_bitwise_the_plain_trainer(
+        tmp_path: Any) -> None:
+    """``compute_loss`` runs before backward: no use of the window."""
+    from helpers import compare
+    from hf_models import Tokens, gpt2, parameters, quiet
+    from trainer_runs import arguments
+    from transformers import Trainer
+
+    from overlapkit.integrations.transformers import OverlapTrainer
+
+    def scaled(base: type) -> type:
+        class Scaled(base):  # type: ignore[valid-type,misc]
+            def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
+                             num_items_in_batch: Any = None) -> Any:
+                outputs = model(**inputs)
+                return (outputs.loss * 0.5, outputs) if return_outputs else outputs.loss * 0.5
+        return Scaled
+
+    quiet()
+    runs = []
+    for base, extra in ((Trainer, {}), (OverlapTrainer, {"technique": "optimizer_in_backward"})):
+        model = gpt2()
+        trainer = scaled(base)(model=model, args=arguments(str(tmp_path / base.__name__),
+                                                           max_steps=3),
+                               train_dataset=Tokens("gpt2"), **extra)
+        trainer.train()
+        runs.append((parameters(model), trainer))
+    (plain, _), (ours, trainer) = runs
+    assert type(trainer.optimizer.optimizer).__name__ == "OptimizerInBackward"
+    assert trainer.overlap_off_by == []
+    assert compare(plain, ours)
+
+
+def test_an_overlapkit_optimizer_in_the_plain_trainer_with_a_window_callback_is_refused(
+        tmp_path: Any) -> None:
+    """Without clipping or accumulation (0.3 and 0.4 before the probe: the callback's
+    edit silently ignored, 0.015 off after 3 steps), refused at the first backward."""
+    import torch
+    from hf_models import Tokens, gpt2, quiet
+    from trainer_runs import arguments
+    from transformers import Trainer
+    from window_runs import window_callback
+
+    import overlapkit
+
+    quiet()
+    model = gpt2()
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = overlapkit.optimizer_in_backward(model, torch.optim.AdamW, lr=1e-2)
+    trainer = Trainer(model=model, args=arguments(str(tmp_path), max_grad_norm=0.0,
+                                                  gradient_accumulation_steps=1),
+                      train_dataset=Tokens("gpt2"), optimizers=(optimizer, None))
+    trainer.add_callback(window_callback("callback zeroes rows", []))
+    with pytest.raises(overlapkit.ConfigurationError,
+                       match=r"ZeroOldRows\.on_pre_optimizer_step.*Nothing has stepped yet"
+                             r".*OverlapTrainer"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    assert all(p.detach().equal(b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_a_window_event_set_on_a_callback_instance_is_seen(tmp_path: Any) -> None:
+    from hf_models import Tokens, gpt2, quiet
+    from trainer_runs import arguments
+    from transformers import TrainerCallback
+
+    from overlapkit.integrations.transformers import OverlapTrainer
+
+    quiet()
+    callback = TrainerCallback()
+    callback.on_pre_optimizer_step = lambda *args, **kwargs: None
+    trainer = OverlapTrainer(model=gpt2(), args=arguments(str(tmp_path)),
+                             train_dataset=Tokens("gpt2"), callbacks=[callback])
+    assert trainer.window_users() == ["the callback TrainerCallback.on_pre_optimizer_step"]

@@ -1,8 +1,12 @@
 """Trainer runs that work in the window between backward and ``optimizer.step()`` (issue
 30, cases 1 to 3): a callback changing or reading ``.grad`` in
 ``on_pre_optimizer_step``, a ``create_optimizer`` override, a ``training_step`` override
-with two backwards (FGM). Each is run by the plain ``Trainer`` and by ``OverlapTrainer``
-with the same override, in the test process or on gloo ranks (``run``)."""
+with two backwards (FGM); and (0.4's probe) a ``training_step`` editing ``.grad`` in a
+Trainer subclass listed after ``OverlapTrainer``, a ``_clip_grad_norm`` override of one's
+own, a callback changing ``.grad`` added for a second ``train()`` or while training.
+Each is run by the
+plain ``Trainer`` and by ``OverlapTrainer`` with the same override, in the test process
+or on gloo ranks (``run``)."""
 
 from __future__ import annotations
 
@@ -13,7 +17,9 @@ import torch
 from hf_models import Tokens, gpt2, parameters, quiet
 from trainer_runs import arguments, same_run
 
-CASES = ("callback zeroes rows", "callback logs norms", "create_optimizer", "two backwards")
+CASES = ("callback zeroes rows", "callback logs norms", "create_optimizer", "two backwards",
+         "base listed after", "own clip", "callback for a second train",
+         "callback added while training")
 STEPS = 3
 
 
@@ -21,7 +27,7 @@ class MomentumSGD(torch.optim.SGD):
     """The user's own optimizer class (a torch.optim optimizer from outside torch)."""
 
 
-def _callback(case: str, logged: list[dict[str, float]]) -> Any:
+def window_callback(case: str, logged: list[dict[str, float]]) -> Any:
     from transformers import TrainerCallback
 
     class ZeroOldRows(TrainerCallback):  # type: ignore[misc]
@@ -42,6 +48,18 @@ def _callback(case: str, logged: list[dict[str, float]]) -> Any:
     return ZeroOldRows() if case == "callback zeroes rows" else LogNorms()
 
 
+def _adds_after_the_first_step(trainer: Any, logged: list[dict[str, float]]) -> Any:
+    """A callback adding the one zeroing rows once the first step has ended."""
+    from transformers import TrainerCallback
+
+    class AddsZeroOldRows(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if state.global_step == 1:
+                trainer.add_callback(window_callback("callback zeroes rows", logged))
+
+    return AddsZeroOldRows()
+
+
 def _trainer_class(case: str, base: type) -> type:
     class CustomOptimizer(base):  # type: ignore[valid-type,misc]
         def create_optimizer(self, model: Any = None) -> Any:
@@ -58,7 +76,24 @@ def _trainer_class(case: str, base: type) -> type:
             self.accelerator.backward(adversarial)
             return loss.detach()
 
-    return {"create_optimizer": CustomOptimizer, "two backwards": FGM}.get(case, base)
+    class OwnClip(base):  # type: ignore[valid-type,misc]
+        def _clip_grad_norm(self, model: Any) -> Any:  # a max_norm of its own
+            return self.accelerator.clip_grad_norm_(model.parameters(), 0.5)
+
+    if case == "base listed after":
+        from transformers import Trainer
+
+        class EditingBase(Trainer):  # type: ignore[misc]
+            """Another library's Trainer subclass, editing ``.grad`` after backward."""
+
+            def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+                loss = super().training_step(*args, **kwargs)
+                self.model.transformer.wte.weight.grad[:8] = 0
+                return loss
+
+        return EditingBase if base is Trainer else type("Mixed", (base, EditingBase), {})
+    return {"create_optimizer": CustomOptimizer, "two backwards": FGM,
+            "own clip": OwnClip}.get(case, base)
 
 
 def train(case: str, technique: str | None, out_dir: str) -> dict[str, Any]:
@@ -76,11 +111,16 @@ def train(case: str, technique: str | None, out_dir: str) -> dict[str, Any]:
     trainer = _trainer_class(case, base)(
         model=model, args=arguments(out_dir, max_steps=STEPS), train_dataset=Tokens("gpt2"),
         **extra)
-    if case.startswith("callback"):
-        trainer.add_callback(_callback(case, logged))
+    if case == "callback added while training":
+        trainer.add_callback(_adds_after_the_first_step(trainer, logged))
+    elif case.startswith("callback") and case != "callback for a second train":
+        trainer.add_callback(window_callback(case, logged))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train()
+        if case == "callback for a second train":  # the first train() overlapped
+            trainer.add_callback(window_callback("callback zeroes rows", logged))
+            trainer.train()
     entries = [entry for entry in trainer.state.log_history if "loss" in entry]
     inner = trainer.optimizer.optimizer
     return {"params": parameters(model),

@@ -1,0 +1,271 @@
+"""The window between backward and the optimizer step, in Lightning: which hooks and
+overrides of a fit work in it, the one warning of a fit that is therefore stepped in the
+plain order, and the watch on ``.grad`` for the hooks a fit keeps the overlap with.
+
+In Lightning's plain loop the gradients exist from the backward until the next step's
+``zero_grad`` (run in the closure, after ``training_step``); ``on_after_backward``,
+``on_before_optimizer_step`` and a ``LightningModule.backward`` override run before
+the step, and see the gradients, the parameters and the optimizer state as they were
+before it. An optimizer stepping during backward has already changed the last two (and,
+under ``optimizer_in_backward``, freed the gradients), and a change of ``.grad`` there
+would miss the step; after the step the plain loop keeps the gradients until the next
+``zero_grad``, which ``optimizer_in_backward`` frees. Whatever of this a fit overrides
+is honoured by taking every step of that fit at ``optimizer.step()``, in the plain order
+(the facade's ``defer_steps()``): bitwise the plain run, with one warning
+(:func:`window_users`, :func:`plain_order_warning`). What changes in the optimizer during
+the fit that no backward can step (:class:`OptimizerChanges`) turns the rest of the fit
+to the plain order the same way.
+
+Private to :mod:`overlapkit.integrations.lightning`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from overlapkit.errors import ConfigurationError
+
+__all__ = ["AFTER_STEP_HOOKS", "GRADIENT_HOOKS", "WRITING_HOOKS", "GradientWrites",
+           "by_hand_warning", "clips_itself", "plain_order_warning",
+           "second_backward_error", "switch_warning", "window_users", "OptimizerChanges"]
+
+#: the hooks of a LightningModule or a Callback that Lightning's plain loop calls after
+#: backward and before the step (and before clipping): the gradients, parameters and
+#: optimizer state they see are the ones before the step
+WRITING_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+#: those, and the one before the next ``zero_grad`` (the parameters are stepped by then,
+#: as in the plain loop; only ``optimizer_in_backward`` has freed the gradients)
+GRADIENT_HOOKS = (*WRITING_HOOKS, "on_before_zero_grad")
+#: the hooks that run after an optimizer step and before the next ``zero_grad`` (in the
+#: next closure), where the plain loop still holds that step's gradients and
+#: ``optimizer_in_backward`` has freed them (validation runs there too); a read in the
+#: first step's window is also seen as it happens, but not one that first comes later
+AFTER_STEP_HOOKS = ("on_train_batch_end", "on_train_batch_start", "on_train_epoch_end",
+                    "on_train_epoch_start", "on_validation_start",
+                    "on_validation_epoch_start", "on_validation_batch_start",
+                    "on_validation_batch_end", "on_validation_epoch_end",
+                    "on_validation_end", "on_train_end")
+#: LightningModule methods whose override works in the window, and the techniques it
+#: matters to: ``backward`` (a change or read of ``.grad`` after ``loss.backward()``),
+#: ``configure_gradient_clipping`` (the user's clipping, called before the step: the
+#: plain order calls it there), ``optimizer_zero_grad`` (gradients kept past a step)
+WINDOW_METHODS = {"backward": ("overlap_ddp", "optimizer_in_backward"),
+                  "configure_gradient_clipping": ("overlap_ddp", "optimizer_in_backward"),
+                  "optimizer_zero_grad": ("optimizer_in_backward",)}
+
+
+def _users(hook: Any) -> bool:
+    """Whether ``hook`` (a bound method, or a function a ``LambdaCallback`` holds) is
+    user code, not one of Lightning's own callbacks (progress bars, ``ModelCheckpoint``,
+    the tuner's: they read no gradients)."""
+    return not getattr(hook, "__module__", "").startswith("lightning.")
+
+
+def overriding(trainer: pl.Trainer, module: pl.LightningModule, hooks: tuple[str, ...]
+               ) -> list[tuple[str, str]]:
+    """``(owner, hook)`` of each of ``hooks`` that user code overrides: the module's, or
+    a callback's that is not one of Lightning's own."""
+    found = [(type(module).__name__, hook) for hook in hooks if is_overridden(hook, module)]
+    callbacks: list[Callback] = getattr(trainer, "callbacks", [])  # a property, untyped
+    for callback in callbacks:
+        found += [(type(callback).__name__, hook) for hook in hooks
+                  if is_overridden(hook, callback, Callback) and _users(getattr(callback, hook))]
+    return found
+
+
+def clips_itself(module: pl.LightningModule) -> bool:
+    """Whether the module clips by its own ``configure_gradient_clipping``."""
+    return bool(is_overridden("configure_gradient_clipping", module))
+
+
+def window_users(trainer: pl.Trainer, module: pl.LightningModule, technique: str, *,
+                 clipping: bool, reads_grads_after_step: bool | None,
+                 hooks_read_only_grads: bool) -> tuple[list[str], list[tuple[str, str]]]:
+    """What of this fit works in the window, so that every step is taken at
+    ``optimizer.step()`` in the plain order (``"Owner.hook"``), and the hooks whose
+    changes of ``.grad`` are watched instead (:class:`GradientWrites`): those of
+    :data:`WRITING_HOOKS` when ``hooks_read_only_grads`` says they read nothing but the
+    gradients, which ``overlap_ddp`` without clipping keeps as the plain run's."""
+    found: list[str] = []
+    watched: list[tuple[str, str]] = []
+    for owner, hook in overriding(trainer, module, GRADIENT_HOOKS):
+        if hook not in WRITING_HOOKS:  # on_before_zero_grad: only the gradients differ
+            if technique == "optimizer_in_backward":
+                found.append(f"{owner}.{hook}")
+        elif hooks_read_only_grads and technique == "overlap_ddp" and not clipping:
+            watched.append((owner, hook))
+        else:
+            found.append(f"{owner}.{hook}")
+    found += [f"{type(module).__name__}.{name} (an override)"
+              for name, techniques in WINDOW_METHODS.items()
+              if technique in techniques and is_overridden(name, module)]
+    if technique == "optimizer_in_backward" and reads_grads_after_step is not False:
+        found += [f"{owner}.{hook}"
+                  for owner, hook in overriding(trainer, module, AFTER_STEP_HOOKS)]
+    return found, watched
+
+
+def plain_order_warning(users: list[str], strategy: str, technique: str) -> str:
+    """The one warning of a fit whose every step is taken at ``optimizer.step()``
+    because of ``users`` (:func:`window_users`)."""
+    hints = []
+    if any(u.endswith("configure_gradient_clipping (an override)") for u in users):
+        hints.append("clip with Trainer(gradient_clip_val=..., gradient_clip_algorithm=...) "
+                     "instead of a configure_gradient_clipping override (overlapkit clips "
+                     "exactly so during backward)")
+    if any(u.endswith((*GRADIENT_HOOKS, "backward (an override)")) for u in users):
+        hints.append("read the parameters or the optimizer state in on_train_batch_end "
+                     "instead (exact there), and change gradients before they are reduced "
+                     "(a hook on the parameter, the loss)")
+    after = [u for u in users if u.endswith(AFTER_STEP_HOOKS)]
+    if after:
+        hints.append(f"pass {strategy}(..., reads_grads_after_step=False) if "
+                     f"{', '.join(after)} read{'s' if len(after) == 1 else ''} no .grad, "
+                     "or use OverlapDDPStrategy('overlap_ddp') (it keeps the gradients)")
+    if any(u.endswith(WRITING_HOOKS) for u in users):
+        hints.append("pass OverlapDDPStrategy('overlap_ddp', hooks_read_only_grads=True) "
+                     "without gradient_clip_val if on_after_backward / "
+                     "on_before_optimizer_step only read .grad")
+    if any(u.endswith("optimizer_zero_grad (an override)") for u in users):
+        hints.append("leave optimizer_zero_grad to Lightning, or use "
+                     "OverlapDDPStrategy('overlap_ddp'), which keeps the gradients")
+    return (
+        f"{strategy} ({technique}) takes every step of this fit at optimizer.step(), in "
+        f"the plain order, without overlap: {', '.join(users)} may work in the window "
+        "from a backward to the next zero_grad (read or change .grad before the step, "
+        "read the parameters or the optimizer's state before it, read .grad after it, "
+        "keep gradients past it), which stepping during backward changes. The run is "
+        f"the plain Trainer's, bitwise. To keep the overlap: {'; or '.join(hints)}."
+    )
+
+
+def switch_warning(strategy: str, technique: str, steps: str, why: str, keep: str) -> str:
+    """The one warning of a fit turned to the plain order during the fit, for ``steps``
+    (``"from the second on"``), saying ``why`` and how to ``keep`` the overlap."""
+    return (f"{strategy} ({technique}) takes every step of this fit {steps} at "
+            f"optimizer.step(), in the plain order, without overlap: {why}. The run is "
+            f"the plain Trainer's, bitwise. To keep the overlap: {keep}.")
+
+
+def second_backward_error(technique: str) -> ConfigurationError:
+    """A second backward before the optimizer step: refused by the gate, or failed in
+    autograd (through a graph kept with ``retain_graph=True``, whose saved parameters
+    the first backward's step changed in place)."""
+    return ConfigurationError(
+        "a second backward ran before the optimizer step (LightningModule.backward or "
+        f"the closure running more than one backward): {technique} steps the "
+        "optimizer during backward, so each backward is one optimizer step, and the "
+        "closure of one step may run one (optimizer_in_backward on DDP frees the "
+        "gradients of the first, even in the plain order). Nothing was stepped in this "
+        "backward. Return one loss from training_step (the sum of several: its backward "
+        "is one step, as Lightning's plain step of the accumulated gradients), or train "
+        "with strategy='ddp'."
+    )
+
+
+class OptimizerChanges:
+    """What a fit may change in its optimizer after set-up that no step during backward
+    honours, seen before each ``training_step``: a parameter no backward steps (a DDP
+    model reduces only those that required grad when it was built, so not one that
+    ``add_param_group`` adds later, as ``BackboneFinetuning`` does; optimizer_in_backward
+    of a module hooks none of the optimizer's that was frozen at set-up; one of those
+    unfrozen on DDP the DDP techniques refuse), or a step hook (``register_step_pre_hook``
+    on ``trainer.optimizers[0]``: it would run around each bucket's step). Either turns
+    the fit to the plain order, where ``step()`` steps every parameter in one call."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
+                 ddp: bool) -> None:
+        self.optimizer = optimizer  # the adopted one, whose step the engine calls
+        self.ready = {id(p) for p in params if p.requires_grad}
+        self.at_set_up = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        self.ddp = ddp
+
+    def found(self) -> tuple[str, str] | None:
+        """Why the fit turns to the plain order, and how to keep the overlap, or None."""
+        optimizer = self.optimizer
+        if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+            return ("the optimizer has step hooks (registered after trainer.fit() set it "
+                    "up), which would run around each part stepped during backward",
+                    "log or adjust in on_train_batch_start / on_train_batch_end instead")
+        count = sum(1 for g in optimizer.param_groups for p in g["params"]
+                    if p.requires_grad and id(p) not in self.ready
+                    and (id(p) in self.at_set_up) != self.ddp)
+        if not count:
+            return None
+        return (f"{count} parameter{'s' if count > 1 else ''} the optimizer steps did not "
+                "require grad when the fit was set up (unfrozen since, or added by "
+                "add_param_group to a DDP model, as BackboneFinetuning does), so no "
+                "backward steps them (DDP does not reduce them)",
+                "let every trained parameter require grad before trainer.fit() (freeze "
+                "by a zero learning rate instead), or fit on one device with "
+                "OverlapSingleDeviceStrategy")
+
+
+def by_hand_warning(strategy: str, technique: str) -> str:
+    """The one warning of a fit whose ``optimizer_step`` override runs the closure itself
+    (on DDP: those steps are taken at ``step()``)."""
+    return (
+        f"{strategy} ({technique}) takes the steps whose closure the optimizer_step "
+        "override runs itself (optimizer_closure() outside optimizer.step(closure=...)) "
+        "at optimizer.step(), in the plain order, without overlap: that backward cannot "
+        "know whether a step follows or is skipped. Those steps are the plain Trainer's, "
+        "bitwise. To keep the overlap: pass the closure, "
+        "optimizer.step(closure=optimizer_closure), and skip an update by other means "
+        "(a zero learning rate)."
+    )
+
+
+class GradientWrites:
+    """Catches a hook that changes ``.grad`` after the backward that already stepped on
+    it (``overlap_ddp`` keeps the gradients, so reading them is exact; a change would be
+    used by the plain run's step and by nothing here).
+
+    A change is seen by the gradient's version counter (bumped by every in-place write)
+    or a new ``.grad`` object: a few attribute reads per parameter, only around the hooks
+    of :data:`WRITING_HOOKS` that the module or a callback overrides.
+    """
+
+    def __init__(self, named_params: list[tuple[str, torch.Tensor]], technique: str,
+                 hooks: list[tuple[str, str]]) -> None:
+        self.named_params = named_params
+        self.technique = technique
+        self.hooks = {hook: [f"{owner}.{hook}" for owner, h in hooks if h == hook]
+                      for _, hook in hooks}
+
+    @contextmanager
+    def watching(self, hook: str, stepped: bool, probing: bool = False) -> Iterator[None]:
+        """Around Lightning's call of ``hook`` (callbacks and module); checks when a
+        backward stepped since the last step, or in the first optimizer step, whose
+        backwards are deferred (``probing``: nothing has stepped yet, and the change is
+        refused before anything does)."""
+        owners = self.hooks.get(hook)
+        if not (stepped or probing) or not owners:
+            yield
+            return
+        before = [(name, p, p.grad, None if p.grad is None else p.grad._version)
+                  for name, p in self.named_params]
+        yield
+        changed = [name for name, p, grad, version in before
+                   if p.grad is not grad or (grad is not None and grad._version != version)]
+        if changed:
+            when = ("Nothing was stepped (the first optimizer step checks for this before "
+                    "it steps)" if probing else
+                    f"{self.technique} had already stepped on it during backward, so the "
+                    "change was not used")
+            raise ConfigurationError(
+                f"{' or '.join(owners)} changed the gradient of {changed[0]!r}"
+                f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''} after "
+                f"backward, though hooks_read_only_grads=True said the hooks only read "
+                f"gradients: {self.technique} steps during backward, before this hook "
+                "runs, so such a change cannot be used, where the plain run's step would "
+                f"use it. {when}. Leave hooks_read_only_grads out (the fit is then "
+                "stepped in the plain order, the change honoured), or change gradients "
+                "before they are reduced and stepped (a hook on the parameter, the loss)."
+            )
