@@ -63,8 +63,8 @@ class UnsupportedModelError(OverlapkitError, TypeError):
 
 
 class NotPicklableError(OverlapkitError, TypeError):
-    """An object bound to a live model (an overlapped optimizer) was pickled or
-    deep-copied; the message says what to save or copy instead.
+    """An object bound to a live model and process group (an overlapped optimizer) was
+    pickled or deep-copied; the message says which state dict to save or copy instead.
 
     .. versionadded:: 0.4
     """

@@ -44,7 +44,9 @@ def _train(rank: int, sharded: bool, device: torch.device, delay_rank_0: bool = 
     if sharded:
         opt: Any = overlapkit.overlap_ddp(ddp, torch.optim.AdamW, lr=0.01,
                                           shard_optimizer_state=True, **setup)
-        opt.register_step_pre_hook(
+        # on the real optimizer: runs at each partial step (the sharded optimizer's own
+        # step hooks are refused)
+        opt.optimizer.register_step_pre_hook(
             lambda o, a, k: streams.append(torch.cuda.current_stream(device).stream_id))
         if delay_rank_0 and rank == 0:
             exchange = opt._stepper.exchange

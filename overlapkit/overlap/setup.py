@@ -10,6 +10,7 @@ before any hook is registered.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from overlapkit.errors import (
     UnsupportedOptimizerError,
 )
 from overlapkit.overlap.core.engine import OverlapEngine
+from overlapkit.overlap.rules.late_clipping import stepper_gone, unwatch
 from overlapkit.plugin.manager import get_plugin_manager
 
 __all__ = ["build_optimizer", "check_params_belong", "check_unclaimed", "claim_params",
@@ -211,14 +213,35 @@ def _rejected_argument(optim_cls: type[torch.optim.Optimizer], params: Sequence[
     return None
 
 
+def _live_claim(param: torch.Tensor) -> str | None:
+    """The technique claiming ``param``, None when none does or its stepper is gone
+    (the claim is then lifted)."""
+    owner = _CLAIMS.get(param)
+    if owner is not None and stepper_gone(param):
+        del _CLAIMS[param]
+        unwatch([param])
+        return None
+    return owner
+
+
 def check_unclaimed(params: Iterable[torch.Tensor], technique: str) -> None:
     """Refuse parameters that another overlapkit technique, or torch's
     ``_apply_optimizer_in_backward``, already steps during backward.
 
+    A claim ends with the stepper that made it: once the optimizer and the model
+    stepping a parameter are dropped, a new model wrapping the same module may be set
+    up (measured before: the same module wrapped in a new DDP model after the first was
+    dropped was refused, and the first one's optimizer state stayed alive).
+
     :raises ConfigurationError: naming who steps them.
     """
+    collected = False
     for param in params:
-        owner = _CLAIMS.get(param)
+        owner = _live_claim(param)
+        if owner is not None and not collected:
+            gc.collect()  # a dropped optimizer may be waiting in a reference cycle
+            collected = True
+            owner = _live_claim(param)
         if owner is None and hasattr(param, "_in_backward_optimizers"):
             owner = "torch.distributed.optim._apply_optimizer_in_backward"
         if owner is not None:

@@ -65,7 +65,11 @@ def _trainer_in_frames() -> Any | None:
     on the stack, or None."""
     frame: types.FrameType | None = sys._getframe(2)
     while frame is not None:
-        candidate = frame.f_locals.get("self")
+        # only transformers' own frames: reading f_locals keeps a snapshot of the
+        # frame's locals alive with it (CPython < 3.13), so a loop's `del model, opt`
+        # freed nothing until its function returned (issue 31 probe)
+        own = str(frame.f_globals.get("__name__", "")).startswith("transformers.")
+        candidate = frame.f_locals.get("self") if own else None
         if candidate is not None and any(
                 klass.__name__ == "Trainer"
                 and klass.__module__.startswith("transformers.")

@@ -119,7 +119,7 @@ class BucketStepper(BucketSteps):
         self._clips = clipping.enabled
         #: what is known of each bucket from the backwards before
         self.layouts = BucketLayouts(engine)
-        self.model_before_rebuild: DistributedDataParallel | None = None  # until rebuilt
+        self.model_before_rebuild: Callable[[], DistributedDataParallel | None] | None = None
         #: set when steps wait for a global decision (global norm clipping, a
         #: GradScaler): buckets are only reduced, everything steps after finalize
         self.global_step = global_step
@@ -137,9 +137,8 @@ class BucketStepper(BucketSteps):
         self.frozen: list[tuple[str, torch.Tensor]] = []
         #: stepped gradients kept in .grad: a backward-only loop's next forward clears them
         self._stepped_grads_kept = False
-        #: set by register_bucket_stepper when parameters must free their local
-        #: gradient once DDP has copied it (free_local_grads_once_bucketed)
-        self.free_after_copy_model: DistributedDataParallel | None = None
+        #: when parameters free their local gradient once copied (ddp.setup; weak refs)
+        self.free_after_copy_model: Callable[[], DistributedDataParallel | None] | None = None
         self._pending: deque[PendingBucket] = deque()
         self.filled_grads = FilledGradients()
         #: the first error a step raised during this backward; raised when it ends
@@ -276,7 +275,7 @@ class BucketStepper(BucketSteps):
 
     def _after_backward(self) -> None:
         self.filled_grads.give_back()
-        model = self.model_before_rebuild
+        model = self.model_before_rebuild() if self.model_before_rebuild else None
         if model is not None:
             # DDP rebuilds its buckets at the next forward, allocating the new ones
             # before it frees the old: layouts kept until then would keep every old
@@ -349,8 +348,9 @@ class BucketStepper(BucketSteps):
         if self.track_usage:
             for param in params:
                 param.register_post_accumulate_grad_hook(self.note_used)
-        if self.free_after_copy_model is not None:
-            free_local_grads_once_bucketed(self.free_after_copy_model, params)
+        model = self.free_after_copy_model() if self.free_after_copy_model else None
+        if model is not None:
+            free_local_grads_once_bucketed(model, params)
 
     def before_forward(self) -> None:
         """Run before each forward of the DDP model (a forward pre-hook, always

@@ -10,6 +10,7 @@ Everything here runs once, at set-up, and every check before the one change.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Mapping
 from functools import partial
 from typing import Any
@@ -170,14 +171,17 @@ def set_up_on_ddp(
     if averaging is not None:  # 3, 6, 12 ... ranks and gradient_as_bucket_view=True
         stepper.average = averaging.average
         stepper.inner_hook = partial(reduce_bucket, average=averaging.average)
-    stepper.model_before_rebuild = model
+    # held weakly: the model holds the stepper (its comm hook's state) in C++, where
+    # Python's collector cannot see the cycle; a strong reference kept every model
+    # dropped within its first step, and its optimizer, alive for good (issue 31 probe)
+    stepper.model_before_rebuild = weakref.ref(model)
     # DDP lays its buckets out again after the first backward, except where it tracks
     # parameter usage; checkpoints record that second layout (checkpoint.ddp_buckets)
     stepper.recording_layout = not track_usage
     # Only now that the comm hook is in: hooks left on the parameters after a refused
     # registration would keep freeing gradients nobody steps.
     if stepper.free_grads and not model.gradient_as_bucket_view:
-        stepper.free_after_copy_model = model
+        stepper.free_after_copy_model = weakref.ref(model)
     stepper.register(owned)
     names = setup.model.names
     stepper.frozen = [(names[id(p)], p) for p in owned if id(p) not in setup.model.reduced]

@@ -57,7 +57,7 @@ from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.core.window import quiet_reads, state
 
 __all__ = ["FreedGradientNormWarning", "guarded_clip_grad_norm_", "guarded_clip_grad_value_",
-           "install", "late_clip_error", "unguarded_clip_grad_norm_",
+           "install", "late_clip_error", "stepper_gone", "unguarded_clip_grad_norm_",
            "unguarded_clip_grad_value_", "watch", "unwatch"]
 
 #: torch's own functions, which overlapkit's clipping calls (never the guarded ones)
@@ -90,6 +90,14 @@ def watch(params: Iterable[torch.Tensor], stepper: Any) -> None:
     ref = weakref.ref(stepper)
     for param in params:
         _STEPPERS[param] = ref
+
+
+def stepper_gone(param: torch.Tensor) -> bool:
+    """Whether the stepper recorded for ``param`` has been collected: the optimizer and
+    the model that stepped it during backward are gone (dropped by the loop), so
+    nothing steps it any more."""
+    ref = _STEPPERS.get(param)
+    return ref is not None and ref() is None
 
 
 def unwatch(params: Iterable[torch.Tensor]) -> None:

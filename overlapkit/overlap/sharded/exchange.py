@@ -355,8 +355,11 @@ def exchange_group(group: Any, world_size: int) -> Any:
     ranks: Sequence[int] = dist.get_process_group_ranks(group)
     timeout = group_timeout(group)
     key = (tuple(ranks), timeout)
+    live = dist.distributed_c10d._world.pg_map
+    for gone in [k for k, made in _GROUPS.items() if made not in live]:
+        del _GROUPS[gone]  # destroyed (destroy_process_group): not kept referenced
     known = _GROUPS.get(key)
-    if known is not None and known in dist.distributed_c10d._world.pg_map:
+    if known is not None:
         return known
     made = dist.new_group(ranks=list(ranks), timeout=timeout,
                           use_local_synchronization=True,

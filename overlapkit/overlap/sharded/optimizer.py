@@ -17,6 +17,7 @@ differs for the loop:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -25,7 +26,7 @@ import attrs
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from overlapkit.errors import ConfigurationError
+from overlapkit.errors import ConfigurationError, NotPicklableError, OverlapkitError
 from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.overlap.facade import OverlappedOptimizerFacade
 from overlapkit.overlap.resolved import ModelFacts
@@ -36,6 +37,7 @@ from overlapkit.overlap.setup import (
     flatten_params,
     materialise_params,
 )
+from overlapkit.overlap.sharded.held_params import flat_params, reordered
 from overlapkit.overlap.sharded.ownership import (
     Ownership,
     ShardingPolicy,
@@ -98,6 +100,20 @@ def _with_state(optimizer: torch.optim.Optimizer, state: dict[int, Any]) -> dict
     return out
 
 
+def _step_hook_refusal(method: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"{method} on a sharded optimizer: a plain optimizer runs step hooks once per "
+        "step on every rank, but this one steps inside backward, each rank its own "
+        "share, a few buckets at a time, so a hook would run a varying number of times "
+        "per step, only on the ranks owning a parameter in those buckets (measured: 3 "
+        "to 4 times in 3 steps, never on a rank owning nothing), and one that "
+        "communicates would hang. Nothing was registered. Do that work in the loop "
+        "after backward() or step() (every parameter holds its update then, on every "
+        "rank); a hook per partial step of this rank's share goes on "
+        "optimizer.optimizer (the real optimizer)."
+    )
+
+
 class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
     """A ``torch.optim.Optimizer`` stepping during backward, one DDP bucket at a time,
     each rank stepping (and keeping the state of) only the parameters it owns.
@@ -117,6 +133,8 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         self._ownership = ownership
         self._policy = policy
         self._consolidated: _Consolidated | None = None
+        # a backward refuses param groups changed by hand, before anything steps
+        stepper.held_check = weakref.WeakMethod(self._held_refusal)
 
     # -- what is sharded --------------------------------------------------------
 
@@ -170,6 +188,51 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
 
         return updated_and_locked()
 
+    # -- param_groups edited by hand (held_params) ----------------------------------
+
+    def replace_param_groups(self, groups: list[dict[str, Any]]) -> None:
+        """``optimizer.param_groups = groups``: the same parameters, in any order
+        (the ownership follows); parameters added or removed are refused before
+        anything changes (:func:`~overlapkit.overlap.sharded.held_params.reordered`)."""
+        self.synchronize()
+        ownership = reordered(self._ownership, flat_params(groups))
+        super().replace_param_groups(groups)
+        if ownership is not None:
+            self._follow(ownership)
+
+    def _held_now(self) -> None:
+        """Follow ``param_groups`` reordered in place; refuse parameters added or
+        removed in place (:class:`ConfigurationError`)."""
+        ownership = reordered(self._ownership, self._engine.parameters())
+        if ownership is not None:
+            self._engine.reindex()
+            self._follow(ownership)
+
+    def _held_refusal(self) -> OverlapkitError | None:
+        """What a stepping backward is refused with (nothing steps in it), or None."""
+        try:
+            self._held_now()
+        except ConfigurationError as error:
+            return error
+        return None
+
+    def _follow(self, ownership: Ownership) -> None:
+        """Use ``ownership``, the same owners in the new order of ``param_groups``: the
+        state dicts number the parameters in that order; a gathered state dict, numbered
+        in the old one, is released."""
+        self._ownership = ownership
+        self._stepper.exchange.set_ownership(ownership, self._stepper.exchange.exchanged)
+        self._consolidated = None
+        self._stepper.consolidated = None
+
+    def register_step_pre_hook(self, hook: Any) -> Any:
+        """Refused: see :func:`_step_hook_refusal`."""
+        raise _step_hook_refusal("register_step_pre_hook")
+
+    def register_step_post_hook(self, hook: Any) -> Any:
+        """Refused: see :func:`_step_hook_refusal`."""
+        raise _step_hook_refusal("register_step_post_hook")
+
     # -- the Optimizer API --------------------------------------------------------
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
@@ -178,6 +241,9 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         stepping backward since the last ``step()``) steps this rank's share, then
         exchanges it."""
         full = not self._stepper.stepped_since_step
+        if full:  # (a stepping backward checked param_groups when it started)
+            self.synchronize()
+            self._held_now()
         super().step(closure)
         if full:
             self._stepper.full_step_taken()
@@ -199,6 +265,7 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
                 f"(the DDP model's process group), got {to!r}."
             )
         self.synchronize()
+        self._held_now()
         with self._engine.lock:
             local = _plain_state_dict(self._engine.optimizer)
         gathered = gather_state_dict(local, self._ownership, self._model.process_group, to)
@@ -217,6 +284,7 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
             dict on this rank (never gathered, gathered on another rank, or a step since).
         """
         self.synchronize()
+        self._held_now()
         if self._ownership.world_size == 1:
             return self._engine.state_dict()
         held = self._consolidated
@@ -251,6 +319,7 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         one file per rank (``torch.save(opt.local_state_dict(), f"optim-{rank}.pt")``)
         and loading it back at the same world size. No communication."""
         self.synchronize()
+        self._held_now()
         with self._engine.lock:
             local = self._engine.state_dict()
         return sharded_state_dict(local, self._ownership)
@@ -265,6 +334,7 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
             changed then.
         """
         self.synchronize()
+        self._held_now()
         share = share_of(state_dict, self._ownership)
         self._engine.load_state_dict(share)
         self._stepper.advance()
@@ -275,6 +345,7 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         ranks, balanced against what each rank owns already. Call it on every rank (the
         ranks check that they agree: a collective)."""
         (group,) = materialise_params([param_group])
+        self._held_now()
         facts = self._facts.now()
         facts.check_params([group])
         engine = self._engine
@@ -301,6 +372,16 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         watch(params, self._steps)
         self._consolidated = None
         self._stepper.consolidated = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise NotPicklableError(
+            f"a {type(self).__name__} is bound to a live model and its ranks' process "
+            "group, and holds only this rank's share of the state, so it cannot be "
+            "pickled or deep-copied. Save the state instead: overlapkit.checkpoint.save("
+            "path, model, optimizer) on every rank; or consolidate_state_dict(to=0) on "
+            "every rank, then state_dict() on rank 0 (the whole state); or "
+            "local_state_dict() (this rank's share)."
+        )
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self._engine.optimizer!r}, rank "

@@ -12,6 +12,7 @@ differently on different ranks.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,7 +36,7 @@ from overlapkit.overlap.sharded.ownership import (
 )
 from overlapkit.overlap.sharded.stepper import ShardedBucketStepper
 
-__all__ = ["check_shardable", "resolve_policy", "shard_on_ddp"]
+__all__ = ["check_shardable", "resolve_policy", "shard_on_ddp", "wait_before_module_forward"]
 
 
 def resolve_policy(shard_optimizer_state: Any) -> ShardingPolicy | None:
@@ -164,6 +165,39 @@ def _groups_of(optimizer: torch.optim.Optimizer) -> list[int]:
             for _ in group["params"]]
 
 
+class _WaitForExchange:
+    """The wrapped module's forward pre-hook (:func:`wait_before_module_forward`).
+
+    It holds the stepper weakly, and is pickled or copied with the module as a no-op
+    (``torch.save(ddp_model.module)``, an EMA's ``copy.deepcopy``: the copy's
+    parameters are not the exchange's); a closure made ``torch.save`` of the module
+    raise pickle's bare error, where plain DDP's saves."""
+
+    def __init__(self, stepper: ShardedBucketStepper) -> None:
+        self._stepper: weakref.ref[ShardedBucketStepper] | None = weakref.ref(stepper)
+
+    def __call__(self, module: torch.nn.Module, inputs: Any) -> None:
+        stepper = self._stepper() if self._stepper is not None else None
+        if stepper is not None:
+            stepper.wait_for_parameters()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_stepper": None}
+
+
+def wait_before_module_forward(module: torch.nn.Module, stepper: ShardedBucketStepper) -> None:
+    """Wait for the exchange before a call of the wrapped module itself
+    (``ddp_model.module(x)``; DDP's own forward pre-hook waits for a call of the DDP
+    model: ``stepper.before_forward``).
+
+    The hook holds the stepper weakly and is removed with it: the module outlives the
+    DDP model and the optimizer when a loop wraps it again, and a hook holding the
+    stepper kept the dropped DDP model (its buckets) and optimizer state alive, which
+    also kept the module's parameters claimed (a new ``overlap_ddp`` on them was
+    refused)."""
+    weakref.finalize(stepper, module.register_forward_pre_hook(_WaitForExchange(stepper)).remove)
+
+
 def shard_on_ddp(setup: ResolvedSetup) -> ShardedOverlapOptimizer:
     """``overlap_ddp``'s set-up with sharded optimizer state (see
     :func:`overlapkit.overlap_ddp`), after its common checks
@@ -193,7 +227,5 @@ def shard_on_ddp(setup: ResolvedSetup) -> ShardedOverlapOptimizer:
         ownership, {id(p) for p in held if id(p) in setup.model.reduced},
         exchange_group(group, world_size), stepper.side_stream,
         cap_bytes=int(model.bucket_bytes_cap)))
-    # DDP's own forward pre-hook waits (stepper.before_forward); this one covers a call
-    # of the wrapped module itself (ddp_model.module(x))
-    model.module.register_forward_pre_hook(lambda module, inputs: stepper.wait_for_parameters())
+    wait_before_module_forward(model.module, stepper)
     return ShardedOverlapOptimizer(engine, stepper, setup.model, ownership, setup.policy)

@@ -15,6 +15,7 @@ what this rank used), everything is exchanged once the steps are done.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,6 +59,10 @@ class ShardedBucketStepper(BucketStepper):
     #: the whole state gathered by ``consolidate_state_dict`` (the optimizer's record),
     #: released as soon as it is stale: it is the size of the whole optimizer state
     consolidated: Any = None
+    #: asked when a stepping backward starts: the error refusing param groups changed
+    #: by hand, or None; a weak method of the optimizer (the DDP model holds this
+    #: stepper in C++, where a cycle back to the model is never collected)
+    held_check: Callable[[], Callable[[], OverlapkitError | None] | None] | None = None
 
     def advance(self) -> None:
         """A step was taken (or state loaded): a new generation, and the gathered state
@@ -77,6 +82,10 @@ class ShardedBucketStepper(BucketStepper):
         return super().run(bucket)
 
     def backward_starts(self) -> OverlapkitError | None:
+        check = self.held_check() if self.held_check is not None else None
+        changed = check() if check is not None else None
+        if changed is not None:
+            return changed
         refused = super().backward_starts()
         if refused is None:
             self.advance()
