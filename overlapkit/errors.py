@@ -64,7 +64,7 @@ class UnsupportedModelError(OverlapkitError, TypeError):
 
 class NotPicklableError(OverlapkitError, TypeError):
     """An object bound to a live model and process group (an overlapped optimizer) was
-    pickled or deep-copied; the message says which state dict to save instead.
+    pickled or deep-copied; the message says which state dict to save or copy instead.
 
     .. versionadded:: 0.4
     """

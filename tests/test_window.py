@@ -1,18 +1,34 @@
-"""The window between backward and ``step()`` in a loop that steps during backward: a
-gradient the loop changes (in place, or replaced — a freed one set again) after the
-backward that stepped it, before ``step()``, could not reach that step. It is refused
-at that ``step()`` with a ``ConfigurationError`` naming what to do, on every rank, for
-both techniques (0.3: silently ignored, or a raw error). Integrations learn the loop at
-its first step instead (tests/trainers/huggingface/test_accelerate_window.py)."""
+"""The window between backward and ``step()`` in a loop that steps during backward.
+Whatever the loop does there that the plain ``step()`` would have used is refused at
+that ``step()`` with a ``ConfigurationError`` naming what to do, on every rank, for both
+techniques (0.3 and 0.4.0: silently ignored, or a raw error): a gradient changed in
+place or replaced (from the first step on), a hyperparameter changed (a hand-written
+warm-up, ``lr_scheduler.step()`` before ``step()``), ``zero_grad()``. A second ``step()``
+after ``optimizer_in_backward`` freed the gradients is refused before it changes
+anything; torch's ``clip_grads_with_norm_`` before it touches a gradient; a second
+backward through a graph kept with ``retain_graph=True`` before it reaches a parameter
+(0.4.0: autograd's own error from inside it). Integrations
+learn the loop at its first step instead
+(tests/trainers/huggingface/test_accelerate_window.py)."""
 
 from __future__ import annotations
 
+import collections
+import copy
+import math
+import pickle
+import warnings
 from typing import Any
 
 import pytest
+import torch
+from helpers import compare, rank_batches, values
+from torch import nn
 from window_ranks import run
 
+import overlapkit
 from overlapkit.distributed import run_distributed
+from overlapkit.overlap.rules.late_clipping import FreedGradientNormWarning
 
 
 @pytest.fixture(scope="module")
@@ -40,3 +56,231 @@ def test_an_unchanged_gradient_steps_as_before(two_ranks: list[dict[str, Any]],
                                                technique: str) -> None:
     for rank_results in two_ranks:
         assert rank_results[f"{technique} none"] is None
+
+
+def _refused(rank_results: dict[str, Any], key: str, at: int, words: str) -> None:
+    found = rank_results[key]
+    error = found["error"]
+    assert error is not None and error["type"] == "ConfigurationError", found
+    assert words in error["message"], error["message"]
+    assert found["at"] == at, found
+
+
+def test_gradients_changed_before_the_first_step_are_refused_at_it(
+        two_ranks: list[dict[str, Any]]) -> None:
+    # 0.4.0 marked the gradients only once the loop had called step(): 0.0064 off
+    for rank_results in two_ranks:
+        _refused(rank_results, "overlap_ddp first gradients halved", 0,
+                 "were changed between backward() and optimizer.step()")
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+@pytest.mark.parametrize(("window", "at"), [("warm-up", 0), ("scheduler first", 0)])
+def test_a_learning_rate_changed_before_step_is_refused_at_that_step(
+        two_ranks: list[dict[str, Any]], technique: str, window: str, at: int) -> None:
+    # the plain step() uses the new lr; 0.4.0 had stepped with the old one, silently
+    # (0.015 off after 3 steps of a warm-up)
+    for rank_results in two_ranks:
+        _refused(rank_results, f"{technique} {window}", at,
+                 "the optimizer's settings (lr of param group 0) were changed")
+        message = rank_results[f"{technique} {window}"]["error"]["message"]
+        assert "optimizer.learn_first_step(model)" in message
+        assert "lr_scheduler.step() called before optimizer.step()" in message
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+def test_zero_grad_between_backward_and_step_is_refused_at_step(
+        two_ranks: list[dict[str, Any]], technique: str) -> None:
+    # the plain step() steps nothing after it (0.4.0: a step taken, silently)
+    for rank_results in two_ranks:
+        _refused(rank_results, f"{technique} zero_grad", 0,
+                 "zero_grad() was called after a backward that stepped the parameters")
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+def test_a_skipped_step_is_refused_at_its_zero_grad_clearing_nothing(
+        two_ranks: list[dict[str, Any]], technique: str) -> None:
+    # backward, zero_grad(), no step() (a loop skipping a step on a non-finite norm):
+    # the plain loop takes no step there (0.4.0: stepped silently, 0.017 off)
+    for rank_results in two_ranks:
+        found = rank_results[f"{technique} skipped step"]
+        _refused(rank_results, f"{technique} skipped step", 1,
+                 "zero_grad() was called after a backward that stepped the parameters")
+        assert found["unchanged by it"], found
+
+
+def test_a_second_step_after_freed_gradients_is_refused_before_it_changes_anything(
+        two_ranks: list[dict[str, Any]]) -> None:
+    for rank_results in two_ranks:
+        found = rank_results["optimizer_in_backward step twice"]
+        _refused(rank_results, "optimizer_in_backward step twice", 0,
+                 "optimizer.step() was called again")
+        assert found["unchanged by it"], found
+
+
+def test_a_second_step_with_kept_gradients_is_bitwise_the_plain_loop(
+        two_ranks: list[dict[str, Any]]) -> None:
+    # overlap_ddp keeps the stepped gradients: the second step() steps them again
+    for rank_results in two_ranks:
+        found = rank_results["overlap_ddp step twice"]
+        assert found["bitwise plain"], found
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+def test_clip_grads_with_norm_after_a_stepping_backward_is_refused_before_it_clips(
+        two_ranks: list[dict[str, Any]], technique: str) -> None:
+    # 0.4.0: overlap_ddp refused only at step(), the gradients clipped;
+    # optimizer_in_backward: torch's AttributeError from inside get_total_norm
+    for rank_results in two_ranks:
+        found = rank_results[f"{technique} clip in two halves"]
+        _refused(rank_results, f"{technique} clip in two halves", 0,
+                 "clip_grads_with_norm_(..., max_norm=0.05) was called after a backward")
+        assert found["unchanged by it"], found
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+def test_a_loop_told_to_learn_its_first_step_keeps_gradient_noise_bitwise_with_one_warning(
+        two_ranks: list[dict[str, Any]], technique: str) -> None:
+    # the way out the refusals name: optimizer.learn_first_step(model) before the loop
+    for rank_results in two_ranks:
+        found = rank_results[f"{technique} learned"]
+        assert found["bitwise plain"], found
+        assert len(found["warnings"]) == 1, found["warnings"]
+        assert "in the plain order" in found["warnings"][0]
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+def test_a_second_backward_through_a_kept_graph_is_refused_before_it_reaches_a_parameter(
+        two_ranks: list[dict[str, Any]], technique: str) -> None:
+    # 0.4.0: autograd's RuntimeError ("modified by an inplace operation") from inside it
+    for rank_results in two_ranks:
+        found = rank_results[f"{technique} backward twice"]
+        error = found["error"]
+        assert error is not None and error["type"] == "ConfigurationError", found
+        assert "through a graph kept with retain_graph=True" in error["message"]
+        assert "inside `with ddp_model.no_sync():`" in error["message"]
+        assert found["unchanged by it"], found
+
+
+def test_a_plain_module_refuses_a_second_backward_through_a_kept_graph() -> None:
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    overlapkit.optimizer_in_backward(module, torch.optim.SGD, lr=1e-2, momentum=0.9)
+    loss = module(rank_batches(0, 1)[0]).square().mean()
+    loss.backward(retain_graph=True)
+    before = values(module)
+    with pytest.raises(overlapkit.ConfigurationError, match=r"optimizer\.no_step"):
+        (0.5 * loss).backward()
+    assert compare(before, values(module))
+
+
+def test_get_total_norm_of_freed_gradients_is_nan_with_a_warning() -> None:
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    overlapkit.optimizer_in_backward(module, torch.optim.AdamW, lr=1e-2)
+    module(rank_batches(0, 1)[0]).square().mean().backward()
+    for grads in ([p.grad for p in module.parameters()],
+                  [p.grad for p in module.parameters() if p.grad is not None]):
+        with pytest.warns(FreedGradientNormWarning, match="freed during backward"):
+            assert math.isnan(float(torch.nn.utils.get_total_norm(grads)))
+
+
+@pytest.mark.parametrize("optim", [torch.optim.Adam, torch.optim.AdamW])
+def test_a_plain_module_refuses_a_warm_up_and_a_second_step_too(optim: Any) -> None:
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    opt = overlapkit.optimizer_in_backward(module, optim, lr=1e-2)
+    batches = rank_batches(0, 2)
+    module(batches[0]).square().mean().backward()
+    opt.param_groups[0]["betas"] = (0.8, 0.99)
+    with pytest.raises(overlapkit.ConfigurationError, match="betas of param group 0"):
+        opt.step()
+    opt.zero_grad()
+    module(batches[1]).square().mean().backward()
+    opt.step()
+    before = values(module)
+    with pytest.raises(overlapkit.ConfigurationError, match="called again"):
+        opt.step()
+    assert compare(before, values(module))
+
+
+@pytest.mark.parametrize("copy_it", [copy.deepcopy, pickle.dumps])
+def test_copying_or_pickling_the_optimizer_is_refused_naming_the_state_dict(
+        copy_it: Any) -> None:
+    # 0.4.0: a bare TypeError (not an OverlapkitError); a plain optimizer copies
+    module = nn.Sequential(nn.Linear(4, 2))
+    opt = overlapkit.optimizer_in_backward(module, torch.optim.AdamW, lr=1e-2)
+    with pytest.raises(overlapkit.NotPicklableError, match=r"opt\.state_dict\(\)") as info:
+        copy_it(opt)
+    assert isinstance(info.value, TypeError)
+    copy.deepcopy(opt.state_dict())  # what the message says works
+
+
+def _stepped_once(params: Any = None) -> tuple[nn.Module, Any]:
+    """A plain module under optimizer_in_backward after one ordinary step and the
+    backward of the next."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    opt = overlapkit.optimizer_in_backward(
+        module, torch.optim.AdamW, lr=1e-2,
+        params=None if params is None else params(module))
+    first, second = rank_batches(0, 2)
+    module(first).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    module(second).square().mean().backward()
+    return module, opt
+
+
+def test_load_state_dict_between_backward_and_step_is_refused_loading_nothing() -> None:
+    # the plain step() steps from the loaded state (0.4.0: 0.018 off, silently)
+    _, opt = _stepped_once()
+    saved = copy.deepcopy(opt.state_dict())
+    with pytest.raises(overlapkit.ConfigurationError, match="Nothing was loaded"):
+        opt.load_state_dict({**saved, "state": {}})
+    assert compare(saved["state"][0], opt.state_dict()["state"][0])
+    opt.step()
+    opt.zero_grad()
+    opt.load_state_dict(saved)  # after step(): the plain loop's
+
+
+def test_a_param_group_added_between_backward_and_step_is_refused_at_step() -> None:
+    # the plain step() steps the added parameters with this backward's gradients
+    module, opt = _stepped_once(lambda m: list(m[0].parameters()))
+    opt.add_param_group({"params": list(module[2].parameters())})
+    with pytest.raises(overlapkit.ConfigurationError, match=r"settings \(param groups\)"):
+        opt.step()
+
+
+def test_a_warm_up_seen_in_a_learned_first_step_keeps_the_plain_order_bitwise() -> None:
+    # the integrations' learn_first_step (Accelerate): a warm-up written before step()
+    # is seen before anything steps, and every step is taken at step() with the new lr
+    def train(technique: str | None) -> tuple[list[torch.Tensor], list[str]]:
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+        if technique is None:
+            opt: Any = torch.optim.AdamW(module.parameters(), lr=1e-2)
+        else:
+            opt = overlapkit.optimizer_in_backward(module, torch.optim.AdamW, lr=1e-2)
+            opt.learn_first_step(module)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i, batch in enumerate(rank_batches(0, 4)):
+                module(batch).square().mean().backward()
+                opt.param_groups[0]["lr"] = 1e-2 * (i + 1) / 4
+                opt.step()
+                opt.zero_grad()
+        return values(module), [str(w.message) for w in caught]
+
+    expected, _ = train(None)
+    ours, said = train("optimizer_in_backward")
+    assert compare(expected, ours)
+    assert len(said) == 1 and "settings (lr of param group 0) were changed" in said[0]
+
+
+def test_an_optimizer_state_reset_between_backward_and_step_is_refused_at_step() -> None:
+    # the plain step() starts from the empty state (0.4.0: silently kept this step's)
+    _, opt = _stepped_once()
+    opt.state = collections.defaultdict(dict)
+    with pytest.raises(overlapkit.ConfigurationError, match=r"optimizer\.state \(4 entries -> 0"):
+        opt.step()

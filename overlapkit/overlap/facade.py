@@ -20,12 +20,8 @@ import torch
 from overlapkit.errors import ConfigurationError, NotPicklableError, OverlapkitError
 from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.overlap.core.engine import OverlapEngine
-from overlapkit.overlap.core.window import (
-    FirstWindow,
-    end_first_window,
-    refuse_changed_gradients,
-    second_backward_refusal,
-)
+from overlapkit.overlap.core.kept_graph import second_backward_refusal
+from overlapkit.overlap.core.window import FirstWindow, end_first_window, refuse_changed_gradients
 from overlapkit.overlap.rebuild import refuse_retired, release_steps
 from overlapkit.overlap.rules.amp_scaler import (
     guard_param_groups,
@@ -46,8 +42,8 @@ __all__ = ["BackwardSteps", "OverlappedOptimizerFacade"]
 
 class BackwardSteps(Protocol):
     """What steps during backward (a :class:`~overlapkit.overlap.core.step_accounting.StepAccount`):
-    the facade reports ``step()`` and ``zero_grad()`` calls to it; ``register(params)``
-    hooks parameters added later (``add_param_group``)."""
+    the facade reports ``step()``, ``zero_grad()`` and ``load_state_dict()`` calls to
+    it; ``register(params)`` hooks parameters added later (``add_param_group``)."""
 
     #: any backward has stepped
     has_stepped: bool
@@ -59,6 +55,8 @@ class BackwardSteps(Protocol):
     def register(self, params: Iterable[torch.Tensor]) -> None: ...
 
     def synchronize(self) -> None: ...
+
+    def state_loading(self) -> None: ...
 
     #: what waits for the end of backward (global clipping, a GradScaler), or None
     global_step: GlobalStep | None
@@ -222,8 +220,9 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         (several backwards before ``step()``, a gradient changed), keep taking every
         step at ``step()`` in the plain order, with one warning.
 
-        For an integration whose loops call ``step()`` (Accelerate's): a loop that never
-        does would step nothing. ``model`` names the parameters in the warning;
+        For a loop that calls ``step()`` (Accelerate's, or a hand-written one working in
+        that window, :data:`~overlapkit.overlap.core.window.LEARN`); one that never does
+        would step nothing. ``model`` names the parameters in the warning;
         ``accumulate`` says, in the refusal of a later second backward before
         ``step()``, how that framework accumulates (``"inside `with ...`"``).
         ``plain_order``: every step at ``step()`` from now on, nothing to learn (an
@@ -247,7 +246,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
     def second_backward_refusal(self, error: BaseException) -> OverlapkitError | None:
         """The ConfigurationError naming what to do for autograd's ``error`` from a second
         backward before ``step()`` through a kept graph this optimizer has stepped, or
-        None (:func:`~overlapkit.overlap.core.window.second_backward_refusal`): for an
+        None (:func:`~overlapkit.overlap.core.kept_graph.second_backward_refusal`): for an
         integration that runs the loop's backward (Accelerate's)."""
         return second_backward_refusal(self._steps, error)
 
@@ -367,6 +366,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         return self._engine.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._steps.state_loading()  # refused between a stepping backward and step()
         self.synchronize()
         self._engine.load_state_dict(state_dict)
 
@@ -390,9 +390,9 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
 
     def __getstate__(self) -> dict[str, Any]:
         raise NotPicklableError(
-            f"a {type(self).__name__} is bound to a live model and cannot be pickled; "
-            "save optimizer.state_dict() instead."
-        )
+            f"a {type(self).__name__} is bound to a live model (hooks step it during "
+            "backward), so it cannot be pickled or deep-copied; save or copy "
+            "optimizer.state_dict() instead (copy.deepcopy(opt.state_dict())).")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._engine.optimizer!r})"

@@ -12,7 +12,8 @@ run on an accelerator (:mod:`~overlapkit.overlap.core.side_stream`), and the loo
 around the optimizer: one step per iteration
 (:mod:`~overlapkit.overlap.core.step_accounting`), the window between backward and
 step (:mod:`~overlapkit.overlap.core.window`, the param groups' settings a step reads:
-:mod:`~overlapkit.overlap.core.group_settings`), a trainer's own loop
+:mod:`~overlapkit.overlap.core.group_settings`), a second backward through a kept graph
+(:mod:`~overlapkit.overlap.core.kept_graph`), a trainer's own loop
 (:mod:`~overlapkit.overlap.core.foreign_loop`). It imports nothing else of
 :mod:`overlapkit.overlap`.
 """

@@ -34,10 +34,16 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+#: group entries no step reads: the parameters, and ``initial_lr``, which an LR
+#: scheduler adds when it is built (one built between backward and ``step()`` changes
+#: nothing the step reads)
+_NOT_READ = frozenset({"params", "initial_lr"})
+
+
 def settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """Each param group's settings but its parameters (``lr``, ``betas``, ...), as a
     step taken now reads them."""
-    return [{key: _copied(value) for key, value in group.items() if key != "params"}
+    return [{key: _copied(value) for key, value in group.items() if key not in _NOT_READ}
             for group in optimizer.param_groups]
 
 
@@ -50,7 +56,7 @@ def changed_settings(before: list[dict[str, Any]],
         return ["param groups"]
     found = []
     for index, (was, group) in enumerate(zip(before, groups, strict=True)):
-        for key in sorted((set(was) | set(group)) - {"params"}):
+        for key in sorted((set(was) | set(group)) - _NOT_READ):
             if key not in was or key not in group or not _same(was[key], group[key]):
                 found.append(f"{key} of param group {index}")
     return found

@@ -41,6 +41,7 @@ discriminator, a step skipped on a bad loss), and raises
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -48,8 +49,11 @@ from overlapkit.errors import ConfigurationError, OverlapkitError
 from overlapkit.overlap.core.foreign_loop import foreign_trainer_refusal
 from overlapkit.overlap.core.window import FirstWindow
 
+if TYPE_CHECKING:
+    from overlapkit.overlap.core.engine import OverlapEngine
+
 __all__ = ["StepAccount", "accumulation_error", "backward_without_step_error",
-           "discarded_step_error"]
+           "discarded_step_error", "step_again_error"]
 
 
 def backward_without_step_error(technique: str, accumulate: str) -> ConfigurationError:
@@ -102,6 +106,21 @@ def discarded_step_error(technique: str) -> ConfigurationError:
     )
 
 
+def step_again_error(technique: str) -> ConfigurationError:
+    """The error of a ``step()`` with no stepping backward since the last one, while
+    the gradients the last backward stepped and freed would still be held by the plain
+    loop (no ``zero_grad()`` since, none set again): the plain ``step()`` would step
+    them again."""
+    return ConfigurationError(
+        "optimizer.step() was called again after the step of the last backward, with no "
+        "zero_grad() in between: the plain step() would step that backward's gradients "
+        f"again, but {technique} freed them once it had stepped them during backward. "
+        "Nothing was stepped now. Call step() once per backward, and zero_grad() after "
+        "it; to accumulate gradients over several backwards, run all but the last "
+        "inside the technique's no_step() / the model's no_sync()."
+    )
+
+
 class StepAccount:
     """What a stepper counts of the backwards that stepped, for the optimizer it steps.
 
@@ -145,6 +164,15 @@ class StepAccount:
         #: the loop has called ``step()`` (not only ``zero_grad()``) right after a
         #: stepping backward
         self.steps_after_backward = False
+        #: ``zero_grad()`` was called after a stepping backward, before ``step()``
+        self.zeroed_after_stepping = False
+        #: the parameters whose gradients the last stepping backward freed once stepped,
+        #: while neither ``zero_grad()`` nor a stepping backward has come since (the
+        #: plain loop still holds them: a ``step()`` now would step them again), or None
+        self.freed: list[torch.Tensor] | None = None
+        #: the first step was learnt (``learn_first_step``), and the loop steps during
+        #: backward since: its refusals do not suggest learning it
+        self.learned = False
 
     def backward_starts(self) -> OverlapkitError | None:
         """Count a stepping backward that starts now: the error to hold until it ends
@@ -163,6 +191,8 @@ class StepAccount:
             return backward_without_step_error(self.technique, self.accumulate)
         self.window += 1
         self.stepped_since_step = self.has_stepped = True
+        self.zeroed_after_stepping = False
+        self.freed = None
         return None
 
     def deferred_backward_starts(self) -> OverlapkitError | None:
@@ -186,14 +216,19 @@ class StepAccount:
         :meth:`deferred_backward_starts` while steps are deferred."""
         return self.deferred_backward_starts() if self.deferring else self.backward_starts()
 
-    def stepped_backward_ended(self, params: Iterable[torch.Tensor]) -> None:
-        """A backward that stepped ``params`` ended: in a loop that calls ``step()``, mark
-        their gradients (kept, or freed: None), so that ``step()`` sees one the loop
-        changed or set in between — too late for the step it was meant for."""
-        if self.calls_step:
-            marks = FirstWindow(optimizer=self.settings_of)
+    def stepped_backward_ended(self, engine: OverlapEngine, freed: bool) -> None:
+        """A backward that stepped ``engine``'s parameters ended (``freed``: their
+        gradients were freed). In a loop that calls ``step()``, or may (its first
+        stepping backward), mark their gradients (kept, or freed: None), the param-group
+        settings and the state, so that ``step()`` sees one the loop changed or set in
+        between — too late for the step it was meant for."""
+        params = engine.parameters()
+        self.freed = params if freed else None
+        if self.calls_step or self.window == 1:
+            marks = FirstWindow(optimizer=self.settings_of, learned=self.learned)
             marks.mark(params)
             marks.mark_settings()
+            marks.mark_state()
             self.stepped_marks = marks
 
     def deferred(self) -> None:
@@ -216,11 +251,31 @@ class StepAccount:
         """
         window, self.window = self.window, 0
         stepped, self.stepped_since_step = self.stepped_since_step, False
+        zeroed, self.zeroed_after_stepping = self.zeroed_after_stepping, False
         if window:
             self.calls_step = self.steps_after_backward = True
         if window > 1:
             raise accumulation_error(self.technique, self.accumulate, window)
+        if stepped and zeroed:  # the first step: zero_grad() did not know the loop yet
+            raise discarded_step_error(self.technique)
+        if not stepped and self.freed and all(p.grad is None for p in self.freed):
+            raise step_again_error(self.technique)  # none set again by hand either
         return stepped
+
+    def state_loading(self) -> None:
+        """``load_state_dict()`` is about to replace the optimizer's state.
+
+        :raises ConfigurationError: between a stepping backward and ``step()``, in a loop
+            that calls ``step()``: the plain ``step()`` would step from the loaded state,
+            where this backward has stepped from the old one. Nothing is loaded.
+        """
+        if self.window and self.steps_after_backward:
+            raise ConfigurationError(
+                "optimizer.load_state_dict() was called between backward() and "
+                "optimizer.step(): the plain step() would step from the loaded state, but "
+                f"{self.technique} had already stepped the parameters from the old one "
+                "during backward. Nothing was loaded. Load the state before the forward "
+                "(or after step()).")
 
     def zero_grad_called(self) -> None:
         """``zero_grad()`` was called: it ends the window (see the module docstring).
@@ -233,5 +288,8 @@ class StepAccount:
         window, self.window, self.stepped_marks = self.window, 0, None
         if window and self.steps_after_backward:
             raise discarded_step_error(self.technique)
+        self.freed = None
+        if self.stepped_since_step:
+            self.zeroed_after_stepping = True
         if window == 1:
             self.calls_step = True

@@ -28,6 +28,14 @@ At ``step()`` the first step is taken as the plain loop takes it (a full step of
 kept gradients). A loop that used the window keeps every later step in that plain
 order, with one warning naming what it did and how to keep the overlap: the run is
 the plain run, bitwise. Any other loop steps during backward from its second step on.
+
+In a loop no integration sets up, the step is taken during backward from the first,
+so what the loop does in the window that the plain ``step()`` would have used is
+refused at that ``step()`` (:func:`refuse_changed_gradients`), from the first step on:
+a gradient changed or set, a param-group setting changed (a warm-up written before
+``step()``, ``lr_scheduler.step()`` called first), a param group added, the state reset.
+The parameters have taken the step by then: the message says so, and names
+``learn_first_step`` (:data:`LEARN`), which has such a loop learnt as above.
 """
 
 from __future__ import annotations
@@ -45,8 +53,13 @@ from torch.utils._pytree import tree_flatten
 from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.core.group_settings import changed_settings, settings
 
-__all__ = ["FirstWindow", "end_first_window", "plain_order_warning", "quiet_reads",
-           "refuse_changed_gradients", "second_backward_refusal", "state"]
+__all__ = ["LEARN", "FirstWindow", "end_first_window", "plain_order_warning",
+           "quiet_reads", "refuse_changed_gradients", "state"]
+
+#: what a hand-written loop that works in the window calls to have it honoured
+LEARN = ("optimizer.learn_first_step(model) (the first step is then taken at "
+         "optimizer.step() and shows the loop uses this window: every step stays there, "
+         "in the plain order, bitwise the plain loop, with one warning)")
 
 
 def state(param: torch.Tensor) -> tuple[int, int]:
@@ -166,6 +179,12 @@ class FirstWindow:
     #: the loop clipped (or asked their norm) again after that: it reads the clipped
     #: gradients' norm, which a step taken during backward does not keep
     clipped_again: bool = False
+    #: the loop's first step was learnt (``learn_first_step``): its refusals do not
+    #: suggest it
+    learned: bool = False
+    #: ``(id, len)`` of the optimizer's ``state`` after a stepping backward
+    #: (:meth:`mark_state`), or None
+    state_seen: tuple[int, int] | None = None
 
     def mark(self, params: Iterable[torch.Tensor]) -> None:
         """Record the gradients of ``params`` as they are now (end of a backward, or
@@ -186,6 +205,24 @@ class FirstWindow:
         a step taken in it used)."""
         if self.optimizer is not None:
             self.settings = settings(self.optimizer)
+
+    def mark_state(self) -> None:
+        """Record the optimizer's ``state`` as a stepping backward leaves it: a reset or
+        replaced state before ``step()`` shows (not a clear of one parameter's entry:
+        that would cost a look-up per parameter and backward). Not while it is watched."""
+        if self.optimizer is not None:
+            state = self.optimizer.state
+            self.state_seen = (id(state), len(state))
+
+    def state_reset(self) -> list[str]:
+        """``["optimizer.state (N entries -> M)"]`` when it changed since
+        :meth:`mark_state`, else empty."""
+        if self.optimizer is None or self.state_seen is None:
+            return []
+        state = self.optimizer.state
+        if (id(state), len(state)) == self.state_seen:
+            return []
+        return [f"optimizer.state ({self.state_seen[1]} entries -> {len(state)}, a reset)"]
 
     def watch_state(self) -> None:
         """Note the loop's reads of ``optimizer.state`` until :meth:`unwatch` (while
@@ -305,6 +342,7 @@ def end_first_window(steps: Any, names: Mapping[int, str], params: list[torch.Te
         window.reset()
     else:  # from now on every step is taken during backward
         steps.first_window = None
+        steps.learned = True
         steps.deferring = False
         steps.deferred()
         steps.calls_step = True
@@ -315,18 +353,18 @@ def refuse_changed_gradients(marks: FirstWindow, names: Mapping[int, str],
                              params: list[torch.Tensor], technique: str) -> None:
     """:raises ConfigurationError: the loop changed (or set) a gradient after the
     backward that stepped it, before this ``step()``: the change missed that step."""
-    changed = marks.changed_settings()
+    learn = "." if marks.learned else f", or keep the loop and call {LEARN} once before it."
+    changed = marks.changed_settings() + marks.state_reset()
     if changed:
         raise ConfigurationError(
             f"the optimizer's settings ({_shown(changed)}) were changed between backward() and "
             f"optimizer.step(), after {technique} had already stepped the parameters with "
             "the values before the change during backward, so the change missed this "
-            "step. The parameters have taken it: restart from the last checkpoint after "
-            "fixing the loop. Change the learning rate and the other settings before "
-            "backward() (an LR scheduler stepped after optimizer.step() does), or do it "
-            "from the first step on under an integration (overlapkit.integrations: the "
-            "first step shows the loop uses that window, and every step is then taken at "
-            "optimizer.step(), in the plain order)."
+            "step (a hand-written warm-up, or lr_scheduler.step() called before "
+            "optimizer.step()). The parameters have taken it: restart from the last "
+            "checkpoint after fixing the loop. Change the learning rate and the other "
+            "settings before backward() (an LR scheduler stepped after optimizer.step() "
+            f"does){learn}"
         )
     edited = marks.edited(dict(names), params)
     if not edited:
@@ -338,33 +376,5 @@ def refuse_changed_gradients(marks: FirstWindow, names: Mapping[int, str],
         "with them during backward, so the change missed this step. The parameters "
         "have taken it: restart from the last checkpoint after fixing the loop. To "
         "change gradients, change them before they are reduced (a gradient hook on "
-        "the parameter, a DDP comm hook), or do it from the first step on under an "
-        "integration (overlapkit.integrations: the first step shows the loop uses "
-        "that window, and every step is then taken at optimizer.step(), in the plain "
-        "order)."
-    )
-
-
-def second_backward_refusal(steps: Any, error: BaseException) -> ConfigurationError | None:
-    """The error for autograd's ``error`` from a backward through a graph kept with
-    ``retain_graph=True`` whose saved parameters the previous backward's step changed in
-    place (a second backward before ``step()``: an auxiliary loss, adversarial
-    training), or None when it is something else. Autograd raises before any of the
-    technique's hooks see that backward (measured on torch 2.13: the parameters are
-    unchanged by it), so the step-accounting refusal of a second backward never runs.
-
-    :param steps: the facade's :class:`~overlapkit.overlap.facade.BackwardSteps`.
-    """
-    if not (isinstance(error, RuntimeError) and steps.stepped_since_step
-            and "modified by an inplace operation" in str(error)):
-        return None
-    return ConfigurationError(
-        f"backward() ran again before optimizer.step(), through a graph kept with "
-        f"retain_graph=True, after the previous backward had stepped the parameters "
-        f"that graph saved: {steps.technique} steps during backward, so every backward is "
-        "one optimizer step, and autograd refused the second (its saved parameters were "
-        "changed in place). Nothing was stepped in this backward; the parameters have "
-        "taken the first one's step. Sum the losses into one backward "
-        f"(loss + aux_loss), or run all but the last backward {steps.accumulate}; "
-        "restart from the last checkpoint after fixing the loop."
+        f"the parameter, a DDP comm hook){learn}"
     )

@@ -308,7 +308,7 @@ class BucketStepper(BucketSteps):
         self._stepped_grads_kept = not self.free_grads
         if self.global_step is not None:
             self._step_globally()
-            self.stepped_backward_ended(self.engine.parameters())
+            self.stepped_backward_ended(self.engine, self.free_grads)
             return
         owned = self.engine.parameters() if self.track_usage or self.free_grads else []
         if self.track_usage:
@@ -325,7 +325,7 @@ class BucketStepper(BucketSteps):
             # copy of the bucket (gradient_as_bucket_view=False; measured).
             for param in owned:
                 param.grad = None
-        self.stepped_backward_ended(self.engine.parameters())
+        self.stepped_backward_ended(self.engine, self.free_grads)
 
     def _step_globally(self) -> None:
         """After DDP's finalize every reduced gradient is in ``.grad`` (unused ones

@@ -21,6 +21,7 @@ from overlapkit.comm_hooks import allreduce_hook, reduce_bucket
 from overlapkit.errors import ConfigurationError, UnsupportedModelError
 from overlapkit.ft.refusals import refuse_torchft_ddp
 from overlapkit.overlap.core.engine import OverlapEngine
+from overlapkit.overlap.core.kept_graph import refusing_second_backwards
 from overlapkit.overlap.core.side_stream import SideStream
 from overlapkit.overlap.ddp.bucket_stepper import BucketStepper, overlapped_comm_hook
 from overlapkit.overlap.ddp.kept_gradients import KeptGradientAveraging
@@ -240,5 +241,6 @@ def set_up_on_ddp(
     # always: a backward that raised leaves the stepper's scope open (before_forward)
     stepper.handles.append(
         model.register_forward_pre_hook(lambda module, args: before_forward(stepper)))
+    stepper.handles.append(model.register_forward_hook(refusing_second_backwards(stepper)))
     claim_params(owned, setup.model.technique)
     return engine, stepper

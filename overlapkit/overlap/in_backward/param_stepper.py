@@ -226,7 +226,7 @@ class ParamStepper(StepAccount):
         if self.deferring:
             self.deferred_backward_ended(self.engine.parameters())
         else:
-            self.stepped_backward_ended(self.engine.parameters())
+            self.stepped_backward_ended(self.engine, freed=True)
 
 
 def _accumulated_again(param: torch.Tensor) -> ConfigurationError:

@@ -17,6 +17,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.errors import ConfigurationError, UnsupportedModelError
+from overlapkit.overlap.core.kept_graph import refusing_second_backwards
 from overlapkit.overlap.core.side_stream import SideStream
 from overlapkit.overlap.in_backward.optimizer import TECHNIQUE, OptimizerInBackward
 from overlapkit.overlap.in_backward.param_stepper import ParamStepper
@@ -80,6 +81,7 @@ def set_up_on_module(setup: ResolvedSetup) -> OptimizerInBackward:
     # a side stream not joined), and a frozen parameter may have been unfrozen since
     stepper.handles.append(module.register_forward_pre_hook(
         lambda module, args: before_forward(stepper)))
+    stepper.handles.append(module.register_forward_hook(refusing_second_backwards(stepper)))
     claim_params(owned, TECHNIQUE)
     return OptimizerInBackward(engine, stepper, setup.model)
 

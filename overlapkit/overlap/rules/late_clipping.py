@@ -31,6 +31,9 @@ only: nothing is added to the steps) and
   after the loop's own clip was answered, it is the clipped gradients' norm it asks
   for, answered the same way (never the norm before the clip).
 
+torch's two halves of ``clip_grad_norm_`` (``get_total_norm``,
+``clip_grads_with_norm_``) are guarded too: :mod:`~overlapkit.overlap.rules.clip_halves`.
+
 Code that calls ``torch.nn.utils.clip_grad.clip_grad_norm_`` directly, or bound the
 function to another name before the first overlapped optimizer existed, is not
 guarded; overlapkit's own clipping calls :func:`unguarded_clip_grad_norm_`.
@@ -113,11 +116,19 @@ def unwatch(params: Iterable[torch.Tensor]) -> None:
 
 def install() -> None:
     """Put the guarded functions in ``torch.nn.utils`` (once; idempotent)."""
+    # the halves' guards build on this module's look-ups (same package, no circle)
+    from overlapkit.overlap.rules.clip_halves import (
+        guarded_clip_grads_with_norm_,
+        guarded_get_total_norm,
+    )
+
     utils = torch.nn.utils
-    if utils.clip_grad_norm_ is not guarded_clip_grad_norm_:
-        setattr(utils, "clip_grad_norm_", guarded_clip_grad_norm_)  # noqa: B010
-    if utils.clip_grad_value_ is not guarded_clip_grad_value_:
-        setattr(utils, "clip_grad_value_", guarded_clip_grad_value_)  # noqa: B010
+    for name, guarded in (("clip_grad_norm_", guarded_clip_grad_norm_),
+                          ("clip_grad_value_", guarded_clip_grad_value_),
+                          ("clip_grads_with_norm_", guarded_clip_grads_with_norm_),
+                          ("get_total_norm", guarded_get_total_norm)):
+        if getattr(utils, name) is not guarded:
+            setattr(utils, name, guarded)
 
 
 def _as_list(parameters: Any) -> list[torch.Tensor]:

@@ -188,8 +188,7 @@ def refused_in_the_window(case: str, technique: str) -> dict[str, Any]:
             accelerator.clip_grad_value_(model.parameters(), 0.05)
         else:
             accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
-        optimizer.step()
-        for each in (optimizer, other):
+        for each in (optimizer, other):  # one step() each (a second is refused)
             if each is not None:
                 each.step()
                 each.zero_grad()
