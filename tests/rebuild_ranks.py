@@ -117,3 +117,18 @@ def plain_after_drop(rank: int, world_size: int) -> dict[str, Any]:
         out[f"{how}: unchanged by the refused step"] = compare(before, values(model))
         del held
     return out
+
+
+def switch_technique(rank: int, world_size: int) -> dict[str, Any]:
+    """overlap_ddp with Adam for 2 steps, then optimizer_in_backward with SGD on the same
+    DDP model: refused while the first is live (a DDP model takes one comm hook);
+    after ``release()``, bitwise the plain loop."""
+    data = rank_batches(rank, 4, shape=(8, 16))
+    model = _ddp()
+    opt = overlapkit.overlap_ddp(model, torch.optim.Adam, lr=1e-2)
+    _train(model, opt, data[:2])
+    refused = error_of(lambda: overlapkit.optimizer_in_backward(model, torch.optim.SGD,
+                                                                lr=0.1))
+    opt.release()
+    _train(model, overlapkit.optimizer_in_backward(model, torch.optim.SGD, lr=0.1), data[2:])
+    return {"refused": refused, "parity": compare(values(_plain(data)), values(model))}

@@ -220,3 +220,13 @@ def test_the_plain_step_guard_leaves_the_engines_steps_past_torchs_wrapper() -> 
     opt = overlapkit.optimizer_in_backward(_module(), torch.optim.Adam, lr=1e-2)
     assert torch_optimizer._global_optimizer_pre_hooks  # the guard is installed
     assert unwrapped_step(opt.optimizer) is not None
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_optimizer_in_backward_after_a_released_overlap_ddp_trains_bitwise_as_the_plain_loop(
+        world_size: int) -> None:
+    for rank, result in enumerate(run_distributed(ranks_.switch_technique, world_size,
+                                                  timeout=300)):
+        refused = result["refused"]
+        assert refused is not None and "release()" in refused["message"], (rank, refused)
+        assert result["parity"], (rank, result["parity"])
