@@ -56,7 +56,7 @@ class BackwardSteps(Protocol):
 
     def synchronize(self) -> None: ...
 
-    def state_loading(self) -> None: ...
+    def window_refusal(self, call: str) -> str | None: ...
 
     #: what waits for the end of backward (global clipping, a GradScaler), or None
     global_step: GlobalStep | None
@@ -122,8 +122,6 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         self._technique = technique
         self._check_params = check_params
         steps.settings_of = engine.optimizer
-        # a torch clip_grad_norm_ after a backward that stepped is refused, or
-        # answered when it is the clip this optimizer applied (late_clipping)
         watch(engine.parameters(), steps)
 
     @property
@@ -275,11 +273,10 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         """Compute the total norm of ``clip_grad_norm=`` over the gradients in the order of
         ``params`` instead of ``model.parameters()``'s.
 
-        For a framework whose plain loop clips in another order: Lightning's precision
-        plugins clip the optimizer's parameters group by group, and torch's total norm
-        rounds differently in another order (last-bit differences, see
-        :mod:`~overlapkit.overlap.rules.global_step`). Parameters not in ``params`` come after
-        them, in the optimizer's order. No effect without norm clipping.
+        For a framework whose plain loop clips in another order (Lightning's precision
+        plugins, group by group): torch's total norm rounds differently in another order
+        (:mod:`~overlapkit.overlap.rules.global_step`). Parameters not in ``params`` come
+        after them, in the optimizer's order. No effect without norm clipping.
         """
         order = model_order(params)
         for rule in (self._steps.global_step, self._steps.full_step):
@@ -365,8 +362,13 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         self.synchronize()
         return self._engine.state_dict()
 
+    def checkpoint_refusal(self) -> str | None:
+        """Refused between a stepping backward and ``step()``, as :meth:`load_state_dict`."""
+        return self._steps.window_refusal("a checkpoint")
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._steps.state_loading()  # refused between a stepping backward and step()
+        if (refusal := self._steps.window_refusal("optimizer.load_state_dict()")) is not None:
+            raise ConfigurationError(f"{refusal} Nothing was loaded.")
         self.synchronize()
         self._engine.load_state_dict(state_dict)
 

@@ -262,20 +262,18 @@ class StepAccount:
             raise step_again_error(self.technique)  # none set again by hand either
         return stepped
 
-    def state_loading(self) -> None:
-        """``load_state_dict()`` is about to replace the optimizer's state.
-
-        :raises ConfigurationError: between a stepping backward and ``step()``, in a loop
-            that calls ``step()``: the plain ``step()`` would step from the loaded state,
-            where this backward has stepped from the old one. Nothing is loaded.
-        """
-        if self.window and self.steps_after_backward:
-            raise ConfigurationError(
-                "optimizer.load_state_dict() was called between backward() and "
-                "optimizer.step(): the plain step() would step from the loaded state, but "
-                f"{self.technique} had already stepped the parameters from the old one "
-                "during backward. Nothing was loaded. Load the state before the forward "
-                "(or after step()).")
+    def window_refusal(self, call: str) -> str | None:
+        """Why ``call`` (``load_state_dict()``, a checkpoint's save or load) cannot run
+        now, or None: between a stepping backward and ``step()``, in a loop that calls
+        ``step()``, the plain ``step()`` comes after it (stepping from what a load gives,
+        left out of what a save keeps), where this backward has already stepped."""
+        if not (self.window and self.steps_after_backward):
+            return None
+        return (f"{call} between backward() and optimizer.step(): in the plain loop the "
+                "step() comes after it (stepping from what a load gives, or left out of "
+                f"what a save keeps), but {self.technique} had already stepped the "
+                "parameters during backward. Call it before the forward or after "
+                "optimizer.step().")
 
     def zero_grad_called(self) -> None:
         """``zero_grad()`` was called: it ends the window (see the module docstring).
