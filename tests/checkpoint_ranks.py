@@ -252,8 +252,10 @@ def fsdp1_tp_regression(rank: int, ws: int, path: str) -> dict[str, Any]:
 
 
 def overlap_and_failing_swap(rank: int, ws: int, root: str) -> dict[str, Any]:
-    """overlap_ddp with state-free SGD, saved after a stepping backward, against the
-    same run without the save; then a save whose final rename on rank 0 is refused."""
+    """overlap_ddp with state-free SGD, saved after a stepping backward (taken in the
+    first window, refused in the second: the loop has called step() by then) against
+    the same run without the saves; then a save whose final rename on rank 0 is
+    refused."""
     from pathlib import Path
 
     import overlapkit
@@ -261,7 +263,7 @@ def overlap_and_failing_swap(rank: int, ws: int, root: str) -> dict[str, Any]:
     from overlapkit.checkpoint import saving
     from overlapkit.errors import CheckpointError
 
-    finals = []
+    finals, refusals = [], []
     for save in (False, True):
         torch.manual_seed(0)
         model = nn.parallel.DistributedDataParallel(Net())
@@ -269,13 +271,19 @@ def overlap_and_failing_swap(rank: int, ws: int, root: str) -> dict[str, Any]:
         batches = torch.Generator().manual_seed(1)
         for step in range(3):
             model(torch.randn(4, 8, generator=batches)).square().mean().backward()
-            if save and step == 1:
-                checkpoint.save(f"{root}/overlap", model, opt)
+            if save and step < 2:
+                try:
+                    checkpoint.save(f"{root}/overlap-{step}", model, opt)
+                except CheckpointError as error:
+                    refusals.append((step, str(error)))
             opt.step()  # the backward stepped: a no-op
             opt.zero_grad()
         finals.append([p.detach().clone() for p in model.parameters()])
     results: dict[str, Any] = {"overlap_save_changes_nothing": all(
-        torch.equal(a, b) for a, b in zip(*finals, strict=True))}
+        torch.equal(a, b) for a, b in zip(*finals, strict=True)),
+        "window_saves_refused": [step for step, error in refusals
+                                 if "between backward() and optimizer.step()" in error],
+        "second_save_written": Path(f"{root}/overlap-1").exists()}
 
     path = Path(root) / "swap"
     checkpoint.save(path, model)

@@ -40,10 +40,13 @@ def overlap_and_swap(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str,
     return run_distributed(scenarios.overlap_and_failing_swap, 2, args=(root,), timeout=60)
 
 
-def test_save_after_an_overlap_ddp_backward_keeps_step_a_no_op(
+def test_save_after_an_overlap_ddp_backward_keeps_step_a_no_op_and_is_refused_once_it_steps(
     overlap_and_swap: list[dict[str, Any]],
 ) -> None:
     assert failures(overlap_and_swap, "overlap_save_changes_nothing") == {}
+    for r in overlap_and_swap:  # the second window's save: refused everywhere, unwritten
+        assert r["window_saves_refused"] == [1]
+        assert not r["second_save_written"]
 
 
 def test_a_failed_swap_on_rank_zero_is_a_checkpoint_error_on_every_rank(
