@@ -42,7 +42,7 @@ from overlapkit.overlap.setup import check_unclaimed, unclaim_params
 
 T = TypeVar("T")
 
-__all__ = ["before_forward", "check_takeover", "live_stepper_of", "orphan_when_dropped",
+__all__ = ["before_forward_hook", "check_takeover", "live_stepper_of", "orphan_when_dropped",
            "plan_takeover", "refuse_retired", "release_steps", "retire", "retired_error"]
 
 
@@ -130,7 +130,7 @@ def orphan_when_dropped(optimizer: T) -> T:
     once it is collected, where its loop called ``step()`` after its backwards: no
     ``step()`` can come any more, so the loop has gone on without it (a plain
     optimizer, another call). Its next forward then releases it
-    (:func:`before_forward`), never in the middle of a backward, where a collection
+    (:func:`before_forward_hook`), never in the middle of a backward, where a collection
     may run. A loop that never called ``step()`` (backward only: PyTorch's
     ``_apply_optimizer_in_backward`` idiom, which keeps no optimizer) keeps training
     through the model's hooks.
@@ -151,9 +151,10 @@ def _orphan(stepper_ref: weakref.ref[Any]) -> None:
         stepper.orphaned = True
 
 
-def before_forward(stepper: Any) -> None:
-    """The model's forward pre-hook: ``stepper``'s own ``before_forward()``, then its
-    release if orphaned (:func:`orphan_when_dropped`)."""
+def before_forward_hook(module: torch.nn.Module, args: Any, stepper: Any) -> None:
+    """The model's forward pre-hook (bound to ``stepper`` by an
+    :class:`~overlapkit.overlap.core.own_hooks.OwnHook`): ``stepper``'s own
+    ``before_forward()``, then its release if orphaned (:func:`orphan_when_dropped`)."""
     stepper.before_forward()
     if getattr(stepper, "orphaned", False):
         stepper.orphaned = False

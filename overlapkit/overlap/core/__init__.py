@@ -14,6 +14,7 @@ around the optimizer: one step per iteration
 step (:mod:`~overlapkit.overlap.core.window`, the param groups' settings a step reads:
 :mod:`~overlapkit.overlap.core.group_settings`), a second backward through a kept graph
 (:mod:`~overlapkit.overlap.core.kept_graph`), a trainer's own loop
-(:mod:`~overlapkit.overlap.core.foreign_loop`). It imports nothing else of
+(:mod:`~overlapkit.overlap.core.foreign_loop`), and the hooks put on the user's model,
+copied with it as no-ops (:mod:`~overlapkit.overlap.core.own_hooks`). It imports nothing else of
 :mod:`overlapkit.overlap`.
 """

@@ -24,6 +24,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from overlapkit.errors import ConfigurationError
+from overlapkit.overlap.core.own_hooks import OwnHook
 from overlapkit.overlap.core.step_accounting import StepAccount
 
 __all__ = ["kept_graph_refusal", "refusing_second_backwards", "second_backward_refusal"]
@@ -47,19 +48,21 @@ def refusing_second_backwards(steps: StepAccount) -> Callable[..., None]:
     """The forward hook for the model ``steps`` steps (``model.register_forward_hook``):
     it hooks each output node of a forward (while grad is enabled) so that a second
     backward through it after a stepping backward is refused (module docstring). Per
-    forward, one pre-hook per output node."""
+    forward, one pre-hook per output node. A no-op in a copy of the model
+    (:class:`~overlapkit.overlap.core.own_hooks.OwnHook`)."""
+    return OwnHook(_hook_output_nodes, steps)
 
-    def after_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
-            return
-        seen: set[int] = set()
-        for each in tree_flatten(output)[0]:
-            node = each.grad_fn if isinstance(each, torch.Tensor) else None
-            if node is not None and id(node) not in seen:
-                seen.add(id(node))
-                node.register_prehook(_BackwardsThrough(steps))
 
-    return after_forward
+def _hook_output_nodes(module: torch.nn.Module, args: Any, output: Any,
+                       steps: StepAccount) -> None:
+    if not torch.is_grad_enabled():
+        return
+    seen: set[int] = set()
+    for each in tree_flatten(output)[0]:
+        node = each.grad_fn if isinstance(each, torch.Tensor) else None
+        if node is not None and id(node) not in seen:
+            seen.add(id(node))
+            node.register_prehook(_BackwardsThrough(steps))
 
 
 def second_backward_refusal(steps: Any, error: BaseException) -> ConfigurationError | None:

@@ -22,10 +22,11 @@ from overlapkit.errors import ConfigurationError, UnsupportedModelError
 from overlapkit.ft.refusals import refuse_torchft_ddp
 from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.overlap.core.kept_graph import refusing_second_backwards
+from overlapkit.overlap.core.own_hooks import OwnHook
 from overlapkit.overlap.core.side_stream import SideStream
 from overlapkit.overlap.ddp.bucket_stepper import BucketStepper, overlapped_comm_hook
 from overlapkit.overlap.ddp.kept_gradients import KeptGradientAveraging
-from overlapkit.overlap.rebuild import before_forward, check_takeover, plan_takeover, retire
+from overlapkit.overlap.rebuild import before_forward_hook, check_takeover, plan_takeover, retire
 from overlapkit.overlap.resolved import ModelFacts, ResolvedSetup, resolve_setup
 from overlapkit.overlap.rules.clipping import GradClipping
 from overlapkit.overlap.rules.global_step import step_rules
@@ -240,7 +241,7 @@ def set_up_on_ddp(
     stepper.frozen = [(names[id(p)], p) for p in owned if id(p) not in setup.model.reduced]
     # always: a backward that raised leaves the stepper's scope open (before_forward)
     stepper.handles.append(
-        model.register_forward_pre_hook(lambda module, args: before_forward(stepper)))
+        model.register_forward_pre_hook(OwnHook(before_forward_hook, stepper)))
     stepper.handles.append(model.register_forward_hook(refusing_second_backwards(stepper)))
     claim_params(owned, setup.model.technique)
     return engine, stepper

@@ -18,10 +18,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.errors import ConfigurationError, UnsupportedModelError
 from overlapkit.overlap.core.kept_graph import refusing_second_backwards
+from overlapkit.overlap.core.own_hooks import OwnHook
 from overlapkit.overlap.core.side_stream import SideStream
 from overlapkit.overlap.in_backward.optimizer import TECHNIQUE, OptimizerInBackward
 from overlapkit.overlap.in_backward.param_stepper import ParamStepper
-from overlapkit.overlap.rebuild import before_forward, plan_takeover, retire
+from overlapkit.overlap.rebuild import before_forward_hook, plan_takeover, retire
 from overlapkit.overlap.resolved import MODEL_KINDS, ResolvedSetup
 from overlapkit.overlap.rules.global_step import step_rules
 from overlapkit.overlap.setup import claim_params
@@ -72,15 +73,16 @@ def set_up_on_module(setup: ResolvedSetup) -> OptimizerInBackward:
     retire(plan_takeover(setup.stepped, TECHNIQUE, replaceable), TECHNIQUE)
     stepper.register(owned)
     if setup.model.kind == "module":
-        stepper.handles.append(module.register_forward_pre_hook(_refuse_inside_ddp))
+        # OwnHook: a copy of the module (an EMA's, torch.save's) is a plain module
+        stepper.handles.append(module.register_forward_pre_hook(OwnHook(_refuse_inside_ddp)))
         names = setup.model.names
         anchors = [(names[id(p)], p) for p in (owned[0], owned[-1])]
         stepper.handles.append(module.register_forward_pre_hook(
-            lambda module, args: _refuse_replaced_parameters(module, anchors)))
+            OwnHook(_refuse_replaced_parameters, anchors)))
     # a backward that raised leaves its scope open (on CPU a batch, on an accelerator
     # a side stream not joined), and a frozen parameter may have been unfrozen since
     stepper.handles.append(module.register_forward_pre_hook(
-        lambda module, args: before_forward(stepper)))
+        OwnHook(before_forward_hook, stepper)))
     stepper.handles.append(module.register_forward_hook(refusing_second_backwards(stepper)))
     claim_params(owned, TECHNIQUE)
     return OptimizerInBackward(engine, stepper, setup.model)
@@ -112,7 +114,7 @@ def _refuse_inside_ddp(module: torch.nn.Module, args: Any) -> None:
         )
 
 
-def _refuse_replaced_parameters(module: torch.nn.Module,
+def _refuse_replaced_parameters(module: torch.nn.Module, args: Any,
                                 anchors: list[tuple[str, torch.Tensor]]) -> None:
     """Forward pre-hook of a plain module stepped in backward: refuse to run once its
     parameters are not the ones the hooks were registered on.
