@@ -19,19 +19,38 @@ import torch
 __all__ = ["changed_settings", "settings"]
 
 
+class _TensorSetting:
+    """A tensor setting (a tensor ``lr``, changed in place by ``fill_``) as recorded:
+    the tensor, its version, and a copy of its value."""
+
+    __slots__ = ("tensor", "value", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.version = tensor._version
+        self.value = tensor.detach().clone()
+
+    def same_as(self, now: Any) -> bool:
+        if now is self.tensor and now._version == self.version:
+            return True  # untouched: no comparison of values (a host sync on an accelerator)
+        return (isinstance(now, torch.Tensor) and now.shape == self.value.shape
+                and bool(torch.equal(now, self.value)))
+
+
 def _copied(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()  # a tensor lr is changed in place (fill_)
+        return _TensorSetting(value)
     return tuple(map(_copied, value)) if isinstance(value, tuple | list) else value
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-                and a.shape == b.shape and bool(torch.equal(a, b)))
-    if isinstance(a, tuple | list) and isinstance(b, tuple | list):
-        return len(a) == len(b) and all(map(_same, a, b))
-    return bool(a == b)
+def _same(was: Any, now: Any) -> bool:
+    if isinstance(was, _TensorSetting):
+        return was.same_as(now)
+    if isinstance(now, torch.Tensor):
+        return False
+    if isinstance(was, tuple) and isinstance(now, tuple | list):
+        return len(was) == len(now) and all(map(_same, was, now))
+    return bool(was == now)
 
 
 #: group entries no step reads: the parameters, and ``initial_lr``, which an LR

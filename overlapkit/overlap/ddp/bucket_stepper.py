@@ -2,8 +2,8 @@
 
 Shared by :func:`overlapkit.overlap_ddp` and :func:`overlapkit.optimizer_in_backward`
 (for a DDP model): :mod:`overlapkit.overlap.ddp.setup` checks the model and registers a
-comm hook that runs a :class:`BucketStepper` (:func:`overlapped_comm_hook`). This module
-is what runs per bucket during backward; nothing here runs at set-up.
+comm hook that runs a :class:`BucketStepper` (:meth:`BucketStepper.run`). This module is
+what runs per bucket during backward; nothing here runs at set-up.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from overlapkit.overlap.ddp.param_hooks import free_local_grads_once_bucketed, r
 from overlapkit.overlap.rules.clipping import GradClipping
 from overlapkit.overlap.rules.global_step import GlobalStep
 
-__all__ = ["STEP_THREADS", "BucketStepper", "bucket_gradient_views", "overlapped_comm_hook"]
+__all__ = ["STEP_THREADS", "BucketStepper", "bucket_gradient_views"]
 
 #: where bucket steps run: see overlap_ddp(step_thread=...)
 STEP_THREADS = ("backward", "comm")
@@ -392,9 +392,3 @@ class BucketStepper(BucketSteps):
         if param.grad is not None:
             self.used.add(param)
 
-
-def overlapped_comm_hook(state: BucketStepper,
-                         bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Run ``state`` on ``bucket``: what the comm hook registered on the model runs
-    (:func:`~overlapkit.overlap.ddp.setup.slot_comm_hook`) while ``state`` is bound."""
-    return state.run(bucket)

@@ -24,7 +24,7 @@ from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.overlap.core.kept_graph import refusing_second_backwards
 from overlapkit.overlap.core.own_hooks import OwnHook
 from overlapkit.overlap.core.side_stream import SideStream
-from overlapkit.overlap.ddp.bucket_stepper import BucketStepper, overlapped_comm_hook
+from overlapkit.overlap.ddp.bucket_stepper import BucketStepper
 from overlapkit.overlap.ddp.kept_gradients import KeptGradientAveraging
 from overlapkit.overlap.rebuild import before_forward_hook, check_takeover, plan_takeover, retire
 from overlapkit.overlap.resolved import ModelFacts, ResolvedSetup, resolve_setup
@@ -79,7 +79,7 @@ def slot_comm_hook(state, bucket):  # type: ignore[no-untyped-def]
     # dist.GradBucket, and `from __future__ import annotations` makes it a string.
     stepper = state.stepper
     if stepper is not None:
-        return overlapped_comm_hook(stepper, bucket)
+        return stepper.run(bucket)
     inner_state, inner_hook = state.reduce
     return inner_hook(inner_state, bucket)
 
