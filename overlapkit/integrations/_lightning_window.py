@@ -227,9 +227,11 @@ class GradientWrites:
     it (``overlap_ddp`` keeps the gradients, so reading them is exact; a change would be
     used by the plain run's step and by nothing here).
 
-    A change is seen by the gradient's version counter (bumped by every in-place write)
-    or a new ``.grad`` object: a few attribute reads per parameter, only around the hooks
-    of :data:`WRITING_HOOKS` that the module or a callback overrides.
+    A change is seen by the gradient's version counter (bumped by every in-place write),
+    a new ``.grad`` object, or, for a write through ``.data`` (``p.grad.data.mul_(0.5)``,
+    which bumps no version counter), by comparing the values with a copy taken before
+    the hook (:func:`_differ`): one gradient-sized copy and comparison per step, only
+    around the hooks of :data:`WRITING_HOOKS` that the module or a callback overrides.
     """
 
     def __init__(self, named_params: list[tuple[str, torch.Tensor]], technique: str,
@@ -251,9 +253,13 @@ class GradientWrites:
             return
         before = [(name, p, p.grad, None if p.grad is None else p.grad._version)
                   for name, p in self.named_params]
+        # a write through .data bumps no version counter: the values are compared too
+        copies = [(name, grad, grad.detach().clone()) for name, _, grad, _ in before
+                  if grad is not None]
         yield
         changed = [name for name, p, grad, version in before
                    if p.grad is not grad or (grad is not None and grad._version != version)]
+        changed = changed or _differ(copies)
         if changed:
             when = ("Nothing was stepped (the first optimizer step checks for this before "
                     "it steps)" if probing else
@@ -269,3 +275,13 @@ class GradientWrites:
                 "stepped in the plain order, the change honoured), or change gradients "
                 "before they are reduced and stepped (a hook on the parameter, the loss)."
             )
+
+
+def _differ(kept: list[tuple[str, torch.Tensor, torch.Tensor]]) -> list[str]:
+    """The names whose gradient is no longer bitwise its copy (NaN where the copy had
+    NaN counts as the same), seen with one host synchronisation for all of them."""
+    if not kept:
+        return []
+    flags = torch.stack([((grad != copy) & ~(grad.isnan() & copy.isnan())).any()
+                         for _, grad, copy in kept]).cpu()
+    return [name for (name, _, _), flag in zip(kept, flags.tolist(), strict=True) if flag]

@@ -1,0 +1,56 @@
+"""Lightning fits that work around the window, at 1 process (OverlapSingleDeviceStrategy,
+OverlapDDPStrategy with both techniques) and 2 gloo ranks (both techniques), bitwise
+the plain strategy's: ``on_after_backward`` changing ``.grad`` (the module's) and reading
+the parameters and optimizer state (a callback's), a ``save_last`` checkpoint resumed with
+``ckpt_path="last"`` (against the plain uninterrupted fit), ``LearningRateFinder`` as a
+callback, SequentialLR and ReduceLROnPlateau, and ``validate`` / ``test`` / ``predict``
+between two fits of one module. A gradient changed through ``.data`` (no version counter
+bumped) under ``hooks_read_only_grads=True`` is refused before anything steps (it was
+silently 0.0093 off). Rank code: lightning_window_ranks.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("lightning", reason="the `trainers` tox environment installs lightning")
+
+from lightning_window_ranks import CASES, PAIRS, WARNED, run
+
+from overlapkit.distributed import run_distributed
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1 process", "2 ranks"])
+def results(request: pytest.FixtureRequest,
+            tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[dict[str, Any]]]:
+    world_size: int = request.param
+    root: Path = tmp_path_factory.mktemp(f"lightning_window_{world_size}")
+    return world_size, run_distributed(run, world_size, args=(str(root),), timeout=400)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_fit_is_the_plain_strategys_bitwise_warned_only_in_the_plain_order(
+        results: tuple[int, list[dict[str, Any]]], case: str) -> None:
+    world_size, ranks = results
+    for rank, rank_results in enumerate(ranks):
+        for label in PAIRS[world_size]:
+            assert rank_results[f"{label} | {case}"], (rank, label)
+            warned = rank_results[f"{label} | {case} | warnings"]
+            if case in WARNED:
+                assert len(warned) == 1 and WARNED[case] in warned[0], (label, warned)
+            else:
+                assert warned == [], (label, warned)
+
+
+def test_a_gradient_changed_through_data_under_hooks_read_only_grads_is_refused(
+        results: tuple[int, list[dict[str, Any]]]) -> None:
+    """``p.grad.data.mul_()`` bumps no version counter: the values are compared too."""
+    _, ranks = results
+    for rank_results in ranks:
+        result = rank_results["refused through .data"]
+        error = result["error"]
+        assert error is not None and error["overlapkit"], error
+        assert "ScalesThroughData.on_after_backward changed the gradient" in error["message"]
+        assert result["unchanged"], result["unchanged"]
