@@ -24,12 +24,15 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.core.optimizer import do_nothing_closure
+from lightning.pytorch.loops.optimization.automatic import Closure
 from lightning.pytorch.trainer import call
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.errors import ConfigurationError, OverlapkitError
 from overlapkit.integrations._lightning_setup import clipping_of
 from overlapkit.integrations._lightning_window import (
+    WRAPPED_CLOSURE,
     GradientWrites,
     OptimizerChanges,
     by_hand_warning,
@@ -257,7 +260,9 @@ class AutomaticOptimization:
         """Lightning's ``optimizer.step(closure)``: the closure once (its backward
         steps), ``on_before_optimizer_step`` of the callbacks and the module, then the
         overlapped ``step()``. Lightning's clipping is called only when the module
-        overrides it; else the backward clipped (``gradient_clip_val``, read at set-up)."""
+        overrides it; else the backward clipped (``gradient_clip_val``, read at set-up).
+        A closure that is not Lightning's (an ``optimizer_step`` override wrapping it, to
+        work after its backward) turns the fit to the plain order before it runs."""
         model = model or strategy.lightning_module
         trainer = model.trainer
         if not self.own_clipping and clipping_of(trainer) != self.clipping:
@@ -268,6 +273,9 @@ class AutomaticOptimization:
                 "Nothing was stepped in this step. Set the clipping before trainer.fit() "
                 "and leave it; to change it, resume a new fit from a checkpoint."
             )
+        if not (self.plain_order or isinstance(closure, Closure)
+                or closure is do_nothing_closure):
+            self._plain_order_from_now("from this one on", *WRAPPED_CLOSURE)
         probing = not self._probed
         self._in_optimizer_step = True
         try:

@@ -32,7 +32,8 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from overlapkit.errors import ConfigurationError
 
-__all__ = ["AFTER_STEP_HOOKS", "GRADIENT_HOOKS", "WRITING_HOOKS", "GradientWrites",
+__all__ = ["AFTER_STEP_HOOKS", "GRADIENT_HOOKS", "WRAPPED_CLOSURE", "WRITING_HOOKS",
+           "GradientWrites",
            "by_hand_warning", "clips_itself", "plain_order_warning",
            "second_backward_error", "switch_warning", "window_users", "OptimizerChanges"]
 
@@ -206,6 +207,20 @@ class OptimizerChanges:
                 "let every trained parameter require grad before trainer.fit() (freeze "
                 "by a zero learning rate instead), or fit on one device with "
                 "OverlapSingleDeviceStrategy")
+
+
+#: why a fit turns to the plain order when an ``optimizer_step`` override hands
+#: ``optimizer.step()`` a closure of its own (one wrapping Lightning's), and how to keep
+#: the overlap: code after the wrapped closure's backward runs in the window (clipping,
+#: a change of ``.grad`` or of the learning rate, a read of the parameters)
+WRAPPED_CLOSURE = (
+    "the optimizer_step override passed optimizer.step() a closure of its own, not "
+    "Lightning's optimizer_closure, so its code after that closure's backward may work "
+    "in the window before the step (clip or change .grad, change the learning rate, read "
+    "the parameters or the optimizer state), which stepping during backward changes",
+    "pass optimizer.step(closure=optimizer_closure) as Lightning does; clip with "
+    "Trainer(gradient_clip_val=...), and change the learning rate before the closure or "
+    "after optimizer.step() returns")
 
 
 def by_hand_warning(strategy: str, technique: str) -> str:

@@ -1,5 +1,6 @@
 """Rank code of tests/trainers/test_lightning_window.py: ``on_after_backward`` of the
-module and of a callback, ``ModelCheckpoint(save_last=True)`` then
+module and of a callback, an ``optimizer_step`` handing ``optimizer.step()`` a closure
+wrapping Lightning's, ``ModelCheckpoint(save_last=True)`` then
 ``fit(ckpt_path="last")``, ``LearningRateFinder`` as a callback inside the fit, SequentialLR
 and ReduceLROnPlateau from ``configure_optimizers``, and ``validate`` / ``test`` /
 ``predict`` between two fits of one module: each compared bitwise with the plain
@@ -81,6 +82,34 @@ class ScalesThroughData(Callback):
         for p in module.parameters():
             if p.grad is not None:
                 p.grad.data.mul_(0.5)
+
+
+class WrapsTheClosure(Logged):
+    """An ``optimizer_step`` that hands ``optimizer.step()`` a closure of its own from the
+    third step on: after Lightning's closure (its backward) it records the parameters'
+    norms and clips the gradients itself, in the window before the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read: list[torch.Tensor] = []
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any,
+                       optimizer_closure: Any = None) -> None:
+        def closure() -> Any:
+            loss = optimizer_closure()
+            self.read.append(torch.stack([p.detach().norm() for p in self.parameters()]))
+            torch.nn.utils.clip_grad_norm_(self.parameters(), 0.05)
+            return loss
+
+        optimizer.step(closure=closure if self.trainer.global_step >= 2 else
+                       optimizer_closure)
+
+
+def _wrapped_closure(label: str, ws: int, root: Path) -> list[torch.Tensor]:
+    module = WrapsTheClosure()
+    run = trainer(strategy(label), ws, root, max_epochs=1)
+    run.fit(module, data())
+    return record(module, run, module.read)
 
 
 def _schedules(kind: str) -> type[Logged]:
@@ -178,6 +207,7 @@ def _between_fits(label: str, ws: int, root: Path) -> list[torch.Tensor]:
 CASES: dict[str, Callable[[str, int, Path], list[torch.Tensor]]] = {
     "on_after_backward halves .grad, a callback's reads the parameters and Adam's moments":
         _after_backward,
+    "optimizer_step wraps the closure from the third step: reads, clips": _wrapped_closure,
     "ModelCheckpoint(save_last=True), fit(ckpt_path='last')": _resumed_from_last,
     "LearningRateFinder callback": _lr_finder_callback,
     "SequentialLR per step": _scheduled("sequential"),
@@ -186,7 +216,9 @@ CASES: dict[str, Callable[[str, int, Path], list[torch.Tensor]]] = {
 }
 #: the cases stepped in the plain order (one warning), the others keep the overlap
 WARNED = {"on_after_backward halves .grad, a callback's reads the parameters and Adam's "
-          "moments": "HalvesGradsAfterBackward.on_after_backward"}
+          "moments": "HalvesGradsAfterBackward.on_after_backward",
+          "optimizer_step wraps the closure from the third step: reads, clips":
+          "passed optimizer.step() a closure of its own"}
 #: the plain run each case's overlapkit run is compared with, when not the same case
 PLAIN_CASE = {"ModelCheckpoint(save_last=True), fit(ckpt_path='last')": _uninterrupted}
 

@@ -1,7 +1,10 @@
 """Lightning fits that work around the window, at 1 process (OverlapSingleDeviceStrategy,
 OverlapDDPStrategy with both techniques) and 2 gloo ranks (both techniques), bitwise
 the plain strategy's: ``on_after_backward`` changing ``.grad`` (the module's) and reading
-the parameters and optimizer state (a callback's), a ``save_last`` checkpoint resumed with
+the parameters and optimizer state (a callback's), an ``optimizer_step`` override whose
+closure wraps Lightning's and clips and reads the parameters after its backward (was
+refused after the parameters changed, or a raw AttributeError, or silently off; now the
+plain order from that step, one warning), a ``save_last`` checkpoint resumed with
 ``ckpt_path="last"`` (against the plain uninterrupted fit), ``LearningRateFinder`` as a
 callback, SequentialLR and ReduceLROnPlateau, and ``validate`` / ``test`` / ``predict``
 between two fits of one module. A gradient changed through ``.data`` (no version counter
