@@ -32,11 +32,13 @@ from torch.nn.parallel import DistributedDataParallel
 from overlapkit.errors import ConfigurationError, OverlapkitError
 from overlapkit.integrations._lightning_setup import clipping_of
 from overlapkit.integrations._lightning_window import (
+    SKIPPED_BACKWARD,
     WRAPPED_CLOSURE,
     GradientWrites,
     OptimizerChanges,
     by_hand_warning,
     second_backward_error,
+    skipped_backward_error,
     switch_warning,
 )
 from overlapkit.overlap.core.window import FirstWindow
@@ -81,8 +83,8 @@ class AutomaticOptimization:
         #: the module's configure_gradient_clipping clips (own_clipping)
         self.clipping: dict[str, float] = {}
         self.own_clipping = False
-        #: inside optimizer_step's call of Lightning's closure
-        self._in_optimizer_step = False
+        #: inside optimizer_step's call of Lightning's closure, and the backwards it ran
+        self._in_optimizer_step, self._closure_backwards = False, 0
         #: inside Lightning's backward (the precision plugin's call of loss.backward)
         self._in_backward = False
         #: stepping backwards since the last optimizer step
@@ -239,6 +241,7 @@ class AutomaticOptimization:
             context = self.optimizer.defer_steps()  # type: ignore[union-attr]
         with context:
             self._in_backward, self._by_hand = True, by_hand
+            self._closure_backwards += self._in_optimizer_step
             try:
                 precision.backward(closure_loss, module, optimizer, *args, **kwargs)
             except RuntimeError as error:
@@ -277,11 +280,17 @@ class AutomaticOptimization:
                 or closure is do_nothing_closure):
             self._plain_order_from_now("from this one on", *WRAPPED_CLOSURE)
         probing = not self._probed
-        self._in_optimizer_step = True
+        self._in_optimizer_step, self._closure_backwards = True, 0
         try:
             closure_result = closure()
         finally:
             self._in_optimizer_step = False
+        if (not (self._closure_backwards or self.plain_order or self.accumulate_with_no_step)
+                and isinstance(closure, Closure) and trainer.accumulate_grad_batches > 1):
+            # SKIPPED_BACKWARD: the plain order reduces and steps as the plain loop does
+            if self._freeing_ddp_model is not None:  # its early freeing loses gradients
+                raise skipped_backward_error()
+            self._plain_order_from_now("from this one on", *SKIPPED_BACKWARD)
         with self._watch("on_before_optimizer_step", self._stepped > 0, probing):
             call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
             call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)

@@ -32,10 +32,10 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from overlapkit.errors import ConfigurationError
 
-__all__ = ["AFTER_STEP_HOOKS", "GRADIENT_HOOKS", "WRAPPED_CLOSURE", "WRITING_HOOKS",
-           "GradientWrites",
-           "by_hand_warning", "clips_itself", "plain_order_warning",
-           "second_backward_error", "switch_warning", "window_users", "OptimizerChanges"]
+__all__ = ["AFTER_STEP_HOOKS", "GRADIENT_HOOKS", "SKIPPED_BACKWARD", "WRAPPED_CLOSURE",
+           "WRITING_HOOKS", "GradientWrites", "OptimizerChanges", "by_hand_warning",
+           "clips_itself", "plain_order_warning", "second_backward_error",
+           "skipped_backward_error", "switch_warning", "window_users"]
 
 #: the hooks of a LightningModule or a Callback that Lightning's plain loop calls after
 #: backward and before the step (and before clipping): the gradients, parameters and
@@ -221,6 +221,30 @@ WRAPPED_CLOSURE = (
     "pass optimizer.step(closure=optimizer_closure) as Lightning does; clip with "
     "Trainer(gradient_clip_val=...), and change the learning rate before the closure or "
     "after optimizer.step() returns")
+
+
+#: why a DDP fit turns to the plain order when a synchronised micro-batch's
+#: training_step returns None (Lightning skips its backward): DDP's reducer stays
+#: prepared, so the next backward reduces even inside no_sync(), and the gradients
+#: accumulated before are stepped unreduced
+SKIPPED_BACKWARD = (
+    "training_step returned None in a micro-batch that ends an optimizer step on DDP, so "
+    "that step takes the gradients accumulated before it unreduced, and DDP's next "
+    "backward reduces even inside no_sync() (its forward prepared it for the backward "
+    "that never came)",
+    "skip a batch by a zero loss (loss * 0) instead of returning None, or skip only "
+    "batches that do not end an accumulation window")
+
+
+def skipped_backward_error() -> ConfigurationError:
+    """:data:`SKIPPED_BACKWARD` under ``optimizer_in_backward`` on DDP, refused before
+    that step: its early freeing of the gradients DDP has taken would lose some."""
+    return ConfigurationError(
+        f"{SKIPPED_BACKWARD[0]}: under optimizer_in_backward on DDP the gradients of that "
+        "early reduction are freed, so the next optimizer step would lose some, where the "
+        "plain run keeps them. Nothing was stepped in this step. To keep training: "
+        f"{SKIPPED_BACKWARD[1]}, or use technique='overlap_ddp' (it honours this in the "
+        "plain order).")
 
 
 def by_hand_warning(strategy: str, technique: str) -> str:

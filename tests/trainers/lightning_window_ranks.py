@@ -231,6 +231,39 @@ def _refused_through_data(ws: int, root: Path) -> dict[str, Any]:
     return {"error": error, "unchanged": compare(values(Regression()), values(module))}
 
 
+class SkipsTheLastMicroBatch(Regression):
+    """``training_step`` returns None (Lightning skips the batch) for the micro-batch
+    that ends the second accumulation window (Lightning refuses None on several ranks)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return None if batch_idx == 3 else super().training_step(batch, batch_idx)
+
+
+def _skipped(root: Path) -> dict[str, Any]:
+    """One process, accumulate 2: DDP's reducer, prepared by the skipped batch's forward,
+    reduces the next no_sync() backward. overlap_ddp: the plain order from there (before:
+    that backward stepped, then a refusal at the next); optimizer_in_backward, whose
+    early freeing would lose gradients: refused at the skip, before its step."""
+    def fit(label: str) -> tuple[list[torch.Tensor], list[str], Any]:
+        module = SkipsTheLastMicroBatch()
+        run = trainer(strategy(label), 1, root / label, max_epochs=1,
+                      accumulate_grad_batches=2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            error = error_of(lambda: run.fit(module, data()))
+        return (values(module), [str(w.message) for w in caught
+                                 if "in the plain order" in str(w.message)], error)
+
+    plain, _, _ = fit("ddp")
+    single, _, _ = fit("single device")
+    overlapped, warned, error = fit("overlap_ddp")
+    one_device, one_device_warned, one_device_error = fit("one device")
+    _, _, refusal = fit("optimizer_in_backward")
+    return {"overlap_ddp": compare(plain, overlapped), "overlap_ddp warnings": warned,
+            "errors": [error, one_device_error], "one device": compare(single, one_device),
+            "one device warnings": one_device_warned, "refusal": refusal}
+
+
 def run(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """Each case with each overlapkit strategy against the plain one: the comparison and
     the warnings about the overlap; and the refusal."""
@@ -250,4 +283,6 @@ def run(rank: int, world_size: int, root: str) -> dict[str, Any]:
             out[f"{label} | {case} | warnings"] = [
                 str(w.message) for w in caught if "in the plain order" in str(w.message)]
     out["refused through .data"] = _refused_through_data(world_size, base / "data")
+    if world_size == 1:
+        out["a skipped batch ends a window"] = _skipped(base / "skipped")
     return out

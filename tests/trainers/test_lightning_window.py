@@ -57,3 +57,22 @@ def test_a_gradient_changed_through_data_under_hooks_read_only_grads_is_refused(
         assert error is not None and error["overlapkit"], error
         assert "ScalesThroughData.on_after_backward changed the gradient" in error["message"]
         assert result["unchanged"], result["unchanged"]
+
+
+def test_a_batch_skipped_at_the_end_of_an_accumulation_window_on_one_process(
+        results: tuple[int, list[dict[str, Any]]]) -> None:
+    """training_step returning None where a window ends leaves DDP's reducer prepared:
+    overlap_ddp takes the rest in the plain order, bitwise, one warning (it stepped an
+    extra step, then was refused); optimizer_in_backward is refused at that step."""
+    world_size, ranks = results
+    if world_size > 1:
+        pytest.skip("Lightning refuses training_step returning None on several ranks")
+    result = ranks[0]["a skipped batch ends a window"]
+    assert result["errors"] == [None, None], result["errors"]
+    assert result["overlap_ddp"], result["overlap_ddp"]
+    assert len(result["overlap_ddp warnings"]) == 1
+    assert "training_step returned None" in result["overlap_ddp warnings"][0]
+    assert result["one device"] and result["one device warnings"] == []
+    refusal = result["refusal"]
+    assert refusal is not None and refusal["overlapkit"], refusal
+    assert "training_step returned None" in refusal["message"], refusal["message"]
