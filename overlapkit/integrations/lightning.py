@@ -221,8 +221,9 @@ class OverlapDDPStrategy(_StepsInBackward, pl.strategies.DDPStrategy):
         ``start_method``, ...), but those that put a comm hook of their own on the
         model (``ddp_comm_hook``, ``ddp_comm_state``, ``ddp_comm_wrapper``,
         ``model_averaging_period``).
-    :raises ConfigurationError: an unknown ``technique``, ``step_thread`` with
-        ``optimizer_in_backward``, a comm hook option of DDPStrategy's own.
+    :raises ConfigurationError: an unknown ``technique``, ``step_thread`` or
+        ``hooks_read_only_grads=True`` with ``optimizer_in_backward``, a comm hook option
+        of DDPStrategy's own.
     """
 
     def __init__(self, technique: str = "overlap_ddp", *, comm_hook: str = "allreduce",
@@ -249,6 +250,11 @@ class OverlapDDPStrategy(_StepsInBackward, pl.strategies.DDPStrategy):
         elif step_thread != "backward":
             raise ConfigurationError(
                 "step_thread applies to technique='overlap_ddp' only; leave it out.")
+        if hooks_read_only_grads and technique != "overlap_ddp":
+            raise ConfigurationError(
+                "hooks_read_only_grads applies to technique='overlap_ddp' only: "
+                f"{technique} frees each gradient once stepped, so a hook reading .grad "
+                "before optimizer.step() needs the plain order; leave it out.")
         super().__init__(**ddp_options)
         self._technique = technique
         self._reads_grads_after_step = reads_grads_after_step
@@ -271,6 +277,11 @@ class OverlapDDPStrategy(_StepsInBackward, pl.strategies.DDPStrategy):
         """Nothing: the comm hook is overlapkit's (``__init__`` refuses DDPStrategy's)."""
 
 
+#: OverlapDDPStrategy's own options, refused by name on one device
+_DDP_ONLY = frozenset({"technique", "comm_hook", "comm_hook_options", "step_thread",
+                       "hooks_read_only_grads"})
+
+
 class OverlapSingleDeviceStrategy(_StepsInBackward, pl.strategies.SingleDeviceStrategy):
     """Lightning's single-device strategy with the optimizer stepped during backward
     (:func:`~overlapkit.optimizer_in_backward` of the LightningModule: each parameter
@@ -285,10 +296,19 @@ class OverlapSingleDeviceStrategy(_StepsInBackward, pl.strategies.SingleDeviceSt
         ``"cuda:0"``, ...).
     :param reads_grads_after_step: see :class:`OverlapDDPStrategy`.
     :param options: ``SingleDeviceStrategy``'s other arguments.
+    :raises ConfigurationError: an option of :class:`OverlapDDPStrategy`'s own
+        (``technique``, ``comm_hook``, ``hooks_read_only_grads``, ...).
     """
 
     def __init__(self, device: Any = "cpu", *, reads_grads_after_step: bool | None = None,
                  **options: Any) -> None:
+        ddp_only = sorted(set(options) & _DDP_ONLY)
+        if ddp_only:
+            raise ConfigurationError(
+                f"{', '.join(ddp_only)}: options of OverlapDDPStrategy, which "
+                f"{type(self).__name__} does not take (it runs optimizer_in_backward on "
+                "one device, with no DDP model and no comm hook); leave them out, or use "
+                "OverlapDDPStrategy.")
         super().__init__(device=device, **options)
         self._technique = "optimizer_in_backward"
         self._reads_grads_after_step = reads_grads_after_step

@@ -61,13 +61,25 @@ def test_what_cannot_be_honoured_on_one_device_is_refused_stepping_nothing(
 @pytest.mark.parametrize("options", [
     {"technique": "fsdp"}, {"ddp_comm_hook": lambda state, bucket: None},
     {"model_averaging_period": 4}, {"technique": "optimizer_in_backward",
-                                     "step_thread": "comm"}])
+                                     "step_thread": "comm"},
+    {"technique": "optimizer_in_backward", "hooks_read_only_grads": True}])
 def test_bad_strategy_options_are_refused_when_the_strategy_is_built(
         options: dict[str, Any]) -> None:
     from overlapkit.integrations.lightning import OverlapDDPStrategy
 
     with pytest.raises(overlapkit.ConfigurationError):
         OverlapDDPStrategy(**options)
+
+
+@pytest.mark.parametrize("option", [{"hooks_read_only_grads": True},
+                                    {"technique": "overlap_ddp"}, {"comm_hook": "allreduce"}])
+def test_an_option_of_the_ddp_strategy_on_one_device_is_refused_by_name(
+        option: dict[str, Any]) -> None:
+    from overlapkit.integrations.lightning import OverlapSingleDeviceStrategy
+
+    # was Python's TypeError from SingleDeviceStrategy.__init__
+    with pytest.raises(overlapkit.ConfigurationError, match=next(iter(option))):
+        OverlapSingleDeviceStrategy(**option)
 
 
 def test_import_overlapkit_imports_no_integration() -> None:

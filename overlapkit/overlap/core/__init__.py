@@ -12,7 +12,8 @@ run on an accelerator (:mod:`~overlapkit.overlap.core.side_stream`), and the loo
 around the optimizer: one step per iteration
 (:mod:`~overlapkit.overlap.core.step_accounting`), the window between backward and
 step (:mod:`~overlapkit.overlap.core.window`, the param groups' settings a step reads:
-:mod:`~overlapkit.overlap.core.group_settings`), a second backward through a kept graph
+:mod:`~overlapkit.overlap.core.group_settings`, the loop's reads noticed:
+:mod:`~overlapkit.overlap.core.watched_reads`), a second backward through a kept graph
 (:mod:`~overlapkit.overlap.core.kept_graph`), a trainer's own loop
 (:mod:`~overlapkit.overlap.core.foreign_loop`), and the hooks put on the user's model,
 copied with it as no-ops (:mod:`~overlapkit.overlap.core.own_hooks`). It imports nothing else of

@@ -22,7 +22,8 @@ step nothing), and :class:`FirstWindow` records what the loop did until ``step()
   stepped before the optimizer) is taken by the plain step, and would miss a step
   taken during backward;
 - a read of ``optimizer.state`` (Adam's moments logged): from the second step on it
-  would hold that step's update already (:class:`_WatchedState`).
+  would hold that step's update already (reads noticed by
+  :mod:`~overlapkit.overlap.core.watched_reads`, as a kept gradient's are).
 
 At ``step()`` the first step is taken as the plain loop takes it (a full step of the
 kept gradients). A loop that used the window keeps every later step in that plain
@@ -40,18 +41,22 @@ The parameters have taken the step by then: the message says so, and names
 
 from __future__ import annotations
 
-import threading
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
 import torch
-from torch.utils._pytree import tree_flatten
 
 from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.core.group_settings import changed_settings, settings
+from overlapkit.overlap.core.watched_reads import (
+    WatchedState,
+    is_watched,
+    quiet_reads,
+    unwatch_grad,
+    watch_grad,
+)
 
 __all__ = ["LEARN", "FirstWindow", "end_first_window", "plain_order_warning",
            "quiet_reads", "refuse_changed_gradients", "state"]
@@ -72,81 +77,6 @@ def _shown(names: list[str]) -> str:
     return ", ".join(names[:3]) + (" and others" if len(names) > 3 else "")
 
 
-#: property reads of a gradient that read no values (``.shape``, ``.dtype``, ...)
-_VALUE_PROPERTIES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
-#: methods of a gradient that read no values
-_METADATA = frozenset({"size", "dim", "numel", "stride", "element_size", "is_contiguous",
-                       "is_floating_point", "is_complex", "data_ptr", "storage_offset",
-                       "__len__", "__hash__", "ndimension", "nelement", "get_device"})
-_QUIET = threading.local()
-
-
-@contextmanager
-def quiet_reads() -> Iterator[None]:
-    """overlapkit's own reads of watched gradients (the loop's clip answered, the step)
-    are not the loop's."""
-    before = getattr(_QUIET, "on", False)
-    _QUIET.on = True
-    try:
-        yield
-    finally:
-        _QUIET.on = before
-
-
-def _reads_values(func: Any) -> bool:
-    name = getattr(func, "__name__", "")
-    if name == "__get__":  # a property: Tensor.shape.__get__, ...
-        return getattr(getattr(func, "__self__", None), "__name__", "") in _VALUE_PROPERTIES
-    return name not in _METADATA
-
-
-class _WatchedGrad(torch.Tensor):
-    """A gradient kept in the first window (the same storage and version counter): a
-    torch operation reading its values notes the read in its :class:`FirstWindow`."""
-
-    _window: FirstWindow
-    _name: str
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if not getattr(_QUIET, "on", False) and _reads_values(func):
-            for arg in tree_flatten((args, kwargs))[0]:
-                if isinstance(arg, _WatchedGrad):
-                    arg._window.note_read(arg._name)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-
-
-class _WatchedState(MutableMapping[Any, Any]):
-    """The optimizer's ``state`` between a backward and ``step()`` in the first window:
-    the same dict behind it; the loop reading it (or writing) is noted in the window."""
-
-    def __init__(self, state: MutableMapping[Any, Any], window: FirstWindow) -> None:
-        self.state, self.window = state, window
-
-    def _note(self) -> MutableMapping[Any, Any]:
-        if not getattr(_QUIET, "on", False):
-            self.window.state_read = True
-        return self.state
-
-    def __getitem__(self, key: Any) -> Any:
-        return self._note()[key]
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self._note()[key] = value
-
-    def __delitem__(self, key: Any) -> None:
-        del self._note()[key]
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._note())
-
-    def __len__(self) -> int:
-        return len(self._note())
-
-
 @attrs.define
 class FirstWindow:
     """What the loop did between backward and ``step()`` while steps are deferred to learn
@@ -162,7 +92,8 @@ class FirstWindow:
     plain_order: bool = False
     #: ``id(param)`` -> name, when the loop reading a gradient uses the window too (the
     #: technique frees it, or clips it during backward): the kept gradients are then
-    #: watched (:class:`_WatchedGrad`) until ``step()``; None: reads are not watched
+    #: watched (:mod:`~overlapkit.overlap.core.watched_reads`) until ``step()``; None:
+    #: reads are not watched
     watching: dict[int, str] | None = None
     #: the names of the gradients the loop read
     read: list[str] = attrs.field(factory=list)
@@ -191,13 +122,9 @@ class FirstWindow:
         right after the loop's own clip); watch their reads where asked."""
         for param in params:
             grad = param.grad
-            if (self.watching is not None and grad is not None
-                    and not isinstance(grad, _WatchedGrad)):
-                watched = grad.as_subclass(_WatchedGrad)
-                watched._window = self
-                watched._name = self.watching.get(
-                    id(param), f"a parameter of shape {tuple(param.shape)}")
-                param.grad = watched
+            if self.watching is not None and grad is not None and not is_watched(grad):
+                watch_grad(param, self, self.watching.get(
+                    id(param), f"a parameter of shape {tuple(param.shape)}"))
             self.marks[id(param)] = state(param)
 
     def mark_settings(self) -> None:
@@ -229,8 +156,8 @@ class FirstWindow:
         the first window is learnt)."""
         optimizer = self.optimizer
         if (optimizer is not None and not self.plain_order
-                and not isinstance(optimizer.state, _WatchedState)):
-            optimizer.state = _WatchedState(optimizer.state, self)  # type: ignore[assignment]
+                and not isinstance(optimizer.state, WatchedState)):
+            optimizer.state = WatchedState(optimizer.state, self)  # type: ignore[assignment]
 
     def changed_settings(self) -> list[str]:
         """The settings changed since :meth:`mark_settings` (:func:`changed_settings`)."""
@@ -252,12 +179,10 @@ class FirstWindow:
         watching."""
         self.watching = None
         state = None if self.optimizer is None else self.optimizer.state
-        if isinstance(state, _WatchedState):
+        if isinstance(state, WatchedState):
             self.optimizer.state = state.state
         for param in params:
-            grad = param.grad
-            if isinstance(grad, _WatchedGrad):
-                param.grad = grad.as_subclass(torch.Tensor)
+            unwatch_grad(param)
 
     def clipped_by_loop(self, param: torch.Tensor, before: tuple[int, int]) -> None:
         """The loop's clip rewrote ``param``'s gradient (in place), which was ``before``

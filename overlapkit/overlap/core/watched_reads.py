@@ -1,0 +1,160 @@
+"""Noticing the loop's reads in the first window: of a kept gradient, of the optimizer's
+``state``.
+
+While :meth:`~overlapkit.overlap.facade.OverlappedOptimizerFacade.learn_first_step`
+defers the first step, a loop that reads a gradient between backward and ``step()``
+uses the window when the technique would free that gradient, or clip it, during later
+backwards (:mod:`~overlapkit.overlap.core.window`). The gradient is watched until
+``step()``: a torch operation reading its values notes the read in its window. A plain
+gradient is replaced by a view of it of class :class:`_WatchedGrad` (the same storage
+and version counter); a tensor subclass that cannot be viewed so (FSDP2's ``DTensor``
+gradients: ``as_subclass`` raises for a wrapper subclass) switches its own class to a
+watched subclass of it for that time, and back. The optimizer's ``state`` is wrapped in
+:class:`WatchedState`, the same dict behind it.
+
+overlapkit's own reads (the loop's clip answered, the step) run under
+:func:`quiet_reads`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, MutableMapping
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["WatchedState", "is_watched", "quiet_reads", "unwatch_grad", "watch_grad"]
+
+
+class _Window(Protocol):
+    """What a watched gradient or state reports to (the first window)."""
+
+    state_read: bool
+
+    def note_read(self, name: str) -> None: ...
+
+
+#: property reads of a gradient that read no values (``.shape``, ``.dtype``, ...)
+_VALUE_PROPERTIES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
+#: methods of a gradient that read no values
+_METADATA = frozenset({"size", "dim", "numel", "stride", "element_size", "is_contiguous",
+                       "is_floating_point", "is_complex", "data_ptr", "storage_offset",
+                       "__len__", "__hash__", "ndimension", "nelement", "get_device"})
+_QUIET = threading.local()
+
+
+@contextmanager
+def quiet_reads() -> Iterator[None]:
+    """overlapkit's own reads of watched gradients (the loop's clip answered, the step)
+    are not the loop's."""
+    before = getattr(_QUIET, "on", False)
+    _QUIET.on = True
+    try:
+        yield
+    finally:
+        _QUIET.on = before
+
+
+def _reads_values(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":  # a property: Tensor.shape.__get__, ...
+        return getattr(getattr(func, "__self__", None), "__name__", "") in _VALUE_PROPERTIES
+    return name not in _METADATA
+
+
+class _WatchesReads:
+    """What every watched gradient class shares: a torch operation reading the values of
+    one notes it in that gradient's window, then runs as it would have."""
+
+    _window: _Window
+    _name: str
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not getattr(_QUIET, "on", False) and _reads_values(func):
+            for arg in tree_flatten((args, kwargs))[0]:
+                if isinstance(arg, _WatchesReads):
+                    arg._window.note_read(arg._name)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+class _WatchedGrad(_WatchesReads, torch.Tensor):
+    """A plain gradient kept in the first window (a view: the same storage and version
+    counter)."""
+
+
+#: tensor subclass -> its watched subclass (:func:`_watched_class`)
+_WATCHED_CLASSES: dict[type, type] = {}
+
+
+def _watched_class(cls: type) -> type:
+    """The watched subclass of the tensor subclass ``cls`` (one per class)."""
+    watched = _WATCHED_CLASSES.get(cls)
+    if watched is None:
+        watched = type(f"_Watched{cls.__name__}", (_WatchesReads, cls),
+                       {"_unwatched_class": cls})
+        _WATCHED_CLASSES[cls] = watched
+    return watched
+
+
+def is_watched(grad: torch.Tensor | None) -> bool:
+    return isinstance(grad, _WatchesReads)
+
+
+def watch_grad(param: torch.Tensor, window: _Window, name: str) -> None:
+    """Watch the reads of ``param``'s gradient (not None, not watched) until
+    :func:`unwatch_grad`."""
+    grad = param.grad
+    assert grad is not None
+    if type(grad) is torch.Tensor or isinstance(grad, torch.nn.Parameter):
+        watched: Any = grad.as_subclass(_WatchedGrad)
+        param.grad = watched
+    else:  # a wrapper subclass (DTensor): the same object, watched for a while
+        watched = grad
+        watched.__class__ = _watched_class(type(grad))
+    watched._window, watched._name = window, name
+
+
+def unwatch_grad(param: torch.Tensor) -> None:
+    """Give ``param`` back the gradient :func:`watch_grad` watched (before the step reads
+    it)."""
+    grad: Any = param.grad
+    if isinstance(grad, _WatchedGrad):
+        param.grad = grad.as_subclass(torch.Tensor)
+    elif isinstance(grad, _WatchesReads):
+        grad.__class__ = type(grad)._unwatched_class  # type: ignore[attr-defined]
+        del grad._window, grad._name
+
+
+class WatchedState(MutableMapping[Any, Any]):
+    """The optimizer's ``state`` between a backward and ``step()`` in the first window:
+    the same dict behind it; the loop reading it (or writing) is noted in the window."""
+
+    def __init__(self, state: MutableMapping[Any, Any], window: _Window) -> None:
+        self.state, self.window = state, window
+
+    def _note(self) -> MutableMapping[Any, Any]:
+        if not getattr(_QUIET, "on", False):
+            self.window.state_read = True
+        return self.state
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._note()[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._note()[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        del self._note()[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._note())
+
+    def __len__(self) -> int:
+        return len(self._note())
