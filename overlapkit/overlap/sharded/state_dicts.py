@@ -150,6 +150,12 @@ def share_of(state_dict: Mapping[str, Any], ownership: Ownership) -> dict[str, A
         extra = {key: value for key, value in state_dict.items()
                  if key not in (SHARDED_STATE_KEY, SHARDING_KEY)}
         return {**extra, "state": dict(state_dict[SHARDED_STATE_KEY])}
+    # a state entry belongs to the parameter at its key's position in the saved param
+    # groups, as a plain optimizer's load_state_dict maps it: the keys need not be
+    # 0..n-1 (torch's set_optimizer_state_dict hands over parameter names, which were
+    # all dropped when the key itself was taken for the position)
     mine = ownership.my_indices()
-    return {**state_dict, "state": {index: value for index, value
-                                    in state_dict["state"].items() if index in mine}}
+    saved = [key for group in state_dict["param_groups"] for key in group["params"]]
+    position = {key: index for index, key in enumerate(saved)}
+    return {**state_dict, "state": {key: value for key, value in state_dict["state"].items()
+                                    if position.get(key) in mine}}
