@@ -332,9 +332,12 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         rank's share, or this rank's own :meth:`local_state_dict`.
 
         :raises ConfigurationError: a sharded state dict saved at another world size,
-            with another ownership, or by another rank; not a state dict. Nothing is
+            with another ownership, or by another rank; not a state dict; called
+            between a stepping backward and ``step()`` (as without sharding). Nothing is
             changed then.
         """
+        if (refusal := self._steps.window_refusal("optimizer.load_state_dict()")) is not None:
+            raise ConfigurationError(f"{refusal} Nothing was loaded.")
         self.synchronize()
         self._held_now()
         share = share_of(state_dict, self._ownership)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from overlapkit.errors import ConfigurationError
 from overlapkit.nodes.exit_safe import gather_object
+from overlapkit.nodes.failed_collective import collective_failure
 from overlapkit.overlap.sharded.ownership import Ownership
 
 __all__ = ["SHARDED_STATE_KEY", "SHARDING_KEY", "check_sharded_state_dict",
@@ -51,7 +52,9 @@ def gather_state_dict(local: dict[str, Any], ownership: Ownership, group: Any,
                       to: int) -> dict[str, Any] | None:
     """The whole state dict, on rank ``to`` of ``group`` (None elsewhere), from each
     rank's ``local`` one (its real optimizer's ``state_dict()``). A collective: every
-    rank calls it. The state's tensors are copies on the CPU (as
+    rank calls it (a rank that does not makes the others raise
+    :class:`~overlapkit.errors.ExchangeFailedError` naming it at the group's timeout,
+    not gloo's bare ``RuntimeError``). The state's tensors are copies on the CPU (as
     ``ZeroRedundancyOptimizer.consolidate_state_dict`` keeps them): the gathering rank
     holds every rank's state.
 
@@ -67,7 +70,17 @@ def gather_state_dict(local: dict[str, Any], ownership: Ownership, group: Any,
         return {"state": mine, "param_groups": local["param_groups"]}
     # the collective a ZeRO script ends with before rank ``to`` saves: gloo's threads
     # must not need the GIL for its tensors (overlapkit.nodes.exit_safe)
-    gathered = gather_object(mine, dst=dist.get_global_rank(group, to), group=group)
+    try:
+        gathered = gather_object(mine, dst=dist.get_global_rank(group, to), group=group)
+    except Exception as error:
+        # a rank that skipped its consolidate_state_dict(): gloo's bare timeout, named
+        failed = collective_failure(
+            error, f"gathering the sharded optimizer state on rank {to} "
+            "(consolidate_state_dict(), which every rank of the DDP model's process group "
+            "calls)", group)
+        if failed is None:
+            raise
+        raise failed from error
     if gathered is None:
         return None
     state: dict[int, Any] = {}
@@ -150,6 +163,12 @@ def share_of(state_dict: Mapping[str, Any], ownership: Ownership) -> dict[str, A
         extra = {key: value for key, value in state_dict.items()
                  if key not in (SHARDED_STATE_KEY, SHARDING_KEY)}
         return {**extra, "state": dict(state_dict[SHARDED_STATE_KEY])}
+    # a state entry belongs to the parameter at its key's position in the saved param
+    # groups, as a plain optimizer's load_state_dict maps it: the keys need not be
+    # 0..n-1 (torch's set_optimizer_state_dict hands over parameter names, which were
+    # all dropped when the key itself was taken for the position)
     mine = ownership.my_indices()
-    return {**state_dict, "state": {index: value for index, value
-                                    in state_dict["state"].items() if index in mine}}
+    saved = [key for group in state_dict["param_groups"] for key in group["params"]]
+    position = {key: index for index, key in enumerate(saved)}
+    return {**state_dict, "state": {key: value for key, value in state_dict["state"].items()
+                                    if position.get(key) in mine}}

@@ -1,0 +1,130 @@
+"""The rank side of tests/test_sharded_torch_api.py: a sharded optimizer driven through
+torch's own APIs rather than overlapkit's (``torch.distributed.checkpoint.state_dict``'s
+``get_optimizer_state_dict`` / ``set_optimizer_state_dict``), ``load_state_dict`` in the
+window, ``consolidate_state_dict`` called on only some ranks, and more ranks than
+parameters, against plain DDP + the plain optimizer on 2 and 3 gloo ranks."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from helpers import compare, error_of, values
+from sharded_state_ranks import LR, _loss, batches, build
+from sharded_views_ranks import _pair, _train
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import overlapkit
+
+
+def torch_state_dict_api(rank: int, world_size: int) -> dict[str, Any]:
+    """``get_optimizer_state_dict`` of the sharded optimizer (refused: it would be this
+    rank's share), then ``set_optimizer_state_dict`` of the plain optimizer's dict (keyed
+    by parameter names), and two more steps; and ``load_state_dict`` between a stepping
+    backward and ``step()`` (refused, loading nothing), against the plain run."""
+    reference, plain, ddp, opt = _pair()
+    data = batches(rank, 5)
+    _train(reference, plain, data[:2])
+    _train(ddp, opt, data[:2])
+    got = error_of(lambda: get_optimizer_state_dict(ddp, opt))
+    # a copy, as read from disk: the plain optimizer's own tensors would be shared
+    named = copy.deepcopy(get_optimizer_state_dict(reference, plain))
+    set_optimizer_state_dict(ddp, opt, named)
+    entries = (len(opt.state), len(opt.owned_parameters()))
+    _train(reference, plain, data[2:3])
+    _train(ddp, opt, data[2:3])
+    # load_state_dict in the window: the backward has stepped already
+    saved = copy.deepcopy(plain.state_dict())
+    _loss(ddp, data[3]).backward()
+    before = [t.clone() for t in values(ddp)]
+    loaded = error_of(lambda: opt.load_state_dict(saved))
+    unchanged = compare(before, values(ddp))
+    opt.step()
+    opt.zero_grad()
+    _train(reference, plain, data[3:])
+    _train(ddp, opt, data[4:])
+    return {"get": got, "entries": entries, "loaded in window": loaded,
+            "window: nothing changed": unchanged,
+            "values": compare(values(reference), values(ddp))}
+
+
+def consolidated_on_some_ranks(rank: int, world_size: int) -> dict[str, Any]:
+    """``consolidate_state_dict(to=0)`` on every rank but the last, on a DDP model whose
+    process group has a 5 s timeout: the error and how long it took."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=5))
+    dist.barrier()  # (the default group's timeout) the ranks start the 5 s group together
+    ddp = build(process_group=group)
+    opt = overlapkit.overlap_ddp(ddp, torch.optim.AdamW, lr=LR, shard_optimizer_state=True)
+    _train(ddp, opt, batches(rank, 1))
+    dist.barrier()
+    start = time.monotonic()
+    error = None
+    if rank != world_size - 1:
+        error = error_of(lambda: opt.consolidate_state_dict(0))
+    else:
+        time.sleep(10)  # past the others' timeout and roll call
+    return {"error": error, "seconds": time.monotonic() - start}
+
+
+class _Linear(nn.Module):
+    """Two parameter tensors: at 3 ranks one owns nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def more_ranks_than_parameters(rank: int, world_size: int) -> dict[str, Any]:
+    """A rank owning nothing: steps, the gathered state dict, ``load_state_dict`` of a
+    plain dict and of the local one, and a full step, against plain DDP + Adam."""
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(DDP(_Linear()))
+    reference, ddp = models
+    plain = torch.optim.Adam(reference.parameters(), lr=LR)
+    opt = overlapkit.overlap_ddp(ddp, torch.optim.Adam, lr=LR, shard_optimizer_state=True)
+    generator = torch.Generator().manual_seed(rank)
+    inputs = [torch.randn(4, 6, generator=generator) for _ in range(5)]
+
+    def train(model: DDP, optimizer: Any, xs: list[torch.Tensor]) -> None:
+        for x in xs:
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    train(reference, plain, inputs[:2])
+    train(ddp, opt, inputs[:2])
+    opt.consolidate_state_dict(world_size - 1)
+    gathered = opt.state_dict() if rank == world_size - 1 else None
+    state = True if gathered is None else compare(
+        [t for s in plain.state_dict()["state"].values() for t in s.values()],
+        [t for s in gathered["state"].values() for t in s.values()])
+    opt.load_state_dict(copy.deepcopy(plain.state_dict()))
+    opt.load_state_dict(opt.local_state_dict())
+    train(reference, plain, inputs[2:4])
+    train(ddp, opt, inputs[2:4])
+    for model in (reference, ddp):  # a full step: gradients reduced by hand
+        with model.no_sync():
+            model(inputs[4]).square().mean().backward()
+        for param in model.parameters():
+            assert param.grad is not None
+            dist.all_reduce(param.grad)
+            param.grad.div_(world_size)
+    for optimizer in (plain, opt):
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"owned": len(opt.owned_parameters()), "state": state,
+            "values": compare(values(reference), values(ddp))}

@@ -1,0 +1,60 @@
+"""A sharded optimizer (``overlap_ddp(..., shard_optimizer_state=True)``) driven through
+torch's own APIs and called by some ranks only, on 2 and 3 gloo ranks: torch's
+``set_optimizer_state_dict`` (keyed by parameter names) loads each rank's share and
+training goes on bitwise the plain run (it loaded no state before 0.4),
+``get_optimizer_state_dict`` is refused rather than returning one rank's share,
+``load_state_dict`` between a stepping backward and ``step()`` is refused loading
+nothing (it was taken, and ``step()`` then refused after the parameters had stepped),
+``consolidate_state_dict`` on only some ranks names the missing rank at the group's
+timeout (it was gloo's bare ``RuntimeError``), and a rank owning nothing trains,
+gathers and loads bitwise."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import sharded_torch_api_ranks as ranks_
+from helpers import failures
+
+from overlapkit.distributed import run_distributed
+
+WORLD_SIZES = [2, 3]
+
+
+def _run(fn: Any, world_size: int) -> list[Any]:
+    return run_distributed(fn, world_size, timeout=300)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_torch_s_optimizer_state_dict_api_and_a_load_in_the_window(world_size: int) -> None:
+    results = _run(ranks_.torch_state_dict_api, world_size)
+    for rank, result in enumerate(results):
+        assert result["get"]["type"] == "ConfigurationError", (rank, result["get"])
+        assert "consolidate_state_dict" in result["get"]["message"]
+        held, owned = result["entries"]
+        assert held == owned, (rank, result["entries"])  # each rank's share, loaded
+        error = result["loaded in window"]
+        assert error is not None and error["type"] == "ConfigurationError", (rank, error)
+        assert "Nothing was loaded" in error["message"], error
+    assert not failures(results, "window: nothing changed")
+    assert not failures(results, "values")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_consolidate_on_some_ranks_only_names_the_missing_rank(world_size: int) -> None:
+    results = _run(ranks_.consolidated_on_some_ranks, world_size)
+    missing = world_size - 1
+    for rank, result in enumerate(results[:missing]):
+        error = result["error"]
+        assert error is not None and error["type"] == "ExchangeFailedError", (rank, error)
+        assert f"rank {missing}" in error["message"], error
+        assert "consolidate_state_dict" in error["message"], error
+        assert result["seconds"] < 9, result  # the group's 5 s + the roll call
+
+
+def test_a_rank_owning_nothing_trains_gathers_and_loads_bitwise() -> None:
+    results = _run(ranks_.more_ranks_than_parameters, 3)
+    assert sorted(r["owned"] for r in results) == [0, 1, 1], results
+    assert not failures(results, "state")
+    assert not failures(results, "values")
