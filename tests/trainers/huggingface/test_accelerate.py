@@ -184,3 +184,21 @@ def test_on_one_process_accelerator_no_sync_pauses_the_steps(fresh_state: None) 
     assert all(p.detach().equal(b) for p, b in zip(model.parameters(), before, strict=True))
     accelerator.backward(model(**batch).loss)  # steps the sum, frees the gradients
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_new_optimizer_after_free_memory_is_bitwise_the_plain_loop(
+        fresh_state: None) -> None:
+    # 0.4 before the probe: the second prepare() was refused (model already prepared),
+    # where the plain accelerator.prepare(model, new_optimizer) returns the model as is
+    from accelerate_runs import rebuilds
+
+    found = rebuilds(0, 1, ("optimizer_in_backward",))["optimizer_in_backward"]
+    assert found, found
+
+
+def test_two_ranks_a_new_optimizer_after_free_memory_is_bitwise_the_plain_loop() -> None:
+    from accelerate_runs import rebuilds
+
+    for rank_results in run_distributed(rebuilds, 2, args=(TECHNIQUES,), timeout=300):
+        for technique in TECHNIQUES:
+            assert rank_results[technique], (technique, str(rank_results[technique]))
