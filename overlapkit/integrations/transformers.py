@@ -69,6 +69,7 @@ from overlapkit.integrations.existing_optimizer import check_technique  # noqa: 
 from overlapkit.optimizer_wrapper import OptimizerWrapper  # noqa: E402
 from overlapkit.overlap.core.foreign_loop import trainer_window_users  # noqa: E402
 from overlapkit.overlap.facade import OverlappedOptimizerFacade  # noqa: E402
+from overlapkit.overlap.rebuild import live_stepper_of, release_steps  # noqa: E402
 
 __all__ = ["OverlapTrainer"]
 
@@ -232,7 +233,9 @@ class OverlapTrainer(Trainer):
         optimizer, a ``_clip_grad_norm`` of one's own), a callback
         overriding ``on_pre_optimizer_step`` / ``on_optimizer_step`` (reading or changing
         ``.grad`` there), ``step_in_plain_order=True``. A callback class declaring
-        ``overlapkit_reads_no_gradients = True`` is left out: it reads no gradient there;
+        ``overlapkit_reads_no_gradients = True`` is left out: it reads no gradient there
+        (nor the optimizer state or parameters the step changes, which it would see
+        after the step);
         so are the overrides of a subclass declaring it (one backward, no ``.grad``
         edit, no optimizer kept).
         """
@@ -251,6 +254,8 @@ class OverlapTrainer(Trainer):
         callback added since), switches the set-up optimizer to the plain order, which
         it keeps from then on
         (:meth:`~overlapkit.overlap.facade.OverlappedOptimizerFacade.learn_first_step`).
+        What another ``OverlapTrainer`` set up on the same model (an earlier phase with
+        its own Trainer) is released first (:func:`_release_other_trainers`).
 
         :param from_step: the step about to begin, when called during training (the
             warning names it).
@@ -259,16 +264,23 @@ class OverlapTrainer(Trainer):
         users = self.window_users()
         facade = getattr(prepared, "optimizer", None)
         set_up = isinstance(facade, OverlappedOptimizerFacade)
+        own = getattr(facade, "_steps", None)
+        released = _release_other_trainers(self.model, own)
         if users:
             if users != self.overlap_off_by:  # one warning, not one per train()
                 warnings.warn(_plain_order_warning(self.overlap_technique, users, from_step),
                               UserWarning, stacklevel=2)
             self.overlap_off_by = users
-            if isinstance(facade, OverlappedOptimizerFacade):  # set up by an earlier
-                facade.learn_first_step(plain_order=True)  # train(): a callback added since
+            if isinstance(facade, OverlappedOptimizerFacade) and not released:  # set up by
+                facade.learn_first_step(plain_order=True)  # an earlier train(): a callback
+            elif set_up:  # released by another OverlapTrainer since: the plain optimizer
+                prepared.optimizer = facade.optimizer  # type: ignore[union-attr]
             return
-        if set_up:  # a second train() keeps what the first set up
-            return
+        if set_up and not released:
+            return  # a second train() keeps what the first set up
+        if isinstance(facade, OverlappedOptimizerFacade):
+            # released by another OverlapTrainer since: set up again, same optimizer
+            prepared.optimizer = facade.optimizer  # type: ignore[union-attr]
         self.overlap_off_by = []
         if not isinstance(prepared, AcceleratedOptimizer):
             raise ConfigurationError(
@@ -289,6 +301,29 @@ class OverlapTrainer(Trainer):
         prepared.optimizer = overlap_prepared(
             self.accelerator, self.model_wrapped, inner, self.overlap_technique,
             clip_grad_norm=clip, **self.overlap_options)
+        _TRAINER_STEPPERS.add(prepared.optimizer._steps)
+
+
+#: the steppers ``OverlapTrainer`` set up (weakly held): a new ``OverlapTrainer`` on
+#: their model releases them before setting its own up (:func:`_release_other_trainers`)
+_TRAINER_STEPPERS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _release_other_trainers(model: Any, own: Any) -> bool:
+    """Release what an earlier ``OverlapTrainer`` set up on ``model``'s parameters (a
+    phase with its own Trainer, whose run has ended; on several processes its steps
+    sit on that Trainer's DDP wrapper, which a new Trainer's wrapper cannot take over
+    from), unless it is ``own`` (this Trainer's stepper). Whether ``own`` was released
+    by another Trainer since."""
+    params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
+    found: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+    for param in params:
+        stepper = live_stepper_of(param)
+        if stepper is not None and stepper is not own and stepper in _TRAINER_STEPPERS:
+            found.setdefault(id(stepper), (stepper, []))[1].append(param)
+    for stepper, stepped in found.values():
+        release_steps(stepper, stepped)
+    return own is not None and not any(live_stepper_of(p) is own for p in params)
 
 
 def _plain_order_warning(technique: str, users: list[str], from_step: int | None) -> str:

@@ -190,3 +190,15 @@ def test_a_plain_optimizer_given_to_it_is_the_one_stepped(tmp_path: Path) -> Non
                                arguments={"max_steps": 2})
     trainer.train()
     assert trainer.optimizer.optimizer.optimizer is optimizer
+
+
+def test_two_ranks_a_second_trainer_on_the_same_model_is_bitwise_the_plain_trainer(
+        tmp_path: Path) -> None:
+    # 0.4 before the probe: refused at the second Trainer's train() ("already stepped
+    # during backward"): the first Trainer's optimizer sat on its own DDP wrapper
+    from trainer_runs import second_trainers
+
+    for rank_results in run_distributed(second_trainers, 2, args=(str(tmp_path),),
+                                        timeout=420):
+        for technique, found in rank_results.items():
+            assert found, (technique, str(found))
