@@ -50,6 +50,7 @@ from overlapkit.integrations.requirements import require
 require("accelerate", "accelerate", "1.15.0")
 
 import functools  # noqa: E402
+import weakref  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
 from contextlib import AbstractContextManager, contextmanager  # noqa: E402
 from typing import Any  # noqa: E402
@@ -67,8 +68,10 @@ from overlapkit.integrations.existing_optimizer import (  # noqa: E402
 )
 from overlapkit.overlap.facade import OverlappedOptimizerFacade  # noqa: E402
 from overlapkit.overlap.in_backward import OptimizerInBackward  # noqa: E402
+from overlapkit.overlap.rebuild import live_stepper_of, release_steps  # noqa: E402
 
-__all__ = ["check_accelerator", "overlap_prepared", "prepare", "wraps_in_ddp"]
+__all__ = ["check_accelerator", "overlap_prepared", "prepare", "release_elsewhere",
+           "wraps_in_ddp"]
 
 #: the distributed types whose model is a plain module or DDP
 _DDP_TYPES = frozenset(DistributedType) - {
@@ -201,12 +204,40 @@ def overlap_prepared(accelerator: Accelerator, prepared_model: torch.nn.Module,
     model = _stepped_model(prepared_model)
     if technique == "overlap_ddp" and not isinstance(model, DistributedDataParallel):
         raise _one_process_overlap_ddp()
+    release_elsewhere(model)
     facade = overlap_existing(model, optimizer, technique, **options)
+    _STEPPED_ON[facade._steps] = weakref.ref(model)
     if isinstance(model, DistributedDataParallel):
         _pause_steps_in_no_sync(accelerator, model, model.no_sync)
     elif isinstance(facade, OptimizerInBackward):
         _pause_steps_in_no_sync(accelerator, model, facade.no_step)
     return facade
+
+
+#: the steppers :func:`overlap_prepared` set up, each with the (prepared) model it steps
+_STEPPED_ON: weakref.WeakKeyDictionary[Any, weakref.ref[torch.nn.Module]] = \
+    weakref.WeakKeyDictionary()
+
+
+def release_elsewhere(model: torch.nn.Module, keep: Any = None) -> bool:
+    """Release what :func:`overlap_prepared` set up on ``model``'s parameters through
+    another prepared model (a phase with its own ``Accelerator`` or ``Trainer``: on
+    several processes each wraps the module in a DDP model of its own, whose steps a new
+    wrapper cannot take over), but ``keep``. A stepper on ``model`` itself is left to the
+    takeover of a rebuild (docs/rebuilding.inc).
+
+    :return: whether ``keep`` no longer steps ``model`` (released or replaced since).
+    """
+    params = list(model.parameters())
+    found: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+    for param in params:
+        stepper = live_stepper_of(param)
+        on = _STEPPED_ON.get(stepper) if stepper is not None else None
+        if on is not None and stepper is not keep and on() is not model:
+            found.setdefault(id(stepper), (stepper, []))[1].append(param)
+    for stepper, stepped in found.values():
+        release_steps(stepper, stepped)
+    return keep is not None and not any(live_stepper_of(p) is keep for p in params)
 
 
 def _pause_steps_in_no_sync(accelerator: Accelerator, model: torch.nn.Module,
@@ -255,7 +286,9 @@ def prepare(accelerator: Accelerator, model: torch.nn.Module,
     :param model: the model; or the model it returned before, for a new optimizer
         after ``accelerator.free_memory()`` (a second phase): kept as it is, as
         ``accelerator.prepare`` keeps it, the new optimizer taking over from the
-        earlier one (docs/rebuilding.inc).
+        earlier one (docs/rebuilding.inc). What was set up on its parameters through
+        another prepared model (a new ``Accelerator``'s DDP wrapper) is released
+        (:func:`release_elsewhere`).
     :param optimizer: a plain ``torch.optim`` optimizer over ``model``'s parameters, not
         yet prepared; it stays the optimizer that takes the steps.
     :param technique: ``"optimizer_in_backward"`` (any number of processes; frees each

@@ -63,13 +63,13 @@ from overlapkit.errors import ConfigurationError, UnsupportedOptimizerError  # n
 from overlapkit.integrations.accelerate import (  # noqa: E402
     check_accelerator,
     overlap_prepared,
+    release_elsewhere,
     wraps_in_ddp,
 )
 from overlapkit.integrations.existing_optimizer import check_technique  # noqa: E402
 from overlapkit.optimizer_wrapper import OptimizerWrapper  # noqa: E402
 from overlapkit.overlap.core.foreign_loop import trainer_window_users  # noqa: E402
 from overlapkit.overlap.facade import OverlappedOptimizerFacade  # noqa: E402
-from overlapkit.overlap.rebuild import live_stepper_of, release_steps  # noqa: E402
 
 __all__ = ["OverlapTrainer"]
 
@@ -255,7 +255,8 @@ class OverlapTrainer(Trainer):
         it keeps from then on
         (:meth:`~overlapkit.overlap.facade.OverlappedOptimizerFacade.learn_first_step`).
         What another ``OverlapTrainer`` set up on the same model (an earlier phase with
-        its own Trainer) is released first (:func:`_release_other_trainers`).
+        its own Trainer, its own DDP wrapper) is released first
+        (:func:`~overlapkit.integrations.accelerate.release_elsewhere`).
 
         :param from_step: the step about to begin, when called during training (the
             warning names it).
@@ -265,7 +266,8 @@ class OverlapTrainer(Trainer):
         facade = getattr(prepared, "optimizer", None)
         set_up = isinstance(facade, OverlappedOptimizerFacade)
         own = getattr(facade, "_steps", None)
-        released = _release_other_trainers(self.model, own)
+        released = isinstance(self.model_wrapped, torch.nn.Module) and release_elsewhere(
+            self.model_wrapped, own)
         if users:
             if users != self.overlap_off_by:  # one warning, not one per train()
                 warnings.warn(_plain_order_warning(self.overlap_technique, users, from_step),
@@ -301,29 +303,6 @@ class OverlapTrainer(Trainer):
         prepared.optimizer = overlap_prepared(
             self.accelerator, self.model_wrapped, inner, self.overlap_technique,
             clip_grad_norm=clip, **self.overlap_options)
-        _TRAINER_STEPPERS.add(prepared.optimizer._steps)
-
-
-#: the steppers ``OverlapTrainer`` set up (weakly held): a new ``OverlapTrainer`` on
-#: their model releases them before setting its own up (:func:`_release_other_trainers`)
-_TRAINER_STEPPERS: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def _release_other_trainers(model: Any, own: Any) -> bool:
-    """Release what an earlier ``OverlapTrainer`` set up on ``model``'s parameters (a
-    phase with its own Trainer, whose run has ended; on several processes its steps
-    sit on that Trainer's DDP wrapper, which a new Trainer's wrapper cannot take over
-    from), unless it is ``own`` (this Trainer's stepper). Whether ``own`` was released
-    by another Trainer since."""
-    params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
-    found: dict[int, tuple[Any, list[torch.Tensor]]] = {}
-    for param in params:
-        stepper = live_stepper_of(param)
-        if stepper is not None and stepper is not own and stepper in _TRAINER_STEPPERS:
-            found.setdefault(id(stepper), (stepper, []))[1].append(param)
-    for stepper, stepped in found.values():
-        release_steps(stepper, stepped)
-    return own is not None and not any(live_stepper_of(p) is own for p in params)
 
 
 def _plain_order_warning(technique: str, users: list[str], from_step: int | None) -> str:
