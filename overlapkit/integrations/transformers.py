@@ -266,8 +266,9 @@ class OverlapTrainer(Trainer):
         facade = getattr(prepared, "optimizer", None)
         set_up = isinstance(facade, OverlappedOptimizerFacade)
         own = getattr(facade, "_steps", None)
-        released = isinstance(self.model_wrapped, torch.nn.Module) and release_elsewhere(
-            self.model_wrapped, own)
+        # at train() only (another Trainer cannot have begun since within this run)
+        released = (from_step is None and isinstance(self.model_wrapped, torch.nn.Module)
+                    and release_elsewhere(self.model_wrapped, own))
         if users:
             if users != self.overlap_off_by:  # one warning, not one per train()
                 warnings.warn(_plain_order_warning(self.overlap_technique, users, from_step),
