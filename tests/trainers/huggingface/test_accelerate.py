@@ -4,7 +4,9 @@ schedule, ``zero_grad()``, ``save_state``/``load_state`` — with bf16 autocast 
 bitwise as the same loop with the plain optimizer (parameters and the norms
 ``clip_grad_norm_`` returns), on GPT-2 (tied weights) and BERT, on one process and 2
 gloo ranks, with both techniques. A clip it was not set up for raises at the first call;
-settings it cannot honour raise before anything is prepared."""
+settings it cannot honour raise before anything is prepared. A new optimizer after
+``accelerator.free_memory()`` (same Accelerator, or a new one over the unwrapped model)
+trains bitwise as the plain loop (0.4 before the third probe: refused)."""
 
 from __future__ import annotations
 
