@@ -50,6 +50,7 @@ from overlapkit.integrations.requirements import require
 require("accelerate", "accelerate", "1.15.0")
 
 import functools  # noqa: E402
+import weakref  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
 from contextlib import AbstractContextManager, contextmanager  # noqa: E402
 from typing import Any  # noqa: E402
@@ -67,8 +68,10 @@ from overlapkit.integrations.existing_optimizer import (  # noqa: E402
 )
 from overlapkit.overlap.facade import OverlappedOptimizerFacade  # noqa: E402
 from overlapkit.overlap.in_backward import OptimizerInBackward  # noqa: E402
+from overlapkit.overlap.rebuild import live_stepper_of, release_steps  # noqa: E402
 
-__all__ = ["check_accelerator", "overlap_prepared", "prepare", "wraps_in_ddp"]
+__all__ = ["check_accelerator", "overlap_prepared", "prepare", "release_elsewhere",
+           "wraps_in_ddp"]
 
 #: the distributed types whose model is a plain module or DDP
 _DDP_TYPES = frozenset(DistributedType) - {
@@ -201,12 +204,40 @@ def overlap_prepared(accelerator: Accelerator, prepared_model: torch.nn.Module,
     model = _stepped_model(prepared_model)
     if technique == "overlap_ddp" and not isinstance(model, DistributedDataParallel):
         raise _one_process_overlap_ddp()
+    release_elsewhere(model)
     facade = overlap_existing(model, optimizer, technique, **options)
+    _STEPPED_ON[facade._steps] = weakref.ref(model)
     if isinstance(model, DistributedDataParallel):
         _pause_steps_in_no_sync(accelerator, model, model.no_sync)
     elif isinstance(facade, OptimizerInBackward):
         _pause_steps_in_no_sync(accelerator, model, facade.no_step)
     return facade
+
+
+#: the steppers :func:`overlap_prepared` set up, each with the (prepared) model it steps
+_STEPPED_ON: weakref.WeakKeyDictionary[Any, weakref.ref[torch.nn.Module]] = \
+    weakref.WeakKeyDictionary()
+
+
+def release_elsewhere(model: torch.nn.Module, keep: Any = None) -> bool:
+    """Release what :func:`overlap_prepared` set up on ``model``'s parameters through
+    another prepared model (a phase with its own ``Accelerator`` or ``Trainer``: on
+    several processes each wraps the module in a DDP model of its own, whose steps a new
+    wrapper cannot take over), but ``keep``. A stepper on ``model`` itself is left to the
+    takeover of a rebuild (docs/rebuilding.inc).
+
+    :return: whether ``keep`` no longer steps ``model`` (released or replaced since).
+    """
+    params = list(model.parameters())
+    found: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+    for param in params:
+        stepper = live_stepper_of(param)
+        on = _STEPPED_ON.get(stepper) if stepper is not None else None
+        if on is not None and stepper is not keep and on() is not model:
+            found.setdefault(id(stepper), (stepper, []))[1].append(param)
+    for stepper, stepped in found.values():
+        release_steps(stepper, stepped)
+    return keep is not None and not any(live_stepper_of(p) is keep for p in params)
 
 
 def _pause_steps_in_no_sync(accelerator: Accelerator, model: torch.nn.Module,
@@ -217,20 +248,28 @@ def _pause_steps_in_no_sync(accelerator: Accelerator, model: torch.nn.Module,
     only with 2 or more processes, and nothing on a plain module; with one process
     its DDP model (on CPU) would reduce, and so step, every micro-batch (measured:
     refused at the first step() as accumulation without no_sync). This accelerator
-    gets its own ``no_sync`` (an attribute of this instance; nothing else changes)."""
-    original = accelerator.no_sync
-    stepped = model
+    gets its own ``no_sync`` (an attribute of this instance; nothing else changes),
+    once: each model prepared on it (two in a GAN) has its pause, and a new optimizer
+    on a model (a rebuild after ``free_memory()``) replaces that model's."""
+    pauses: dict[torch.nn.Module, Callable[[], AbstractContextManager[Any]]] | None = \
+        getattr(accelerator, "_overlapkit_pauses", None)
+    if pauses is None:
+        pauses = {}
+        original = accelerator.no_sync
 
-    @contextmanager
-    def no_sync(model: torch.nn.Module) -> Iterator[None]:
-        with original(model):
-            if model is stepped:
-                with pause():
+        @contextmanager
+        def no_sync(model: torch.nn.Module) -> Iterator[None]:
+            with original(model):
+                pausing = pauses.get(model)
+                if pausing is None:
                     yield
-            else:
-                yield
+                else:
+                    with pausing():
+                        yield
 
-    accelerator.no_sync = no_sync
+        accelerator.no_sync = no_sync
+        accelerator._overlapkit_pauses = pauses
+    pauses[model] = pause
 
 
 def prepare(accelerator: Accelerator, model: torch.nn.Module,
@@ -244,7 +283,12 @@ def prepare(accelerator: Accelerator, model: torch.nn.Module,
     schedulers with ``accelerator.prepare`` as usual, before or after).
 
     :param accelerator: the ``Accelerator``, with the settings of the run.
-    :param model: the model, not yet prepared.
+    :param model: the model; or the model it returned before, for a new optimizer
+        after ``accelerator.free_memory()`` (a second phase): kept as it is, as
+        ``accelerator.prepare`` keeps it, the new optimizer taking over from the
+        earlier one (docs/rebuilding.inc). What was set up on its parameters through
+        another prepared model (a new ``Accelerator``'s DDP wrapper) is released
+        (:func:`release_elsewhere`).
     :param optimizer: a plain ``torch.optim`` optimizer over ``model``'s parameters, not
         yet prepared; it stays the optimizer that takes the steps.
     :param technique: ``"optimizer_in_backward"`` (any number of processes; frees each
@@ -271,11 +315,10 @@ def prepare(accelerator: Accelerator, model: torch.nn.Module,
             "the optimizer was already prepared by accelerator.prepare; pass the plain "
             "optimizer to overlapkit.integrations.accelerate.prepare, which prepares it."
         )
-    if getattr(model, "_is_accelerate_prepared", False):
-        raise ConfigurationError(
-            "the model was already prepared by accelerator.prepare; pass the model you "
-            "built to overlapkit.integrations.accelerate.prepare, which prepares it."
-        )
+    # a model already prepared (a new optimizer after accelerator.free_memory(), or
+    # after an earlier prepare): accelerator.prepare returns it as it is, as in the plain
+    # loop, and the new call takes over from the optimizer set up on it before
+    # (docs/rebuilding.inc)
     prepared = accelerator.prepare(model)
     facade = overlap_prepared(accelerator, prepared, optimizer, technique,
                               clip_grad_norm=clip_grad_norm, clip_norm_type=clip_norm_type,
@@ -285,25 +328,34 @@ def prepare(accelerator: Accelerator, model: torch.nn.Module,
     facade.learn_first_step(
         prepared, accumulate="inside `with accelerator.accumulate(model):` (or "
         "`with accelerator.no_sync(model):`)")
-    _refuse_backward_through_stepped(accelerator, facade)
+    _refuse_backward_through_stepped(accelerator, prepared, facade)
     return prepared, accelerator.prepare(facade)
 
 
-def _refuse_backward_through_stepped(accelerator: Accelerator,
+def _refuse_backward_through_stepped(accelerator: Accelerator, model: torch.nn.Module,
                                      facade: OverlappedOptimizerFacade) -> None:
     """Make ``accelerator.backward`` raise the facade's ConfigurationError, naming what to
     do, where autograd refuses a second backward before ``step()`` through a kept graph
-    whose parameters the first backward stepped (a raw RuntimeError otherwise)."""
-    backward = accelerator.backward
+    whose parameters the first backward stepped (a raw RuntimeError otherwise). Wrapped
+    once per accelerator: each prepared model (two in a GAN) has its facade, and a new
+    optimizer on a model (a rebuild after ``free_memory()``) replaces that model's."""
+    facades: dict[torch.nn.Module, OverlappedOptimizerFacade] | None = \
+        getattr(accelerator, "_overlapkit_facades", None)
+    if facades is None:
+        facades = {}
+        backward = accelerator.backward
 
-    @functools.wraps(backward)
-    def refusing(loss: Any, **kwargs: Any) -> Any:
-        try:
-            return backward(loss, **kwargs)
-        except RuntimeError as error:
-            refusal = facade.second_backward_refusal(error)
-            if refusal is None:
+        @functools.wraps(backward)
+        def refusing(loss: Any, **kwargs: Any) -> Any:
+            try:
+                return backward(loss, **kwargs)
+            except RuntimeError as error:
+                for facade in facades.values():
+                    refusal = facade.second_backward_refusal(error)
+                    if refusal is not None:
+                        raise refusal from error
                 raise
-            raise refusal from error
 
-    accelerator.backward = refusing
+        accelerator.backward = refusing
+        accelerator._overlapkit_facades = facades
+    facades[model] = facade

@@ -63,6 +63,7 @@ from overlapkit.errors import ConfigurationError, UnsupportedOptimizerError  # n
 from overlapkit.integrations.accelerate import (  # noqa: E402
     check_accelerator,
     overlap_prepared,
+    release_elsewhere,
     wraps_in_ddp,
 )
 from overlapkit.integrations.existing_optimizer import check_technique  # noqa: E402
@@ -232,7 +233,9 @@ class OverlapTrainer(Trainer):
         optimizer, a ``_clip_grad_norm`` of one's own), a callback
         overriding ``on_pre_optimizer_step`` / ``on_optimizer_step`` (reading or changing
         ``.grad`` there), ``step_in_plain_order=True``. A callback class declaring
-        ``overlapkit_reads_no_gradients = True`` is left out: it reads no gradient there;
+        ``overlapkit_reads_no_gradients = True`` is left out: it reads no gradient there
+        (nor the optimizer state or parameters the step changes, which it would see
+        after the step);
         so are the overrides of a subclass declaring it (one backward, no ``.grad``
         edit, no optimizer kept).
         """
@@ -251,6 +254,9 @@ class OverlapTrainer(Trainer):
         callback added since), switches the set-up optimizer to the plain order, which
         it keeps from then on
         (:meth:`~overlapkit.overlap.facade.OverlappedOptimizerFacade.learn_first_step`).
+        What another ``OverlapTrainer`` set up on the same model (an earlier phase with
+        its own Trainer, its own DDP wrapper) is released first
+        (:func:`~overlapkit.integrations.accelerate.release_elsewhere`).
 
         :param from_step: the step about to begin, when called during training (the
             warning names it).
@@ -259,16 +265,25 @@ class OverlapTrainer(Trainer):
         users = self.window_users()
         facade = getattr(prepared, "optimizer", None)
         set_up = isinstance(facade, OverlappedOptimizerFacade)
+        own = getattr(facade, "_steps", None)
+        # at train() only (another Trainer cannot have begun since within this run)
+        released = (from_step is None and isinstance(self.model_wrapped, torch.nn.Module)
+                    and release_elsewhere(self.model_wrapped, own))
         if users:
             if users != self.overlap_off_by:  # one warning, not one per train()
                 warnings.warn(_plain_order_warning(self.overlap_technique, users, from_step),
                               UserWarning, stacklevel=2)
             self.overlap_off_by = users
-            if isinstance(facade, OverlappedOptimizerFacade):  # set up by an earlier
-                facade.learn_first_step(plain_order=True)  # train(): a callback added since
+            if isinstance(facade, OverlappedOptimizerFacade) and not released:  # set up by
+                facade.learn_first_step(plain_order=True)  # an earlier train(): a callback
+            elif set_up:  # released by another OverlapTrainer since: the plain optimizer
+                prepared.optimizer = facade.optimizer  # type: ignore[union-attr]
             return
-        if set_up:  # a second train() keeps what the first set up
-            return
+        if set_up and not released:
+            return  # a second train() keeps what the first set up
+        if isinstance(facade, OverlappedOptimizerFacade):
+            # released by another OverlapTrainer since: set up again, same optimizer
+            prepared.optimizer = facade.optimizer  # type: ignore[union-attr]
         self.overlap_off_by = []
         if not isinstance(prepared, AcceleratedOptimizer):
             raise ConfigurationError(

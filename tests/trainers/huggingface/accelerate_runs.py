@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from helpers import compare
+from helpers import Comparison, compare
 from hf_models import MODELS, Tokens, parameters, quiet
 from trainer_helpers import prepared
 
@@ -99,3 +99,60 @@ def run(rank: int, world_size: int, out_dir: str,
         techniques: tuple[str, ...] = ("overlap_ddp", "optimizer_in_backward")
         ) -> dict[str, Any]:
     return cases(out_dir, techniques)
+
+
+def rebuilt(technique: str | None, new_accelerator: bool, steps: int = 2) -> dict[str, Any]:
+    """AdamW for ``steps`` steps of 2 accumulated micro-batches, then
+    ``accelerator.free_memory()`` and a new SGD prepared on the same (prepared) model
+    with the same accelerator, or on the unwrapped model with a ``new_accelerator``, for
+    ``steps`` more: parameters, clip norms, SGD's state."""
+    import torch
+    from accelerate import Accelerator
+
+    quiet()
+    accelerator = Accelerator(cpu=CPU, gradient_accumulation_steps=ACCUMULATE)
+    model: Any = MODELS["gpt2"]()
+    data = accelerator.prepare(torch.utils.data.DataLoader(Tokens("gpt2"), batch_size=2))
+    norms: list[Any] = []
+    optimizer: Any = torch.optim.AdamW(model.parameters(), lr=LR)
+    for phase in range(2):
+        model, optimizer = prepared(accelerator, model, optimizer, technique, MAX_NORM)
+        for index, batch in enumerate(data):
+            with accelerator.accumulate(model):
+                accelerator.backward(model(**batch).loss)
+                if accelerator.sync_gradients:
+                    norms.append(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM))
+                optimizer.step()
+                optimizer.zero_grad()
+            if index + 1 == steps * ACCUMULATE:
+                break
+        if phase == 0:  # a second phase, with a new optimizer
+            accelerator.free_memory()
+            if new_accelerator:
+                from accelerate.state import AcceleratorState
+
+                model = accelerator.unwrap_model(model)
+                AcceleratorState._reset_state(True)
+                accelerator = Accelerator(cpu=CPU, gradient_accumulation_steps=ACCUMULATE)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = optimizer.optimizer.state_dict()["state"]
+    return {"params": parameters(accelerator.unwrap_model(model)), "norms": norms,
+            "state": [s["momentum_buffer"] for s in state.values()]}
+
+
+def rebuilds(rank: int, world_size: int, techniques: tuple[str, ...],
+             new_accelerator: tuple[bool, ...] = (False,)) -> dict[str, Any]:
+    """Per technique (and new accelerator or not): the rebuilt run bitwise the plain one
+    (a falsy Comparison if not)."""
+    out: dict[str, Any] = {}
+    for new in new_accelerator:
+        plain = rebuilt(None, new)
+        for technique in techniques:
+            try:
+                ours = rebuilt(technique, new)
+            except Exception as error:  # 0.4 before the probe: refused
+                out[technique, new] = Comparison((f"{type(error).__name__}: {error}"[:300],))
+                continue
+            out[technique, new] = (same_run(plain, ours)
+                                   and compare(plain["state"], ours["state"]))
+    return out

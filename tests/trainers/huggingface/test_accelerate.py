@@ -4,7 +4,9 @@ schedule, ``zero_grad()``, ``save_state``/``load_state`` — with bf16 autocast 
 bitwise as the same loop with the plain optimizer (parameters and the norms
 ``clip_grad_norm_`` returns), on GPT-2 (tied weights) and BERT, on one process and 2
 gloo ranks, with both techniques. A clip it was not set up for raises at the first call;
-settings it cannot honour raise before anything is prepared."""
+settings it cannot honour raise before anything is prepared. A new optimizer after
+``accelerator.free_memory()`` (same Accelerator, or a new one over the unwrapped model)
+trains bitwise as the plain loop (0.4 before the third probe: refused)."""
 
 from __future__ import annotations
 
@@ -184,3 +186,25 @@ def test_on_one_process_accelerator_no_sync_pauses_the_steps(fresh_state: None) 
     assert all(p.detach().equal(b) for p, b in zip(model.parameters(), before, strict=True))
     accelerator.backward(model(**batch).loss)  # steps the sum, frees the gradients
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_new_optimizer_after_free_memory_is_bitwise_the_plain_loop(
+        fresh_state: None) -> None:
+    # 0.4 before the probe: the second prepare() was refused (model already prepared),
+    # where the plain accelerator.prepare(model, new_optimizer) returns the model as is
+    from accelerate_runs import rebuilds
+
+    found = rebuilds(0, 1, ("optimizer_in_backward",))["optimizer_in_backward", False]
+    assert found, found
+
+
+def test_two_ranks_a_new_optimizer_after_free_memory_is_bitwise_the_plain_loop() -> None:
+    # with a new Accelerator, which wraps the module in a DDP model of its own, 0.4
+    # before the probe refused it too ("already stepped during backward")
+    from accelerate_runs import rebuilds
+
+    for rank_results in run_distributed(rebuilds, 2, args=(TECHNIQUES, (False, True)),
+                                        timeout=420):
+        for key, found in rank_results.items():
+            assert found, (key, str(found))
+        assert len(rank_results) == 4

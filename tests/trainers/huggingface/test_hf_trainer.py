@@ -5,7 +5,8 @@ parameters, the same logged gradient norms and learning rates — on GPT-2 (tied
 and BERT, on one process and on 2 gloo ranks, with both techniques; the ``optimizer.pt``
 it saves resumes bitwise. A plain ``optimizer_in_backward`` handed to the ``Trainer``
 is refused at its first backward, before anything steps (0.2: silently unclipped, 0.0153
-off; 0.3: raised after 1 or 2 steps)."""
+off; 0.3: raised after 1 or 2 steps). A second ``OverlapTrainer`` on the same model on 2
+ranks trains bitwise as the plain one (0.4 before the third probe: refused)."""
 
 from __future__ import annotations
 
@@ -190,3 +191,15 @@ def test_a_plain_optimizer_given_to_it_is_the_one_stepped(tmp_path: Path) -> Non
                                arguments={"max_steps": 2})
     trainer.train()
     assert trainer.optimizer.optimizer.optimizer is optimizer
+
+
+def test_two_ranks_a_second_trainer_on_the_same_model_is_bitwise_the_plain_trainer(
+        tmp_path: Path) -> None:
+    # 0.4 before the probe: refused at the second Trainer's train() ("already stepped
+    # during backward"): the first Trainer's optimizer sat on its own DDP wrapper
+    from trainer_runs import second_trainers
+
+    for rank_results in run_distributed(second_trainers, 2, args=(str(tmp_path),),
+                                        timeout=420):
+        for technique, found in rank_results.items():
+            assert found, (technique, str(found))

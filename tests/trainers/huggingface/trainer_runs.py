@@ -127,3 +127,37 @@ def run(rank: int, world_size: int, out_dir: str,
         techniques: tuple[str, ...] = ("overlap_ddp", "optimizer_in_backward")
         ) -> dict[str, Any]:
     return cases(out_dir, techniques)
+
+
+def two_trainers(technique: str | None, out_dir: str) -> dict[str, Any]:
+    """A second phase with its own Trainer on the same model (2 steps of AdamW, then 2
+    of SGD at another learning rate): parameters and the second Trainer's logs."""
+    from transformers import Trainer
+
+    from overlapkit.integrations.transformers import OverlapTrainer
+
+    quiet()
+    model = MODELS["gpt2"]()
+    extra = {} if technique is None else {"technique": technique}
+    base = Trainer if technique is None else OverlapTrainer
+    for phase, overrides in enumerate(({}, {"optim": "sgd", "learning_rate": 5e-3})):
+        trainer = base(model=model, args=arguments(f"{out_dir}/{phase}", max_steps=2,
+                                                   **overrides),
+                       train_dataset=Tokens("gpt2"), **extra)
+        trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return {"params": parameters(model), "grad_norms": [e["grad_norm"] for e in logged],
+            "lrs": [entry["learning_rate"] for entry in logged]}
+
+
+def second_trainers(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
+    """Per technique: :func:`two_trainers` against the plain Trainer's (a falsy
+    Comparison where they differ)."""
+    plain = two_trainers(None, f"{out_dir}/plain")
+    out: dict[str, Any] = {}
+    for technique in ("overlap_ddp", "optimizer_in_backward"):
+        try:
+            out[technique] = same_run(plain, two_trainers(technique, f"{out_dir}/{technique}"))
+        except Exception as error:  # 0.4 before the probe: refused at the second train()
+            out[technique] = Comparison((f"{type(error).__name__}: {error}"[:300],))
+    return out
