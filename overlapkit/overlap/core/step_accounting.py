@@ -173,6 +173,9 @@ class StepAccount:
         #: the first step was learnt (``learn_first_step``), and the loop steps during
         #: backward since: its refusals do not suggest learning it
         self.learned = False
+        #: what :meth:`backward_starts` changed, for :meth:`backward_stepped_nothing`
+        self._before_backward: tuple[bool, bool, bool, list[torch.Tensor] | None] = (
+            False, False, False, None)
 
     def backward_starts(self) -> OverlapkitError | None:
         """Count a stepping backward that starts now: the error to hold until it ends
@@ -189,11 +192,22 @@ class StepAccount:
                 return refusal
         if self.window and self.calls_step:
             return backward_without_step_error(self.technique, self.accumulate)
+        self._before_backward = (self.stepped_since_step, self.has_stepped,
+                                 self.zeroed_after_stepping, self.freed)
         self.window += 1
         self.stepped_since_step = self.has_stepped = True
         self.zeroed_after_stepping = False
         self.freed = None
         return None
+
+    def backward_stepped_nothing(self) -> None:
+        """The backward counted by :meth:`backward_starts` ended having stepped nothing
+        (a global step held on a non-finite norm): its gradients are in ``.grad`` and
+        the loop's ``step()`` is a full step of them, its ``zero_grad()`` discards them,
+        as in the plain loop."""
+        self.window -= 1
+        (self.stepped_since_step, self.has_stepped, self.zeroed_after_stepping,
+         self.freed) = self._before_backward
 
     def deferred_backward_starts(self) -> OverlapkitError | None:
         """A backward starts while steps are deferred: it steps nothing and is not
