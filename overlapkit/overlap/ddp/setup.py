@@ -82,7 +82,7 @@ def _absent() -> None:
     return None
 
 
-class _CommHooks(list):  # type: ignore[type-arg]
+class _CommHooks(list[Any]):
     """DDP's ``_comm_hooks`` list on a model overlapkit set up: copied and pickled without
     overlapkit's entry, which the copy's new reducer does not run (DDP rebuilds it)."""
 

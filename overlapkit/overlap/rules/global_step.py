@@ -157,7 +157,7 @@ class GlobalStep:
                 unguarded_clip_grad_value_(with_grad, self.clipping.value)
             if self.clipping.norm is not None:
                 # torch's clip_grad_norm_, in its two halves (the same calls)
-                norm = unguarded_get_total_norm([p.grad for p in with_grad],
+                norm = unguarded_get_total_norm([p.grad for p in with_grad],  # type: ignore[misc]
                                                 self.clipping.norm_type, False, None)
                 if (hold_nonfinite and self.grad_scaler is None and not self.sharded
                         and self.clipping.value is None and not bool(torch.isfinite(norm))):
