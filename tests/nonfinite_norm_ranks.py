@@ -16,16 +16,17 @@ import overlapkit
 LOOPS = ("isfinite skip", "error_if_nonfinite", "step anyway")
 
 
-def train(technique: str | None, loop: str, rank: int, ddp: bool) -> list[torch.Tensor]:
+def train(technique: str | None, loop: str, rank: int, ddp: bool,
+          **options: Any) -> list[torch.Tensor]:
     """4 steps of Adam clipping by norm 1.0, the 2nd gradient inf; parameters and
-    state after. ``technique`` None: the plain loop."""
+    state after (``options``: the technique's). ``technique`` None: the plain loop."""
     torch.manual_seed(0)
     model: nn.Module = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))
     if ddp:
         model = DDP(model)
     opt: Any = (torch.optim.Adam(model.parameters(), lr=0.05) if technique is None else
                 getattr(overlapkit, technique)(model, torch.optim.Adam, lr=0.05,
-                                               clip_grad_norm=1.0))
+                                               clip_grad_norm=1.0, **options))
     for step, batch in enumerate(rank_batches(rank, 4)):
         loss = model(batch).square().mean() * (float("inf") if step == 1 else 1.0)
         loss.backward()
@@ -38,8 +39,11 @@ def train(technique: str | None, loop: str, rank: int, ddp: bool) -> list[torch.
         if loop != "isfinite skip" or torch.isfinite(norm):
             opt.step()
         opt.zero_grad()
+    params = [p.detach().clone() for p in model.parameters()]
+    if options.get("shard_optimizer_state"):
+        return params  # its state_dict() is a consolidation, a collective of its own
     state = opt.state_dict()["state"]
-    return [p.detach().clone() for p in model.parameters()] + [
+    return params + [
         v for k in sorted(state) for v in state[k].values()]
 
 
@@ -50,4 +54,6 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
         for technique in ("overlap_ddp", "optimizer_in_backward"):
             out[f"{technique} {loop}"] = compare(
                 plain, train(technique, loop, rank, ddp=True), equal_nan=True)
+        out[f"sharded {loop}"] = compare(plain[:4], train(
+            "overlap_ddp", loop, rank, ddp=True, shard_optimizer_state=True), equal_nan=True)
     return out

@@ -3,9 +3,9 @@ step sees the inf before stepping and holds it for the loop, so torch's
 ``clip_grad_norm_(..., error_if_nonfinite=True)`` raises before anything changed, a
 loop that checks ``torch.isfinite(norm)`` skips the step with ``zero_grad()``, and one
 that calls ``step()`` anyway takes the plain (NaN) step — bitwise the plain loop, on a
-plain module and on DDP (2 gloo ranks), for both techniques. 0.4.0 before: the inf step
-was taken during backward, then ``zero_grad()`` refused the skip (or the raise came
-after the step)."""
+plain module and on DDP (2 gloo ranks), for both techniques and
+``shard_optimizer_state=True`` (its parameters). 0.4.0 before: the inf step was taken
+during backward, then ``zero_grad()`` refused the skip (or the raise came after it)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_a_plain_module_skips_or_takes_a_non_finite_step_as_the_plain_loop(loop:
     assert result, result
 
 
-@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward", "sharded"])
 @pytest.mark.parametrize("loop", LOOPS)
 def test_ddp_skips_or_takes_a_non_finite_step_as_the_plain_loop(
         two_ranks: list[dict[str, Any]], technique: str, loop: str) -> None:
