@@ -91,7 +91,7 @@ def test_a_learning_rate_changed_before_step_is_refused_at_that_step(
 @pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
 def test_a_parameter_changed_in_place_before_step_is_refused_at_that_step(
         two_ranks: list[dict[str, Any]], technique: str) -> None:
-    # the plain step() starts from the clamped values (0.4.0: 0.11 off after 3 steps,
+    # the plain step() starts from the clamped values (0.4.0: 0.055 off after 3 Adam steps,
     # silently)
     for rank_results in two_ranks:
         _refused(rank_results, f"{technique} parameters clamped", 0, "changed in place")
