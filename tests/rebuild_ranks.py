@@ -132,3 +132,44 @@ def switch_technique(rank: int, world_size: int) -> dict[str, Any]:
     opt.release()
     _train(model, overlapkit.optimizer_in_backward(model, torch.optim.SGD, lr=0.1), data[2:])
     return {"refused": refused, "parity": compare(values(_plain(data)), values(model))}
+
+
+class _Branchy(nn.Module):
+    """A head ``c`` that some steps leave unused (``find_unused_parameters=True``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 4), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, use_c: bool = True) -> torch.Tensor:
+        h = self.a(x).tanh()
+        return self.b(h) + self.c(h) if use_c else self.b(h)
+
+
+def rebuilds_tracking_usage(rank: int, world_size: int) -> dict[str, Any]:
+    """Adam for 2 steps, then a new SGD with momentum for 2, on a DDP model with
+    ``static_graph=True`` or ``find_unused_parameters=True`` (``c`` unused on alternate
+    steps, not the same on each rank): the parameters and state against the plain loop."""
+    data = rank_batches(rank, 4, shape=(8, 16))
+    out: dict[str, Any] = {}
+    for option in ("static_graph", "find_unused_parameters"):
+        def train(technique: str | None, option: str = option) -> list[torch.Tensor]:
+            model = DDP(_Branchy(), **{option: True})
+            opt: Any = None
+            for i, x in enumerate(data):
+                if i in (0, 2):
+                    cls, kw = (torch.optim.Adam, {"lr": 1e-2}) if i == 0 else (
+                        torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
+                    opt = cls(model.parameters(), **kw) if technique is None else \
+                        getattr(overlapkit, technique)(model, cls, **kw)
+                use_c = option == "static_graph" or (i + rank) % 2 == 0
+                model(x, use_c).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            state = opt.state_dict()["state"]
+            return values(model) + [v for k in sorted(state) for v in state[k].values()]
+        plain = train(None)
+        for technique in ("overlap_ddp", "optimizer_in_backward"):
+            out[f"{technique} {option}"] = compare(plain, train(technique))
+    return out

@@ -74,3 +74,54 @@ def test_a_saved_or_copied_module_runs_as_a_plain_module(copy_with: str) -> None
     model(torch.ones(2, 8)).sum().backward()
     opt.step()
     assert not torch.equal(before[0], next(model.parameters()))
+
+
+def _copy_a_ddp_model(rank: int, world_size: int) -> dict[str, Any]:
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out: dict[str, Any] = {}
+    for technique in ("overlap_ddp", "optimizer_in_backward"):
+        ddp = DDP(_model())
+        opt = getattr(overlapkit, technique)(ddp, torch.optim.SGD, lr=0.1)
+        ddp(torch.ones(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        for copy_with in ("torch.save", "deepcopy"):
+            if copy_with == "torch.save":
+                buffer = io.BytesIO()
+                torch.save(ddp, buffer)
+                buffer.seek(0)
+                copied = torch.load(buffer, weights_only=False)
+            else:
+                copied = copy.deepcopy(ddp)
+            before = [p.detach().clone() for p in copied.parameters()]
+            copied(torch.ones(2, 8)).sum().backward()  # a plain DDP model: nothing steps
+            out[f"{technique} {copy_with}"] = (
+                not copied._comm_hooks
+                and all(p.grad is not None for p in copied.parameters())
+                and all(torch.equal(a, b) for a, b in zip(before, copied.parameters(),
+                                                          strict=True)))
+            # and it can be set up again, as the plain copy can
+            again = getattr(overlapkit, technique)(copied, torch.optim.SGD, lr=0.1)
+            copied.zero_grad()
+            copied(torch.ones(2, 8)).sum().backward()
+            again.step()
+            out[f"{technique} {copy_with} set up again"] = not torch.equal(
+                before[0], next(copied.parameters()))
+            again.release()
+        before = next(ddp.parameters()).detach().clone()  # the original still steps
+        ddp(torch.ones(2, 8)).sum().backward()
+        opt.step()
+        out[f"{technique} original"] = not torch.equal(before, next(ddp.parameters()))
+    return out
+
+
+def test_a_saved_or_copied_ddp_model_is_a_plain_ddp_model() -> None:
+    # 0.4.0 before: torch.save(ddp_model) raised pickle's "Can't pickle local object
+    # WeakSet...", copy.deepcopy "cannot pickle '_thread.RLock' object"
+    from overlapkit.distributed import run_distributed
+
+    results = run_distributed(_copy_a_ddp_model, 1, timeout=120)[0]
+    assert all(results.values()), results

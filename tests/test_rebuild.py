@@ -230,3 +230,40 @@ def test_optimizer_in_backward_after_a_released_overlap_ddp_trains_bitwise_as_th
         refused = result["refused"]
         assert refused is not None and "release()" in refused["message"], (rank, refused)
         assert result["parity"], (rank, result["parity"])
+
+
+def _two_overlapped_optimizers_on_one_ddp_model(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out: dict[str, Any] = {}
+    for technique in ("overlap_ddp", "optimizer_in_backward"):
+        ddp = DDP(_module())
+        encoder, decoder = list(ddp.module[0].parameters()), list(ddp.module[2].parameters())
+        opt = getattr(overlapkit, technique)(ddp, torch.optim.Adam, lr=1e-2, params=encoder)
+        build = getattr(overlapkit, technique)
+        out[technique] = error_of(lambda ddp=ddp, decoder=decoder, build=build: build(
+            ddp, torch.optim.SGD, lr=0.1, params=decoder))
+        plain_ddp = DDP(_module())
+        plain = torch.optim.Adam(plain_ddp.module[0].parameters(), lr=1e-2)
+        _train(ddp, opt, rank_batches(rank, 2))  # the first one still steps the encoder
+        _train(plain_ddp, plain, rank_batches(rank, 2))
+        out[f"{technique} after"] = compare(values(plain_ddp), values(ddp))
+    return out
+
+
+def test_a_second_overlapped_optimizer_on_one_ddp_model_is_refused_naming_param_groups(
+) -> None:
+    results = run_distributed(_two_overlapped_optimizers_on_one_ddp_model, 1, timeout=120)[0]
+    for technique in ("overlap_ddp", "optimizer_in_backward"):
+        error = results[technique]
+        assert error is not None and error["type"] == "ConfigurationError", error
+        assert "param groups of one call" in error["message"], error
+        assert results[f"{technique} after"], results[f"{technique} after"]
+
+
+def test_a_rebuild_on_a_ddp_model_tracking_usage_trains_bitwise_as_the_plain_loop() -> None:
+    # static_graph=True, find_unused_parameters=True (a head unused on alternate steps)
+    for rank, result in enumerate(run_distributed(ranks_.rebuilds_tracking_usage, 2,
+                                                  timeout=300)):
+        for key, parity in result.items():
+            assert parity, (rank, key, parity)

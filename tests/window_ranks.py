@@ -130,6 +130,12 @@ def _clip_in_two_halves(ddp: Any, opt: Any, i: int) -> None:
     torch.nn.utils.clip_grads_with_norm_(params, 0.05, norm)
 
 
+def _clamp_parameters(ddp: Any, opt: Any, i: int) -> None:
+    with torch.no_grad():  # a weight constraint written before step(), not after
+        for param in ddp.parameters():
+            param.clamp_(-0.1, 0.1)
+
+
 #: name -> (what the loop does between backward and step(), returning "skip" to skip
 #: that step(); what it does after step())
 WINDOWS: dict[str, tuple[Callable[[Any, Any, int], Any], Callable[[Any], None] | None]] = {
@@ -140,6 +146,7 @@ WINDOWS: dict[str, tuple[Callable[[Any, Any, int], Any], Callable[[Any], None] |
     "skipped step": (_skip_second_step, None),
     "step twice": (lambda ddp, opt, i: None, lambda opt: opt.step()),
     "clip in two halves": (_clip_in_two_halves, None),
+    "parameters clamped": (_clamp_parameters, None),
 }
 
 

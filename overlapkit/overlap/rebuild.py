@@ -85,6 +85,8 @@ def plan_takeover(params: Iterable[torch.Tensor], technique: str,
         owner = stepper.technique
         left = [p for p in stepper.engine.parameters() if id(p) not in new]
         if left and not getattr(stepper, "orphaned", False):
+            disjoint = (also is not None and stepper is also
+                        and len(left) == len(also.engine.parameters()))
             raise ConfigurationError(
                 f"this {technique} call covers only part of the parameters an earlier "
                 f"{owner} optimizer still steps during backward ({len(left)} of its "
@@ -92,6 +94,11 @@ def plan_takeover(params: Iterable[torch.Tensor], technique: str,
                 f"params), so that one would keep stepping them. Release the earlier "
                 f"optimizer first (opt.release()), or pass params= covering all of its "
                 "parameters to replace it."
+                + (" A DDP model is stepped by one overlapped optimizer (it takes one "
+                   "comm hook): for two optimizers over different parameters (an "
+                   "encoder and a decoder), pass them as param groups of one call, each "
+                   "group with its own settings, or leave the second's parameters out of "
+                   "params= and step them with a plain optimizer." if disjoint else "")
             )
         if stepper.stepped_since_step:
             raise ConfigurationError(

@@ -106,6 +106,23 @@ def discarded_step_error(technique: str) -> ConfigurationError:
     )
 
 
+def skipped_on_freed_norm_error(technique: str) -> ConfigurationError:
+    """The error of a ``zero_grad()`` with no ``step()`` after the loop read the norm of
+    gradients ``technique`` had freed (NaN, with a ``FreedGradientNormWarning``): a loop
+    that skips the step on a non-finite norm would skip every step, where each backward
+    had already stepped."""
+    return ConfigurationError(
+        "zero_grad() was called with no optimizer.step() after the loop read the norm of "
+        f"gradients that {technique} had stepped and freed during backward (NaN, with a "
+        "FreedGradientNormWarning): a loop that skips the step on a non-finite norm "
+        "skips nothing here, the backward had already stepped. The parameters have taken "
+        "it: restart from the last checkpoint after passing clip_grad_norm= (math.inf "
+        f"to leave the gradients unclipped) to {technique} and reading the norm with "
+        "torch.nn.utils.clip_grad_norm_(model.parameters(), that max_norm): it is the "
+        "real norm, and a non-finite one holds the step for the loop to skip."
+    )
+
+
 def step_again_error(technique: str) -> ConfigurationError:
     """The error of a ``step()`` with no stepping backward since the last one, while
     the gradients the last backward stepped and freed would still be held by the plain
@@ -173,6 +190,11 @@ class StepAccount:
         #: the first step was learnt (``learn_first_step``), and the loop steps during
         #: backward since: its refusals do not suggest learning it
         self.learned = False
+        #: the loop read the norm of gradients the last stepping backward freed (NaN)
+        self.freed_norm_read = False
+        #: what :meth:`backward_starts` changed, for :meth:`backward_stepped_nothing`
+        self._before_backward: tuple[bool, bool, bool, list[torch.Tensor] | None] = (
+            False, False, False, None)
 
     def backward_starts(self) -> OverlapkitError | None:
         """Count a stepping backward that starts now: the error to hold until it ends
@@ -189,11 +211,23 @@ class StepAccount:
                 return refusal
         if self.window and self.calls_step:
             return backward_without_step_error(self.technique, self.accumulate)
+        self._before_backward = (self.stepped_since_step, self.has_stepped,
+                                 self.zeroed_after_stepping, self.freed)
         self.window += 1
+        self.freed_norm_read = False
         self.stepped_since_step = self.has_stepped = True
         self.zeroed_after_stepping = False
         self.freed = None
         return None
+
+    def backward_stepped_nothing(self) -> None:
+        """The backward counted by :meth:`backward_starts` ended having stepped nothing
+        (a global step held on a non-finite norm): its gradients are in ``.grad`` and
+        the loop's ``step()`` is a full step of them, its ``zero_grad()`` discards them,
+        as in the plain loop."""
+        self.window -= 1
+        (self.stepped_since_step, self.has_stepped, self.zeroed_after_stepping,
+         self.freed) = self._before_backward
 
     def deferred_backward_starts(self) -> OverlapkitError | None:
         """A backward starts while steps are deferred: it steps nothing and is not
@@ -250,6 +284,7 @@ class StepAccount:
             (:func:`accumulation_error`).
         """
         window, self.window = self.window, 0
+        self.freed_norm_read = False
         stepped, self.stepped_since_step = self.stepped_since_step, False
         zeroed, self.zeroed_after_stepping = self.zeroed_after_stepping, False
         if window:
@@ -284,8 +319,11 @@ class StepAccount:
         if self.first_window is not None and self.deferring:
             self.first_window.discard()
         window, self.window, self.stepped_marks = self.window, 0, None
+        freed_norm_read, self.freed_norm_read = self.freed_norm_read, False
         if window and self.steps_after_backward:
             raise discarded_step_error(self.technique)
+        if window and freed_norm_read:
+            raise skipped_on_freed_norm_error(self.technique)
         self.freed = None
         if self.stepped_since_step:
             self.zeroed_after_stepping = True

@@ -21,6 +21,7 @@ step nothing), and :class:`FirstWindow` records what the loop did until ``step()
   each backward: one changed before ``step()`` (a warm-up written by hand, a scheduler
   stepped before the optimizer) is taken by the plain step, and would miss a step
   taken during backward;
+- each parameter's version counter (a clamp before ``step()``: the plain step's start);
 - a read of ``optimizer.state`` (Adam's moments logged): from the second step on it
   would hold that step's update already (reads noticed by
   :mod:`~overlapkit.overlap.core.watched_reads`, as a kept gradient's are).
@@ -33,8 +34,8 @@ the plain run, bitwise. Any other loop steps during backward from its second ste
 In a loop no integration sets up, the step is taken during backward from the first,
 so what the loop does in the window that the plain ``step()`` would have used is
 refused at that ``step()`` (:func:`refuse_changed_gradients`), from the first step on:
-a gradient changed or set, a param-group setting changed (a warm-up written before
-``step()``, ``lr_scheduler.step()`` called first), a param group added, the state reset.
+a gradient changed or set, a parameter changed in place, a param-group setting changed
+(a warm-up, ``lr_scheduler.step()`` called first), a param group added, the state reset.
 The parameters have taken the step by then: the message says so, and names
 ``learn_first_step`` (:data:`LEARN`), which has such a loop learnt as above.
 """
@@ -84,8 +85,10 @@ class FirstWindow:
 
     #: backwards that would have stepped (not inside ``no_sync()`` / ``no_step()``)
     backwards: int = 0
-    #: ``id(param)`` -> ``(id(grad), grad._version)`` at the end of the last backward
+    #: ``id(param)`` -> ``(id(grad), grad._version)`` at the end of the last backward,
+    #: and -> ``param._version``
     marks: dict[int, tuple[int, int]] = attrs.field(factory=dict)
+    versions: dict[int, int] = attrs.field(factory=dict)
     #: the loop clipped the kept gradients itself (torch's clip, in place)
     clipped: bool = False
     #: the loop has been found to use the window: every step stays in the plain order
@@ -126,6 +129,7 @@ class FirstWindow:
                 watch_grad(param, self, self.watching.get(
                     id(param), f"a parameter of shape {tuple(param.shape)}"))
             self.marks[id(param)] = state(param)
+            self.versions[id(param)] = param._version
 
     def mark_settings(self) -> None:
         """Record the optimizer's param-group settings as a backward leaves them (those
@@ -198,9 +202,15 @@ class FirstWindow:
                 found.append(named.get(id(param), f"a parameter of shape {tuple(param.shape)}"))
         return found
 
+    def moved(self, named: dict[int, str], params: Iterable[torch.Tensor]) -> list[str]:
+        """The names of ``params`` changed in place since marked."""
+        return [named.get(id(p), f"a parameter of shape {tuple(p.shape)}") for p in params
+                if self.versions.get(id(p), p._version) != p._version]
+
     def reset(self) -> None:
         """A new optimizer step starts (after ``step()``)."""
         self.backwards, self.marks, self.clipped, self.settings = 0, {}, False, None
+        self.versions = {}
         self.clipped_to_norm = False
 
 
@@ -241,6 +251,9 @@ def end_first_window(steps: Any, names: Mapping[int, str], params: list[torch.Te
         if changed:
             used.append(f"the optimizer's settings ({_shown(changed)}) were changed "
                         "(the plain step takes the new values)")
+        moved = window.moved(dict(names), params)
+        if moved:
+            used.append(f"the values of {_shown(moved)} were changed in place")
         if window.discarded:
             used.append("zero_grad() discarded the gradients of a backward without a step "
                         "(a second optimizer's loss reaching these parameters)")
@@ -291,6 +304,14 @@ def refuse_changed_gradients(marks: FirstWindow, names: Mapping[int, str],
             "settings before backward() (an LR scheduler stepped after optimizer.step() "
             f"does){learn}"
         )
+    moved = marks.moved(dict(names), params)
+    if moved:
+        raise ConfigurationError(
+            f"the values of {_shown(moved)} were changed in place between backward() and "
+            f"optimizer.step() (a clamp, a projection), after {technique} had already "
+            "stepped them during backward, where the plain step starts from the changed "
+            "values. The parameters have taken it: restart from the last checkpoint "
+            f"after fixing the loop. Change parameters after optimizer.step(){learn}")
     edited = marks.edited(dict(names), params)
     if not edited:
         return

@@ -308,6 +308,10 @@ class BucketStepper(BucketSteps):
         self._stepped_grads_kept = not self.free_grads
         if self.global_step is not None:
             self._step_globally()
+            if self.global_step.held:  # a non-finite norm: step() or zero_grad() decides
+                self._stepped_grads_kept = False
+                self.backward_stepped_nothing()
+                return
             self.stepped_backward_ended(self.engine, self.free_grads)
             return
         owned = self.engine.parameters() if self.track_usage or self.free_grads else []
@@ -334,9 +338,10 @@ class BucketStepper(BucketSteps):
         self.used.clear()
         stream = self.side_stream
         with stream.running(owned) if stream is not None else nullcontext():
-            self.global_step.step(self.engine, owned)  # type: ignore[union-attr]
+            self.global_step.step(  # type: ignore[union-attr]
+                self.engine, owned, hold_nonfinite=self.calls_step)
         self.synchronize()
-        if self.free_grads:
+        if self.free_grads and not self.global_step.held:  # type: ignore[union-attr]
             for param in owned:
                 param.grad = None
 

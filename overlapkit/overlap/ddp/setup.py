@@ -71,6 +71,24 @@ class CommHookSlot:
         if self.stepper is stepper:
             self.stepper = None
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # torch.save(ddp_model) / copy.deepcopy(ddp_model): DDP builds the copy a new
+        # reducer without the comm hook, so the copy is a plain DDP model (as a copy of a
+        # plainly trained one); its marker attribute reads as absent (None)
+        return (_absent, ())
+
+
+def _absent() -> None:
+    return None
+
+
+class _CommHooks(list[Any]):
+    """DDP's ``_comm_hooks`` list on a model overlapkit set up: copied and pickled without
+    overlapkit's entry, which the copy's new reducer does not run (DDP rebuilds it)."""
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        return (list, ([e for e in self if not isinstance(e[1], CommHookSlot)],))
+
 
 def slot_comm_hook(state, bucket):  # type: ignore[no-untyped-def]
     """The function registered with ``register_comm_hook``; ``state`` is a
@@ -214,6 +232,7 @@ def set_up_on_ddp(
                 "name as comm_hook=."
             ) from exc
         setattr(model, _MARKER, slot)
+        model._comm_hooks = _CommHooks(model._comm_hooks)  # see _CommHooks
     # the one change: the earlier optimizer on these parameters stops stepping
     bound = slot.stepper
     retire(plan_takeover(setup.stepped, setup.model.technique, lambda s: s is bound,

@@ -213,11 +213,13 @@ class ParamStepper(StepAccount):
         self._batch.drop(keep_grads=True)  # a step of this backward raised: kept
         self._seen = set()
         error, self._step_error = self._step_error, None
+        held = False
         if error is None and self.global_step is not None and not self.deferring:
             owned = self.engine.parameters()
             with self.side_stream.running(owned):
-                self.global_step.step(self.engine, owned)
-            for param in owned:
+                self.global_step.step(self.engine, owned, hold_nonfinite=self.calls_step)
+            held = self.global_step.held  # a non-finite norm: step() or zero_grad() decides
+            for param in owned if not held else ():
                 param.grad = None
         self.side_stream.join()
         if error is not None:
@@ -225,6 +227,8 @@ class ParamStepper(StepAccount):
             raise error
         if self.deferring:
             self.deferred_backward_ended(self.engine.parameters())
+        elif held:
+            self.backward_stepped_nothing()
         else:
             self.stepped_backward_ended(self.engine, freed=True)
 

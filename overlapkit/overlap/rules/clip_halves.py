@@ -84,8 +84,11 @@ def guarded_get_total_norm(tensors: Any, norm_type: float = 2.0,
     """
     listed = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     if not listed or any(each is None for each in listed):
-        freeing = _freeing_technique()
-        if freeing is not None:
+        steppers = _freeing_steppers()
+        if steppers:
+            for stepper in steppers:  # a zero_grad() with no step() is refused
+                stepper.freed_norm_read = True
+            freeing = steppers[0].technique
             warnings.warn(
                 f"torch.nn.utils.get_total_norm asked for the norm of gradients that "
                 f"{freeing} freed during backward (None, or none left): NaN is "
@@ -97,11 +100,12 @@ def guarded_get_total_norm(tensors: Any, norm_type: float = 2.0,
     return unguarded_get_total_norm(listed, norm_type, error_if_nonfinite, foreach)
 
 
-def _freeing_technique() -> str | None:
-    """The technique of an overlapped optimizer whose last backward freed the gradients
-    it stepped, or None (read on an error path only)."""
+def _freeing_steppers() -> list[Any]:
+    """The steppers of overlapped optimizers whose last backward freed the gradients
+    they stepped, each once (read on an error path only)."""
+    found: dict[int, Any] = {}
     for ref in list(_STEPPERS.values()):
         stepper = ref()
         if stepper is not None and getattr(stepper, "freed", None):
-            return str(stepper.technique)
-    return None
+            found[id(stepper)] = stepper
+    return list(found.values())

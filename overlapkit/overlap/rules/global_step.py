@@ -24,6 +24,15 @@ max_norm)`` uses — whatever the optimizer's param groups (:func:`model_order`)
 parameter with a gradient, and applies the same rules in the same order — unscale and
 inf check with a scaler, value clipping, norm clipping, the step skipped on an inf — so
 it is bitwise the plain loop too (:func:`step_rules`).
+
+*A non-finite total norm* (an inf or a NaN gradient, no scaler) holds the step, in a
+loop that calls ``step()``: nothing is clipped or stepped in backward, and the backward
+counts as one that stepped nothing (:attr:`GlobalStep.held`). The loop then does what
+the plain loop does with those gradients: ``clip_grad_norm_(..., error_if_nonfinite=True)``
+raises before anything changed, a loop that checks ``torch.isfinite(norm)`` skips the
+step with ``zero_grad()``, and a ``step()`` takes the full step (clipped by the NaN
+norm, as the plain one). Checking the norm reads one value back to the host at the end
+of backward (a GPU sync per step, with ``clip_grad_norm=`` only).
 """
 
 from __future__ import annotations
@@ -37,11 +46,12 @@ import torch.distributed as dist
 
 from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.core.engine import OverlapEngine
-from overlapkit.overlap.rules.clipping import GradClipping
-from overlapkit.overlap.rules.late_clipping import (
-    unguarded_clip_grad_norm_,
-    unguarded_clip_grad_value_,
+from overlapkit.overlap.rules.clip_halves import (
+    unguarded_clip_grads_with_norm_,
+    unguarded_get_total_norm,
 )
+from overlapkit.overlap.rules.clipping import GradClipping
+from overlapkit.overlap.rules.late_clipping import unguarded_clip_grad_value_
 
 __all__ = ["GlobalStep", "check_grad_scaler", "model_order", "step_rules"]
 
@@ -112,6 +122,8 @@ class GlobalStep:
         #: backward. None / empty when it clipped nothing by norm.
         self.last_norm: torch.Tensor | None = None
         self.last_clipped: list[torch.Tensor] = []
+        #: the last :meth:`step` held its step: the total norm was not finite
+        self.held = False
 
     @staticmethod
     def needed(clipping: GradClipping, grad_scaler: Any | None) -> bool:
@@ -119,9 +131,14 @@ class GlobalStep:
         return grad_scaler is not None or (
             clipping.norm is not None and clipping.scope == "global")
 
-    def step(self, engine: OverlapEngine, params: Sequence[torch.Tensor]) -> bool:
+    def step(self, engine: OverlapEngine, params: Sequence[torch.Tensor], *,
+             hold_nonfinite: bool = False) -> bool:
         """Unscale and check (with a scaler), clip, then step ``params`` that have a
-        gradient, in the model's parameter order; returns whether it stepped."""
+        gradient, in the model's parameter order; returns whether it stepped.
+
+        ``hold_nonfinite``: a total norm that is not finite (no scaler, no value clip)
+        leaves every gradient as it is and steps nothing, with :attr:`held` set (see the
+        module docstring)."""
         order = self.order
         if order is None:
             order = model_order(engine.parameters())
@@ -129,6 +146,7 @@ class GlobalStep:
                            key=lambda p: order.get(id(p), len(order)))
         self.found_inf_per_device = {}  # no gradient: no inf check, as GradScaler
         self.last_norm, self.last_clipped = None, []
+        self.held = False
         if not with_grad and not self.sharded:
             return False
         found_inf = self._unscale(engine.optimizer)
@@ -138,8 +156,15 @@ class GlobalStep:
             if self.clipping.value is not None:
                 unguarded_clip_grad_value_(with_grad, self.clipping.value)
             if self.clipping.norm is not None:
-                self.last_norm = unguarded_clip_grad_norm_(
-                    with_grad, self.clipping.norm, norm_type=self.clipping.norm_type)
+                # torch's clip_grad_norm_, in its two halves (the same calls)
+                norm = unguarded_get_total_norm([p.grad for p in with_grad],  # type: ignore[misc]
+                                                self.clipping.norm_type, False, None)
+                if (hold_nonfinite and self.grad_scaler is None and not self.sharded
+                        and self.clipping.value is None and not bool(torch.isfinite(norm))):
+                    self.held = True
+                    return False
+                unguarded_clip_grads_with_norm_(with_grad, self.clipping.norm, norm, None)
+                self.last_norm = norm
                 self.last_clipped = with_grad
         if found_inf:
             return False  # GradScaler.step skips the whole step

@@ -343,6 +343,8 @@ def guarded_clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float =
                                               error_if_nonfinite, foreach)
             _clipped_in_window(params, before)  # by inf: a scale of 1.0, not an edit
             return total
+        for stepper in steppers:
+            stepper.freed_norm_read = True  # a zero_grad() with no step() is refused
         warnings.warn(
             f"clip_grad_norm_(..., max_norm=inf) asked for the norm of gradients that "
             f"{technique} freed during backward: NaN is returned. Pass "

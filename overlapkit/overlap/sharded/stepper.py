@@ -142,6 +142,9 @@ class ShardedBucketStepper(BucketStepper):
             # is left to wait for here; the others landed while backward went on. On
             # an accelerator this enqueues the waits and copies (no host wait).
             self.wait_for_parameters()
+            marks = self.stepped_marks
+            if marks is not None:  # the exchange wrote parameters after they were marked
+                marks.versions = {id(p): p._version for p in self.engine.parameters()}
 
     def wait_for_parameters(self) -> None:
         """Every update exchanged so far has landed, and (on an accelerator) the current
