@@ -26,7 +26,11 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "adam_foreach": (torch.optim.Adam, {"lr": 0.01, "foreach": True}),
     "sgd_foreach": (torch.optim.SGD, {"lr": 0.01, "momentum": 0.9, "foreach": True}),
     "adam_for_loop": (torch.optim.Adam, {"lr": 0.01, "foreach": False}),
+    # clip_grad_norm=1.0 given to overlapkit; the plain loop calls clip_grad_norm_ itself
+    "sgd_foreach_clipped": (torch.optim.SGD, {"lr": 0.01, "momentum": 0.9, "foreach": True}),
 }
+#: the norm the clipped cases clip to
+MAX_NORM = 1.0
 #: loop -> (the model is DDP, how the optimizer is built)
 LOOPS = ("plain_ddp", "overlap_ddp", "optimizer_in_backward_ddp", "plain_module",
          "optimizer_in_backward_module")
@@ -50,6 +54,8 @@ def _loop(loop: str, optimizer: str) -> tuple[nn.Module, Any]:
     model: nn.Module = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32),
                                       nn.Tanh(), nn.Linear(32, 4))
     cls, kwargs = OPTIMIZERS[optimizer]
+    if optimizer.endswith("_clipped") and not loop.startswith("plain"):
+        kwargs = {**kwargs, "clip_grad_norm": MAX_NORM}
     if loop.endswith("ddp"):
         model = DDP(model, bucket_cap_mb=0.001)  # about one parameter per bucket
     if loop.startswith("plain"):
@@ -75,6 +81,8 @@ def count_ops(rank: int, world_size: int) -> dict[tuple[str, str], dict[str, Cou
                     before = Counter(counter.ops)
                     loss.backward()
                     in_backward += counter.ops - before
+                    if optimizer.endswith("_clipped"):
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
                     opt.step()
                     opt.zero_grad()
             found[loop, optimizer] = {"all": counter.ops, "backward": in_backward}

@@ -78,3 +78,18 @@ def test_a_for_loop_optimizer_steps_per_parameter_in_backward_as_its_plain_step_
     in_backward = ops[ours, "adam_for_loop"]["backward"]
     assert _foreach(plain) == _foreach(in_backward) == set()
     assert set(plain) >= SINGLE_TENSOR_ADAM and set(in_backward) >= SINGLE_TENSOR_ADAM
+
+
+@pytest.mark.parametrize("ours", sorted(PLAIN))
+def test_clip_grad_norm_reads_the_total_norm_back_once_per_step_where_plain_reads_none(
+        ops: Any, ours: str) -> None:
+    # The one exception, a chosen price: with clip_grad_norm= (no scaler) the step that
+    # clips by the total norm checks it is finite at the end of backward, so that a loop
+    # raising (error_if_nonfinite) or skipping on a non-finite norm finds nothing stepped
+    # (tests/test_nonfinite_norm.py). Without the read it would step NaN into the
+    # parameters during backward. The first step does not read it (the loop is not known
+    # to call step() yet).
+    plain = ops[PLAIN[ours], "sgd_foreach_clipped"]
+    mine = ops[ours, "sgd_foreach_clipped"]
+    assert _syncs(plain["all"]) == 0
+    assert mine["backward"]["_local_scalar_dense"] == _syncs(mine["all"]) == STEPS - 1
