@@ -36,6 +36,7 @@ from torch.utils.hooks import RemovableHandle
 from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.core.backward_scope import NEW, OUTSIDE, BackwardScope
 from overlapkit.overlap.core.engine import OverlapEngine, StepPlan
+from overlapkit.overlap.core.hook_order import OwnHooksLast
 from overlapkit.overlap.core.side_stream import SideStream
 from overlapkit.overlap.core.step_accounting import StepAccount
 from overlapkit.overlap.in_backward.param_batch import ParamBatch
@@ -76,6 +77,8 @@ class ParamStepper(StepAccount):
         #: while true, gradients accumulate and nothing is stepped (no_step())
         self.paused = False
         self.handles: list[RemovableHandle] = []
+        #: the step hooks, moved behind hooks the loop registers later (before_forward)
+        self._own_hooks = OwnHooksLast()
         # which backward a hook runs in (nested reentrant-checkpointing backwards
         # belong to the outer one); its end runs _after_backward
         self._scope = BackwardScope(self._after_backward)
@@ -90,7 +93,9 @@ class ParamStepper(StepAccount):
         where torch refuses a hook) are kept aside until they are unfrozen."""
         for param in params:
             if param.requires_grad:
-                self.handles.append(param.register_post_accumulate_grad_hook(self._on_grad))
+                handle = param.register_post_accumulate_grad_hook(self._on_grad)
+                self.handles.append(handle)
+                self._own_hooks.add(param, handle)
             else:
                 self.frozen.append(param)
 
@@ -115,13 +120,17 @@ class ParamStepper(StepAccount):
           a checkpointed forward is recomputed. On an accelerator, join the side stream
           whose end-of-backward join did not run: the forward (FSDP2: its all-gather)
           reads the parameters;
-        - hook the frozen parameters unfrozen since (:meth:`hook_unfrozen`)."""
+        - hook the frozen parameters unfrozen since (:meth:`hook_unfrozen`);
+        - keep the step hooks behind any post-accumulate-grad hook the loop registered
+          since (:mod:`~overlapkit.overlap.core.hook_order`): that hook sees the
+          gradient before it is stepped and freed, as before the plain ``step()``."""
         self._scope.close_if_stale()
         if self._batch and torch._C._current_graph_task_id() == -1:
             self._batch.drop(keep_grads=False)
         self.synchronize()
         if self.frozen:
             self.hook_unfrozen()
+        self._own_hooks.keep_last()
 
     def zero_grad_called(self) -> None:
         super().zero_grad_called()
@@ -132,6 +141,7 @@ class ParamStepper(StepAccount):
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        self._own_hooks.clear()
 
     def _on_grad(self, param: torch.Tensor) -> None:
         grad = param.grad
