@@ -17,6 +17,6 @@ step (:mod:`~overlapkit.overlap.core.window`, the param groups' settings a step 
 (:mod:`~overlapkit.overlap.core.kept_graph`), a trainer's own loop
 (:mod:`~overlapkit.overlap.core.foreign_loop`), the hooks put on the user's model,
 copied with it as no-ops (:mod:`~overlapkit.overlap.core.own_hooks`), and the step hooks
-kept behind the loop's own gradient hooks (:mod:`~overlapkit.overlap.core.hook_order`). It imports nothing else of
-:mod:`overlapkit.overlap`.
+kept behind the loop's own gradient hooks (:mod:`~overlapkit.overlap.core.hook_order`).
+It imports nothing else of :mod:`overlapkit.overlap`.
 """
