@@ -63,6 +63,12 @@ class OptimizerWrapper(torch.optim.Optimizer):
         what to do instead; None (the default) when it can."""
         return None
 
+    def rewritten_unchanged(self, versions: dict[int, int]) -> None:
+        """:mod:`overlapkit.checkpoint` rewrote parameters in place with their own values
+        (torch's ``get_state_dict`` creating state with a zero step): ``versions`` maps
+        ``id`` of each parameter to its version counter before. Not a change of the
+        loop's; nothing to do by default (the overlapped optimizer compares versions)."""
+
     def local_state_params(self) -> set[int] | None:
         """``id`` of the parameters whose optimizer state this rank keeps, when it keeps
         the state of a share of them only (sharded optimizer state); None (the default)
@@ -162,6 +168,15 @@ def local_state_params(optimizer: torch.optim.Optimizer) -> set[int] | None:
             return share
         optimizer = optimizer.wrapped
     return None
+
+
+def rewritten_unchanged(optimizer: torch.optim.Optimizer | None,
+                        versions: dict[int, int]) -> None:
+    """Tell every wrapper level of ``optimizer``
+    (:meth:`OptimizerWrapper.rewritten_unchanged`)."""
+    while isinstance(optimizer, OptimizerWrapper):
+        optimizer.rewritten_unchanged(versions)
+        optimizer = optimizer.wrapped
 
 
 @contextmanager

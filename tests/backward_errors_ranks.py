@@ -20,7 +20,10 @@ STEPS, FAILING_STEP = 5, 2
 
 
 class Fail:
-    """A step pre-hook that raises while ``on`` is set (on every rank at one step)."""
+    """A step failure injected while ``on`` is set (on every rank at one step): a step
+    pre-hook of a plain optimizer; for an overlapkit one, the real optimizer's ``step``
+    patched on the instance, which each partial step inside backward calls (a step
+    pre-hook would have the steps taken at ``step()``, in the plain order)."""
 
     def __init__(self) -> None:
         self.on = False
@@ -28,6 +31,19 @@ class Fail:
     def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.on:
             raise RuntimeError("injected step failure")
+
+    def install(self, opt: Any) -> None:
+        real = getattr(opt, "optimizer", None)
+        if real is None:
+            opt.register_step_pre_hook(self)
+            return
+        step = real.step
+
+        def failing_step(*args: Any, **kwargs: Any) -> Any:
+            self(real, args, kwargs)
+            return step(*args, **kwargs)
+
+        real.step = failing_step
 
 
 def _model() -> nn.Module:
@@ -38,7 +54,7 @@ def _model() -> nn.Module:
 
 def _train(ddp: DDP, opt: Any, rank: int, checkpoint: str) -> dict[str, Any]:
     fail = Fail()
-    opt.register_step_pre_hook(fail)
+    fail.install(opt)
     errors, saved, grads = [], None, []
     for step, x in enumerate(rank_batches(rank, STEPS)):
         fail.on = step == FAILING_STEP
@@ -91,7 +107,7 @@ def step_errors(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     module = _model()
     opt = overlapkit.optimizer_in_backward(module, torch.optim.AdamW, lr=0.01)
     fail = Fail()
-    opt.register_step_pre_hook(fail)
+    fail.install(opt)
     before = values(module)
     fail.on = True
     error = error_of(lambda: module(torch.ones(2, 16)).square().mean().backward())

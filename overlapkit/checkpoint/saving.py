@@ -52,7 +52,7 @@ from overlapkit.checkpoint.state_dicts import (
 from overlapkit.checkpoint.visibility import check_every_rank_sees
 from overlapkit.errors import CheckpointError
 from overlapkit.nodes.lost_ranks import lost_ranks_named, note_complete_checkpoint
-from overlapkit.optimizer_wrapper import local_state_params, unwrapped
+from overlapkit.optimizer_wrapper import local_state_params, rewritten_unchanged, unwrapped
 
 __all__ = ["save"]
 
@@ -177,7 +177,9 @@ def _save(path: str | os.PathLike[str], model: torch.nn.Module,
     with unwrapped(optimizer) if optimizer is not None else nullcontext() as real:
         had_state = set() if real is None else {id(p) for p in real.state}
         try:
+            versions = {id(p): p._version for p in model.parameters()}
             state = state_dicts(model, real, only=share)
+            rewritten_unchanged(optimizer, versions)
             state[MODEL_KEY] = with_rank_zero_buffers(model, state[MODEL_KEY])
             if real is not None and not had_state:
                 without_created_state(state)

@@ -69,9 +69,10 @@ def check_adoptable(optimizer: Any, args: Sequence[Any], optim_kwargs: Mapping[s
     if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
         raise ConfigurationError(
             f"the {name} has step hooks (register_step_pre_hook / "
-            f"register_step_post_hook), which would run once per part of the model that "
-            f"{technique} steps instead of once per step; remove them and do that work "
-            "after optimizer.step() in the loop."
+            f"register_step_post_hook): they run around optimizer.step(), so {technique} "
+            "would take every step there, in the plain order, without overlap, while they "
+            "are registered; remove them and do that work after optimizer.step() in the "
+            "loop (or register them after set-up to accept the plain order)."
         )
 
 

@@ -22,6 +22,7 @@ from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.overlap.core.kept_graph import second_backward_refusal
 from overlapkit.overlap.core.window import FirstWindow, end_first_window, refuse_changed_gradients
+from overlapkit.overlap.core.window import accept_unchanged_rewrites as accept_rewrites
 from overlapkit.overlap.rebuild import refuse_retired, release_steps
 from overlapkit.overlap.rules.amp_scaler import (
     guard_param_groups,
@@ -242,9 +243,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         steps.deferring = True
 
     def second_backward_refusal(self, error: BaseException) -> OverlapkitError | None:
-        """The ConfigurationError naming what to do for autograd's ``error`` from a second
-        backward before ``step()`` through a kept graph this optimizer has stepped, or
-        None (:func:`~overlapkit.overlap.core.kept_graph.second_backward_refusal`): for an
+        """:func:`~overlapkit.overlap.core.kept_graph.second_backward_refusal`, for an
         integration that runs the loop's backward (Accelerate's)."""
         return second_backward_refusal(self._steps, error)
 
@@ -366,6 +365,9 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         """Refused between a stepping backward and ``step()``, as :meth:`load_state_dict`."""
         return self._steps.window_refusal("a checkpoint")
 
+    def rewritten_unchanged(self, versions: dict[int, int]) -> None:
+        accept_rewrites(self._steps, self._engine.parameters(), versions)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if (refusal := self._steps.window_refusal("optimizer.load_state_dict()")) is not None:
             raise ConfigurationError(f"{refusal} Nothing was loaded.")
@@ -373,10 +375,8 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         self._engine.load_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group of the model's parameters (validated like ``params``). They
-        are stepped during backward from the next backward on, exactly as the
-        parameters given at set-up (same hooks, same claim against a second
-        technique stepping them)."""
+        """Add a group of the model's parameters (validated like ``params``), stepped
+        from the next backward on as those given at set-up (same hooks and claim)."""
         refuse_retired(self._steps, "add_param_group()")
         (group,) = materialise_params([param_group])
         if self._check_params is not None:

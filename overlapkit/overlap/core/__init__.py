@@ -16,7 +16,9 @@ step (:mod:`~overlapkit.overlap.core.window`, the param groups' settings a step 
 :mod:`~overlapkit.overlap.core.watched_reads`), a second backward through a kept graph
 (:mod:`~overlapkit.overlap.core.kept_graph`), a trainer's own loop
 (:mod:`~overlapkit.overlap.core.foreign_loop`), the hooks put on the user's model,
-copied with it as no-ops (:mod:`~overlapkit.overlap.core.own_hooks`), and the step hooks
-kept behind the loop's own gradient hooks (:mod:`~overlapkit.overlap.core.hook_order`).
+copied with it as no-ops (:mod:`~overlapkit.overlap.core.own_hooks`), the step hooks
+kept behind the loop's own gradient hooks (:mod:`~overlapkit.overlap.core.hook_order`),
+and the plain order while the optimizer has step hooks
+(:mod:`~overlapkit.overlap.core.step_hooks`).
 It imports nothing else of :mod:`overlapkit.overlap`.
 """

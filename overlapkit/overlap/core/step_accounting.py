@@ -47,6 +47,7 @@ import torch
 
 from overlapkit.errors import ConfigurationError, OverlapkitError
 from overlapkit.overlap.core.foreign_loop import foreign_trainer_refusal
+from overlapkit.overlap.core.step_hooks import follow_step_hooks
 from overlapkit.overlap.core.window import FirstWindow
 
 if TYPE_CHECKING:
@@ -192,6 +193,10 @@ class StepAccount:
         self.learned = False
         #: the loop read the norm of gradients the last stepping backward freed (NaN)
         self.freed_norm_read = False
+        #: steps are deferred to ``step()`` because a step hook is registered
+        #: (:mod:`~overlapkit.overlap.core.step_hooks`), warned once
+        self.plain_for_step_hooks = False
+        self.warned_step_hooks = False
         #: what :meth:`backward_starts` changed, for :meth:`backward_stepped_nothing`
         self._before_backward: tuple[bool, bool, bool, list[torch.Tensor] | None] = (
             False, False, False, None)
@@ -247,7 +252,10 @@ class StepAccount:
 
     def starting_backward(self) -> OverlapkitError | None:
         """What a stepper calls when a backward starts: :meth:`backward_starts`, or
-        :meth:`deferred_backward_starts` while steps are deferred."""
+        :meth:`deferred_backward_starts` while steps are deferred — after deferring
+        this backward's steps while a step hook is registered
+        (:func:`~overlapkit.overlap.core.step_hooks.follow_step_hooks`)."""
+        follow_step_hooks(self)
         return self.deferred_backward_starts() if self.deferring else self.backward_starts()
 
     def stepped_backward_ended(self, engine: OverlapEngine, freed: bool) -> None:

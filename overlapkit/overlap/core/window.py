@@ -59,7 +59,8 @@ from overlapkit.overlap.core.watched_reads import (
     watch_grad,
 )
 
-__all__ = ["LEARN", "FirstWindow", "end_first_window", "plain_order_warning",
+__all__ = ["LEARN", "FirstWindow", "accept_unchanged_rewrites", "end_first_window",
+           "plain_order_warning",
            "quiet_reads", "refuse_changed_gradients", "state"]
 
 #: what a hand-written loop that works in the window calls to have it honoured
@@ -324,3 +325,18 @@ def refuse_changed_gradients(marks: FirstWindow, names: Mapping[int, str],
         "change gradients, change them before they are reduced (a gradient hook on "
         f"the parameter, a DDP comm hook){learn}"
     )
+
+
+def accept_unchanged_rewrites(steps: Any, params: Iterable[torch.Tensor],
+                              versions: Mapping[int, int]) -> None:
+    """``params`` that overlapkit rewrote in place with their own values (a checkpoint's
+    save: torch's ``get_state_dict`` creates state with a zero step), ``versions``: ``id``
+    -> their version before. Not a change of the loop's: the marks move past those
+    writes only."""
+    for marks in (steps.stepped_marks, steps.first_window):
+        if marks is None:
+            continue
+        for param in params:
+            before = versions.get(id(param))
+            if before is not None and marks.versions.get(id(param)) == before:
+                marks.versions[id(param)] = param._version

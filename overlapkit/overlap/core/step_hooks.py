@@ -1,0 +1,82 @@
+"""Step hooks are code around the step: while one is registered, steps are taken at
+``step()``, in the plain order.
+
+``optimizer.register_step_pre_hook(hook)`` (on the overlapped optimizer, which registers
+it on the real one) and torch's global ``register_optimizer_step_pre_hook`` run their
+hook when the loop calls ``step()``: between backward and the step, where a hook clips
+(``clip_grad_norm_``), adds noise, or reads the gradients and the state the step is
+about to use. A step taken during backward would come before it: the hook's clip would
+be refused after that step, its reads would see the stepped state. Run instead around
+each partial step inside backward (as before 0.4), a hook would run once per bucket,
+on part of the parameters, in the middle of backward. ``register_step_post_hook`` (an
+EMA of the parameters, a log of the update) likewise runs once per step in the plain
+loop, after every parameter has stepped.
+
+So :func:`follow_step_hooks` looks, each time a backward that would step starts (before
+anything steps in it), whether such a hook is registered, and while one is, defers the
+steps to ``step()`` as a learnt loop that uses the window does
+(:mod:`~overlapkit.overlap.core.window`, ``plain_order``): the hooks then run once per
+step where they run in the plain loop, and the run is the plain loop's, bitwise, with
+one warning. Once none is left, the next backward steps again.
+
+It applies from the first backward, and to a loop known to call ``step()``; not to a
+loop that has stepped during backward without ever calling ``step()`` (backward only:
+deferred, its steps would never come). overlapkit's own global pre-hook (the guard
+against a plain optimizer stepping claimed parameters) reads nothing and does not
+count; nor do global post-hooks (the profiler's step counter), which run per partial
+step.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+from overlapkit.overlap.core.direct_step import PASSING_PRE_HOOKS
+from overlapkit.overlap.core.window import FirstWindow, plain_order_warning
+
+__all__ = ["follow_step_hooks", "registered_step_hooks"]
+
+
+def registered_step_hooks(optimizer: torch.optim.Optimizer | None) -> str | None:
+    """Where step hooks that run around the loop's ``step()`` are registered, in words, or
+    None: on ``optimizer`` (pre or post), or torch's global pre-hooks (not counting
+    overlapkit's own guard against plain steps, which reads nothing)."""
+    if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(
+            optimizer, "_optimizer_step_post_hooks", None):
+        return "on this optimizer (register_step_pre_hook / register_step_post_hook)"
+    if any(hook not in PASSING_PRE_HOOKS for hook in _global_optimizer_pre_hooks.values()):
+        return "for every optimizer (torch.optim.optimizer.register_optimizer_step_pre_hook)"
+    return None
+
+
+def follow_step_hooks(steps: Any) -> None:
+    """At the start of a backward that would step (a
+    :class:`~overlapkit.overlap.core.step_accounting.StepAccount`'s
+    ``starting_backward``): defer its step to ``step()`` while a step hook is
+    registered, or step during backward again once none is (see the module docstring).
+    """
+    where = registered_step_hooks(steps.settings_of)
+    if steps.plain_for_step_hooks:
+        if where is None:  # removed: overlapped again from this backward
+            steps.plain_for_step_hooks = False
+            steps.first_window = None
+            steps.deferring = False
+        return
+    if steps.deferring or steps.first_window is not None:
+        return  # deferred already (learn_first_step, defer_steps())
+    if where is None or (steps.has_stepped and not steps.calls_step):
+        return  # none; or a backward-only loop, whose step() never comes
+    steps.first_window = FirstWindow(optimizer=steps.settings_of, plain_order=True,
+                                     learned=True)
+    steps.deferring = steps.plain_for_step_hooks = True
+    if not steps.warned_step_hooks:
+        steps.warned_step_hooks = True
+        warnings.warn(plain_order_warning(
+            steps.technique, f"a step hook registered {where} runs around") +
+            " Steps are taken during backward again once no step hook is registered; "
+            "to keep the overlap, do the hook's work in the loop after optimizer.step().",
+            UserWarning, stacklevel=2)
