@@ -283,7 +283,7 @@ class OverlapTrainer(Trainer):
             return  # a second train() keeps what the first set up
         if isinstance(facade, OverlappedOptimizerFacade):
             # released by another OverlapTrainer since: set up again, same optimizer
-            prepared.optimizer = facade.optimizer  # type: ignore[union-attr]
+            prepared.optimizer = facade.optimizer  # type: ignore[union-attr,unused-ignore]
         self.overlap_off_by = []
         if not isinstance(prepared, AcceleratedOptimizer):
             raise ConfigurationError(
