@@ -1,7 +1,8 @@
 """The DDP path: steps taken as each DDP gradient bucket's reduction completes.
 
 Its set-up (:mod:`~overlapkit.overlap.ddp.setup`: resolve the DDP model and the comm
-hook, check what only DDP asks, register the comm hook), the comm hook that decides
+hook, check what only DDP asks, register the comm hook; a comm hook the user registers
+later refused by name: :mod:`~overlapkit.overlap.ddp.comm_hook_guard`), the comm hook that decides
 when each bucket is stepped (:mod:`~overlapkit.overlap.ddp.bucket_stepper`; on CPU in the
 order :mod:`~overlapkit.overlap.ddp.inline_schedule` chooses, from what gloo's threads
 spend while a rank waits: :mod:`~overlapkit.overlap.ddp.comm_threads`), how runs of reduced

@@ -24,6 +24,7 @@ from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.overlap.core.kept_graph import refusing_second_backwards
 from overlapkit.overlap.core.own_hooks import OwnHook
 from overlapkit.overlap.core.side_stream import SideStream
+from overlapkit.overlap.ddp import comm_hook_guard
 from overlapkit.overlap.ddp.bucket_stepper import BucketStepper
 from overlapkit.overlap.ddp.kept_gradients import KeptGradientAveraging
 from overlapkit.overlap.rebuild import before_forward_hook, check_takeover, plan_takeover, retire
@@ -80,6 +81,11 @@ class CommHookSlot:
 
 def _absent() -> None:
     return None
+
+
+def _is_set_up(model: Any) -> bool:
+    """Whether overlapkit registered its comm hook on the DDP ``model``."""
+    return isinstance(getattr(model, _MARKER, None), CommHookSlot)
 
 
 class _CommHooks(list[Any]):
@@ -233,6 +239,7 @@ def set_up_on_ddp(
             ) from exc
         setattr(model, _MARKER, slot)
         model._comm_hooks = _CommHooks(model._comm_hooks)  # see _CommHooks
+        comm_hook_guard.install(_is_set_up)  # a user's comm hook now: refused by name
     # the one change: the earlier optimizer on these parameters stops stepping
     bound = slot.stepper
     retire(plan_takeover(setup.stepped, setup.model.technique, lambda s: s is bound,
