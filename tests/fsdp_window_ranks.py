@@ -10,25 +10,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from helpers import compare, error_of, rank_batches
+from helpers import compare, error_of, rank_batches, shard_linears
 from torch import nn
 
 import overlapkit
 
 
 def _model() -> nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    return shard_linears(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)))
 
 
 def _full(model: nn.Module) -> list[torch.Tensor]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from helpers import compare, rank_batches, values
+from helpers import compare, rank_batches, shard_linears, values
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -93,17 +93,7 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def _fsdp2_model() -> nn.Module:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    model = _model()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    return shard_linears(_model())
 
 
 def _fsdp2(rank: int) -> dict[str, Any]:
