@@ -177,3 +177,18 @@ class FailsInBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("out of memory (simulated)")
+
+
+def on_each_real_step(opt: Any, record: Callable[[torch.optim.Optimizer], Any]) -> None:
+    """Have ``record(real)`` run at each step of the real optimizer behind the overlapped
+    ``opt`` — each partial step inside backward, a full step at ``step()`` — by patching
+    its ``step`` on the instance (a step hook would have every step taken at ``step()``,
+    in the plain order: ``overlap/core/step_hooks.py``)."""
+    real = opt.optimizer
+    step = real.step
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        record(real)
+        return step(*args, **kwargs)
+
+    real.step = recorded

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import on_each_real_step
 from torch import nn
 
 import overlapkit
@@ -386,7 +387,7 @@ def test_a_save_or_load_between_a_stepping_backward_and_step_is_refused_once_the
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
         opt = overlapkit.optimizer_in_backward(model, optim_cls, lr=0.05)
         real_steps: list[int] = []
-        opt.register_step_post_hook(lambda *_: real_steps.append(1))
+        on_each_real_step(opt, lambda _: real_steps.append(1))
         batches = torch.Generator().manual_seed(1)
         steps_in_step, refusals = [], []
         for i in range(3):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import FailsInBackward, compare
+from helpers import FailsInBackward, compare, on_each_real_step
 from torch import nn
 
 import overlapkit
@@ -47,7 +47,7 @@ def test_one_engine_call_per_batch_and_at_most_a_batch_of_gradients_alive() -> N
     model = _model()
     opt = overlapkit.optimizer_in_backward(model, torch.optim.SGD, lr=0.1)
     partial_steps: list[int] = []
-    opt.register_step_post_hook(lambda *_: partial_steps.append(1))
+    on_each_real_step(opt, lambda _: partial_steps.append(1))
     params = list(model.parameters())
     alive: list[int] = []
 

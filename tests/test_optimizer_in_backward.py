@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import FailsInBackward, compare, failures, values
+from helpers import FailsInBackward, compare, failures, on_each_real_step, values
 from optimizer_in_backward_ranks import OPTIMIZERS, STEPS, two_rank_scenarios
 from torch import nn
 
@@ -307,13 +307,7 @@ def test_a_backward_that_raised_does_not_break_the_next_ones() -> None:
         for p, q in zip(plain_model.parameters(), model.parameters(), strict=True):
             p.copy_(q)
     calls: list[int] = []
-    real, real_step = opt.optimizer, opt.optimizer.step
-
-    def counted_step(*args: Any, **kwargs: Any) -> Any:  # each step of the real optimizer
-        calls.append(1)
-        return real_step(*args, **kwargs)
-
-    real.step = counted_step
+    on_each_real_step(opt, lambda _: calls.append(1))
     full_steps_by_step = []
     for batch in _batches(3, seed=2):
         model(batch).square().mean().backward()
@@ -544,8 +538,7 @@ def test_cuda_steps_run_on_a_side_stream_with_bitwise_parity() -> None:
     opt = overlapkit.optimizer_in_backward(model, torch.optim.AdamW, lr=0.01)
     plain = torch.optim.AdamW(plain_model.parameters(), lr=0.01)
     streams: list[int] = []
-    opt.register_step_pre_hook(
-        lambda o, a, k: streams.append(torch.cuda.current_stream().stream_id))
+    on_each_real_step(opt, lambda _: streams.append(torch.cuda.current_stream().stream_id))
     default_stream = torch.cuda.current_stream().stream_id
     generator = torch.Generator(device=device).manual_seed(1)
     for _ in range(STEPS):

@@ -149,6 +149,12 @@ class StepAccount:
     :param accumulate: how to accumulate with this model, for messages.
     """
 
+    #: a step hook on the real optimizer is the loop's (registered through the overlapped
+    #: one), run around ``step()`` (:mod:`~overlapkit.overlap.core.step_hooks`); False
+    #: where the overlapped optimizer refuses them (sharded state): one on the real
+    #: optimizer is then a hook per part stepped, by choice
+    step_hooks_are_the_loops = True
+
     def __init__(self, technique: str, accumulate: str) -> None:
         self.technique = technique
         self.accumulate = accumulate

@@ -24,7 +24,9 @@ loop that has stepped during backward without ever calling ``step()`` (backward 
 deferred, its steps would never come). overlapkit's own global pre-hook (the guard
 against a plain optimizer stepping claimed parameters) reads nothing and does not
 count; nor do global post-hooks (the profiler's step counter), which run per partial
-step.
+step. With sharded state the overlapped optimizer refuses hooks, and one on the real
+optimizer (``opt.optimizer``) is a hook per share stepped, by choice: only global
+pre-hooks count there (``StepAccount.step_hooks_are_the_loops``).
 """
 
 from __future__ import annotations
@@ -41,12 +43,13 @@ from overlapkit.overlap.core.window import FirstWindow, plain_order_warning
 __all__ = ["follow_step_hooks", "registered_step_hooks"]
 
 
-def registered_step_hooks(optimizer: torch.optim.Optimizer | None) -> str | None:
+def registered_step_hooks(optimizer: torch.optim.Optimizer | None, *,
+                          own: bool = True) -> str | None:
     """Where step hooks that run around the loop's ``step()`` are registered, in words, or
-    None: on ``optimizer`` (pre or post), or torch's global pre-hooks (not counting
-    overlapkit's own guard against plain steps, which reads nothing)."""
-    if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(
-            optimizer, "_optimizer_step_post_hooks", None):
+    None: on ``optimizer`` (pre or post; with ``own``), or torch's global pre-hooks (not
+    counting overlapkit's own guard against plain steps, which reads nothing)."""
+    if own and (getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(
+            optimizer, "_optimizer_step_post_hooks", None)):
         return "on this optimizer (register_step_pre_hook / register_step_post_hook)"
     if any(hook not in PASSING_PRE_HOOKS for hook in _global_optimizer_pre_hooks.values()):
         return "for every optimizer (torch.optim.optimizer.register_optimizer_step_pre_hook)"
@@ -59,7 +62,7 @@ def follow_step_hooks(steps: Any) -> None:
     ``starting_backward``): defer its step to ``step()`` while a step hook is
     registered, or step during backward again once none is (see the module docstring).
     """
-    where = registered_step_hooks(steps.settings_of)
+    where = registered_step_hooks(steps.settings_of, own=steps.step_hooks_are_the_loops)
     if steps.plain_for_step_hooks:
         if where is None:  # removed: overlapped again from this backward
             steps.plain_for_step_hooks = False

@@ -50,6 +50,8 @@ class ShardedBucketStepper(BucketStepper):
     """
 
     exchange: ParameterExchange
+    #: the sharded optimizer refuses step hooks; one on the real optimizer is per share
+    step_hooks_are_the_loops = False
     #: whether each bucket is exchanged right after its step (else everything is, once
     #: backward's steps are done): set at set-up from the stepper's mode
     per_bucket: bool
