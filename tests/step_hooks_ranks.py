@@ -1,8 +1,11 @@
 """The rank side of tests/test_step_hooks.py: a loop whose optimizer has a step
 pre-hook (registered on it, or for every optimizer through torch), which clips, adds
 noise or reads the optimizer's state when ``step()`` is called; and one with a step
-post-hook (an EMA). Each run against the plain loop with the same hooks, bitwise, with
-what the hooks logged and how often they ran."""
+post-hook (an EMA), on the optimizer or for every optimizer (torch's
+``register_optimizer_step_post_hook``, over two param groups: before 0.4 it ran once per
+group or bucket stepped during backward, on half-stepped parameters). Each run against
+the plain loop with the same hooks, bitwise, with what the hooks logged and how often
+they ran; with sharded state a global post-hook is refused."""
 
 from __future__ import annotations
 
@@ -14,7 +17,10 @@ import torch
 from helpers import error_of, rank_batches, values
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 import overlapkit
 
@@ -66,13 +72,22 @@ CASES: dict[str, tuple[Callable[[Loop, Any], list[Any]], int | None]] = {
     "clip removed after 2 steps": (
         lambda loop, opt: [opt.register_step_pre_hook(loop.clip)], 2),
     "post-hook EMA": (lambda loop, opt: [opt.register_step_post_hook(loop.ema_update)], None),
+    "global post-hook EMA": (
+        lambda loop, opt: [register_optimizer_step_post_hook(loop.ema_update)], None),
 }
+#: the cases whose optimizer has two param groups (a plain module's parameters are
+#: stepped during backward in one call per group)
+TWO_GROUPS = {"global post-hook EMA"}
 
 
-def _build(technique: str, model: nn.Module) -> Any:
-    kwargs = {"lr": 1e-2}
+def _build(technique: str, model: nn.Module, groups: bool) -> Any:
+    kwargs: dict[str, Any] = {"lr": 1e-2}
+    params: Any = list(model.parameters())
+    if groups:
+        params = [{"params": params[:6]}, {"params": params[6:], "lr": 5e-3}]
     if technique == "plain":
-        return torch.optim.AdamW(model.parameters(), **kwargs)
+        return torch.optim.AdamW(params, **kwargs)
+    kwargs["params"] = params
     if technique == "overlap_ddp":
         return overlapkit.overlap_ddp(model, torch.optim.AdamW, **kwargs)
     if technique == "overlap_ddp sharded":
@@ -83,8 +98,9 @@ def _build(technique: str, model: nn.Module) -> Any:
 
 def train(rank: int, technique: str, case: str, ddp: bool) -> dict[str, Any]:
     model = _model(ddp)
-    opt = _build(technique, model)
+    opt = _build(technique, model, case in TWO_GROUPS)
     loop = Loop(model)
+    before = values(model)
     register, remove_at = CASES[case]
     handles = register(loop, opt)
     found: dict[str, Any] = {"error": None}
@@ -95,14 +111,17 @@ def train(rank: int, technique: str, case: str, ddp: bool) -> dict[str, Any]:
                 if i == remove_at:
                     for handle in handles:
                         handle.remove()
-                model(batch).square().mean().backward()
-                found["error"] = error_of(opt.step)
+                found["error"] = (error_of(model(batch).square().mean().backward)
+                                  or error_of(opt.step))
                 if found["error"] is not None:
                     break
                 opt.zero_grad()
     finally:
         for handle in handles:
             handle.remove()
+    found["steps"] = i
+    found["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, values(model),
+                                                                 strict=True))
     found["values"] = values(model) + loop.ema
     found["calls"], found["logged"] = loop.calls, loop.logged
     found["warnings"] = [str(w.message) for w in caught
@@ -115,8 +134,9 @@ SETTINGS: dict[str, tuple[bool, tuple[str, ...], tuple[str, ...]]] = {
     "plain module": (False, ("optimizer_in_backward",), tuple(CASES)),
     "DDP": (True, ("overlap_ddp", "optimizer_in_backward"), tuple(CASES)),
     # the sharded optimizer refuses hooks registered on it (they would run per share
-    # stepped); a global one is the loop's
-    "DDP sharded": (True, ("overlap_ddp sharded",), ("global clip",)),
+    # stepped); a global pre-hook is the loop's, a global post-hook is refused as the
+    # first backward starts (it would run before the other ranks' updates arrive)
+    "DDP sharded": (True, ("overlap_ddp sharded",), ("global clip", "global post-hook EMA")),
 }
 
 
@@ -134,5 +154,7 @@ def run(rank: int, world_size: int, settings: tuple[str, ...]) -> dict[Any, Any]
                                    zip(plain["values"], mine["values"], strict=True)),
                     "calls": (mine["calls"], plain["calls"]),
                     "same log": mine["logged"] == plain["logged"],
+                    "stepped before the error": mine["steps"],
+                    "unchanged": mine["unchanged"],
                     "warnings": mine["warnings"]}
     return out

@@ -47,7 +47,7 @@ import torch
 
 from overlapkit.errors import ConfigurationError, OverlapkitError
 from overlapkit.overlap.core.foreign_loop import foreign_trainer_refusal
-from overlapkit.overlap.core.step_hooks import follow_step_hooks
+from overlapkit.overlap.core.step_hooks import follow_step_hooks, sharded_post_hook_refusal
 from overlapkit.overlap.core.window import FirstWindow
 
 if TYPE_CHECKING:
@@ -260,7 +260,12 @@ class StepAccount:
         """What a stepper calls when a backward starts: :meth:`backward_starts`, or
         :meth:`deferred_backward_starts` while steps are deferred — after deferring
         this backward's steps while a step hook is registered
-        (:func:`~overlapkit.overlap.core.step_hooks.follow_step_hooks`)."""
+        (:func:`~overlapkit.overlap.core.step_hooks.follow_step_hooks`), or refusing it
+        (a global post-hook with sharded state,
+        :func:`~overlapkit.overlap.core.step_hooks.sharded_post_hook_refusal`)."""
+        refusal = sharded_post_hook_refusal(self)
+        if refusal is not None:
+            return refusal
         follow_step_hooks(self)
         return self.deferred_backward_starts() if self.deferring else self.backward_starts()
 
