@@ -21,6 +21,7 @@ from overlapkit.errors import ConfigurationError, NotPicklableError, OverlapkitE
 from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.overlap.core.kept_graph import second_backward_refusal
+from overlapkit.overlap.core.step_accounting import zeros_refusal
 from overlapkit.overlap.core.window import FirstWindow, end_first_window, refuse_changed_gradients
 from overlapkit.overlap.core.window import accept_unchanged_rewrites as accept_rewrites
 from overlapkit.overlap.rebuild import refuse_retired, release_steps
@@ -93,6 +94,10 @@ class BackwardSteps(Protocol):
     stepped_marks: FirstWindow | None
     #: the real optimizer whose param-group settings a change before step() would miss
     settings_of: torch.optim.Optimizer | None
+
+    #: the parameters whose gradients the last stepping backward freed, while no
+    #: zero_grad() has come since, or None
+    freed: list[torch.Tensor] | None
 
 
 class OverlappedOptimizerFacade(OptimizerWrapper):
@@ -351,8 +356,14 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The real optimizer's ``zero_grad``. Also ends the optimizer iteration: the
-        next backward may step (see :mod:`overlapkit.overlap.core.step_accounting`)."""
+        next backward may step (see :mod:`overlapkit.overlap.core.step_accounting`).
+
+        :raises ConfigurationError: ``set_to_none=False`` after a backward that freed
+            the gradients it stepped (``optimizer_in_backward``), before anything is
+            zeroed (:func:`~overlapkit.overlap.core.step_accounting.zeros_refusal`)."""
         refuse_retired(self._steps, "zero_grad()")
+        if not set_to_none and self._steps.freed:
+            raise zeros_refusal(self._technique)
         self._steps.zero_grad_called()
         self.synchronize()
         self._engine.zero_grad(set_to_none=set_to_none)
@@ -398,3 +409,4 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._engine.optimizer!r})"
+
