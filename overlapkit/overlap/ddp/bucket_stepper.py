@@ -33,6 +33,7 @@ from overlapkit.overlap.ddp.inline_schedule import (
     mean_bucket_bytes,
 )
 from overlapkit.overlap.ddp.param_hooks import free_local_grads_once_bucketed, refuse_unfrozen
+from overlapkit.overlap.ddp.unreduced import UnreducedGradients
 from overlapkit.overlap.rules.clipping import GradClipping
 from overlapkit.overlap.rules.global_step import GlobalStep
 
@@ -139,6 +140,8 @@ class BucketStepper(BucketSteps):
         self._stepped_grads_kept = False
         #: when parameters free their local gradient once copied (ddp.setup; weak refs)
         self.free_after_copy_model: Callable[[], DistributedDataParallel | None] | None = None
+        #: those freed local gradients whose bucket has not run in this backward
+        self.unreduced = UnreducedGradients(self.backward_refused, technique)
         self._pending: deque[PendingBucket] = deque()
         self.filled_grads = FilledGradients()
         #: the first error a step raised during this backward; raised when it ends
@@ -180,6 +183,7 @@ class BucketStepper(BucketSteps):
             # DDP queues its own finalize after the last bucket's hook, so ours (queued
             # now) runs first.
             self._step_error = self.starting_backward()
+        self.unreduced.reduced(bucket)
         if self.recording_layout:
             self._seen_buckets[bucket.index()] = bucket.parameters()
         if self._answers_itself and self.global_step is None and not self.deferring:

@@ -46,11 +46,11 @@ def refuse_unfrozen(frozen: list[tuple[str, torch.Tensor]], technique: str) -> N
 _HOOKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def _frees(model: DistributedDataParallel) -> bool:
-    """Whether the stepper the model's comm hook runs now frees the gradients: not
-    once its optimizer was released (plain DDP's gradients from then on)."""
-    slot = getattr(model, "_overlapkit_comm_hook_slot", None)
-    return bool(getattr(getattr(slot, "stepper", None), "free_grads", False))
+def _freeing(model: DistributedDataParallel) -> Any:
+    """The stepper the model's comm hook runs now, when it frees the gradients (not
+    once its optimizer was released: plain DDP's gradients from then on), else None."""
+    stepper = getattr(getattr(model, "_overlapkit_comm_hook_slot", None), "stepper", None)
+    return stepper if getattr(stepper, "free_grads", False) else None
 
 
 def free_local_grads_once_bucketed(model: DistributedDataParallel,
@@ -69,8 +69,11 @@ def free_local_grads_once_bucketed(model: DistributedDataParallel,
 
     def make_hook(param: torch.Tensor) -> Any:
         def free_after_ddp_copied(grad_inputs: Any, grad_outputs: Any) -> None:
-            if model.require_forward_param_sync and not model.static_graph and _frees(model):
-                param.grad = None
+            if model.require_forward_param_sync and not model.static_graph:
+                stepper = _freeing(model)
+                if stepper is not None:
+                    param.grad = None
+                    stepper.unreduced.freed(param)  # stepped once its bucket runs
 
         return free_after_ddp_copied
 

@@ -262,6 +262,7 @@ def set_up_on_ddp(
     # registration would keep freeing gradients nobody steps.
     if stepper.free_grads and not model.gradient_as_bucket_view:
         stepper.free_after_copy_model = weakref.ref(model)
+        stepper.unreduced.active = True
     stepper.register(owned)
     names = setup.model.names
     stepper.frozen = [(names[id(p)], p) for p in owned if id(p) not in setup.model.reduced]
