@@ -7,7 +7,9 @@ training goes on bitwise the plain run (it loaded no state before 0.4),
 nothing (it was taken, and ``step()`` then refused after the parameters had stepped),
 ``consolidate_state_dict`` on only some ranks names the missing rank at the group's
 timeout (it was gloo's bare ``RuntimeError``), and a rank owning nothing trains,
-gathers and loads bitwise."""
+gathers and loads bitwise, through torch's API too (torch's initialising step on that
+rank alone waited for the others' exchange until the group's timeout), and refuses a
+load in the first window before anything loads (it loaded, then refused ``step()``)."""
 
 from __future__ import annotations
 
@@ -53,8 +55,17 @@ def test_consolidate_on_some_ranks_only_names_the_missing_rank(world_size: int) 
         assert result["seconds"] < 9, result  # the group's 5 s + the roll call
 
 
-def test_a_rank_owning_nothing_trains_gathers_and_loads_bitwise() -> None:
+def test_a_rank_owning_nothing_trains_gathers_and_loads_bitwise_also_through_torch_s_api(
+        ) -> None:
     results = _run(ranks_.more_ranks_than_parameters, 3)
     assert sorted(r["owned"] for r in results) == [0, 1, 1], results
     assert not failures(results, "state")
-    assert not failures(results, "values")
+    for rank, result in enumerate(results):
+        error = result["first window"]
+        assert error is not None and error["type"] == "ConfigurationError", (rank, error)
+        assert "Nothing was loaded" in error["message"], error
+        assert result["first window: nothing changed"], rank
+        if rank != 2:
+            assert result["torch get"]["type"] == "ConfigurationError", result["torch get"]
+    assert not failures(results, "torch gathered")  # on the rank owning nothing
+    assert not failures(results, "values")  # set_optimizer_state_dict on every rank
