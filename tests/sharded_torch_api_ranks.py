@@ -58,8 +58,10 @@ def torch_state_dict_api(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def consolidated_on_some_ranks(rank: int, world_size: int) -> dict[str, Any]:
-    """``consolidate_state_dict(to=0)`` on every rank but the last, on a DDP model whose
-    process group has a 5 s timeout: the error and how long it took."""
+    """``consolidate_state_dict(to=rank)`` on every rank (each naming itself: gloo's
+    timeout, 0.4.0), then ``consolidate_state_dict(to=0)`` on every rank but the last,
+    on a DDP model whose process group has a 5 s timeout; then ``add_param_group`` on
+    rank 0 only, on another model (a 6 s group): the errors and how long they took."""
     group = dist.new_group(timeout=datetime.timedelta(seconds=5))
     dist.barrier()  # (the default group's timeout) the ranks start the 5 s group together
     ddp = build(process_group=group)
@@ -67,12 +69,35 @@ def consolidated_on_some_ranks(rank: int, world_size: int) -> dict[str, Any]:
     _train(ddp, opt, batches(rank, 1))
     dist.barrier()
     start = time.monotonic()
+    mismatched = error_of(lambda: opt.consolidate_state_dict(to=rank))
+    mismatched_seconds = time.monotonic() - start
+    dist.barrier()
+    start = time.monotonic()
     error = None
     if rank != world_size - 1:
         error = error_of(lambda: opt.consolidate_state_dict(0))
     else:
         time.sleep(10)  # past the others' timeout and roll call
-    return {"error": error, "seconds": time.monotonic() - start}
+    seconds = time.monotonic() - start
+    dist.barrier()
+    group = dist.new_group(timeout=datetime.timedelta(seconds=6))
+    dist.barrier()
+    ddp = build(process_group=group)
+    head = list(ddp.module.head.parameters())
+    opt = overlapkit.overlap_ddp(ddp, torch.optim.AdamW, lr=LR, shard_optimizer_state=True,
+                                 params=[p for p in ddp.parameters()
+                                         if all(p is not h for h in head)])
+    _train(ddp, opt, batches(rank, 1))
+    dist.barrier()
+    start = time.monotonic()
+    added = None
+    if rank == 0:
+        added = error_of(lambda: opt.add_param_group({"params": head}))
+    else:
+        time.sleep(11)
+    return {"mismatched": mismatched, "mismatched seconds": mismatched_seconds,
+            "error": error, "seconds": seconds,
+            "added": added, "added seconds": time.monotonic() - start}
 
 
 class _Linear(nn.Module):
