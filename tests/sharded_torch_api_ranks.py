@@ -58,8 +58,10 @@ def torch_state_dict_api(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def consolidated_on_some_ranks(rank: int, world_size: int) -> dict[str, Any]:
-    """``consolidate_state_dict(to=0)`` on every rank but the last, on a DDP model whose
-    process group has a 5 s timeout: the error and how long it took."""
+    """``consolidate_state_dict(to=rank)`` on every rank (each naming itself: gloo's
+    timeout, 0.4.0), then ``consolidate_state_dict(to=0)`` on every rank but the last,
+    on a DDP model whose process group has a 5 s timeout; then ``add_param_group`` on
+    rank 0 only, on another model (a 6 s group): the errors and how long they took."""
     group = dist.new_group(timeout=datetime.timedelta(seconds=5))
     dist.barrier()  # (the default group's timeout) the ranks start the 5 s group together
     ddp = build(process_group=group)
@@ -67,12 +69,35 @@ def consolidated_on_some_ranks(rank: int, world_size: int) -> dict[str, Any]:
     _train(ddp, opt, batches(rank, 1))
     dist.barrier()
     start = time.monotonic()
+    mismatched = error_of(lambda: opt.consolidate_state_dict(to=rank))
+    mismatched_seconds = time.monotonic() - start
+    dist.barrier()
+    start = time.monotonic()
     error = None
     if rank != world_size - 1:
         error = error_of(lambda: opt.consolidate_state_dict(0))
     else:
         time.sleep(10)  # past the others' timeout and roll call
-    return {"error": error, "seconds": time.monotonic() - start}
+    seconds = time.monotonic() - start
+    dist.barrier()
+    group = dist.new_group(timeout=datetime.timedelta(seconds=6))
+    dist.barrier()
+    ddp = build(process_group=group)
+    head = list(ddp.module.head.parameters())
+    opt = overlapkit.overlap_ddp(ddp, torch.optim.AdamW, lr=LR, shard_optimizer_state=True,
+                                 params=[p for p in ddp.parameters()
+                                         if all(p is not h for h in head)])
+    _train(ddp, opt, batches(rank, 1))
+    dist.barrier()
+    start = time.monotonic()
+    added = None
+    if rank == 0:
+        added = error_of(lambda: opt.add_param_group({"params": head}))
+    else:
+        time.sleep(11)
+    return {"mismatched": mismatched, "mismatched seconds": mismatched_seconds,
+            "error": error, "seconds": seconds,
+            "added": added, "added seconds": time.monotonic() - start}
 
 
 class _Linear(nn.Module):
@@ -88,11 +113,16 @@ class _Linear(nn.Module):
 
 def more_ranks_than_parameters(rank: int, world_size: int) -> dict[str, Any]:
     """A rank owning nothing: steps, the gathered state dict, ``load_state_dict`` of a
-    plain dict and of the local one, and a full step, against plain DDP + Adam."""
+    plain dict and of the local one, torch's ``set_optimizer_state_dict`` /
+    ``get_optimizer_state_dict`` (the rank owning nothing took torch's initialising step
+    alone: ``ExchangeFailedError`` at the group's timeout), and a full step, against
+    plain DDP + Adam; and ``load_state_dict`` in the first window (loaded, then
+    refused at ``step()``), on a DDP model whose group has a 5 s timeout."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=5))
     models = []
-    for _ in range(2):
+    for options in ({}, {"process_group": group}):
         torch.manual_seed(0)
-        models.append(DDP(_Linear()))
+        models.append(DDP(_Linear(), **options))
     reference, ddp = models
     plain = torch.optim.Adam(reference.parameters(), lr=LR)
     opt = overlapkit.overlap_ddp(ddp, torch.optim.Adam, lr=LR, shard_optimizer_state=True)
@@ -106,12 +136,34 @@ def more_ranks_than_parameters(rank: int, world_size: int) -> dict[str, Any]:
             optimizer.zero_grad()
 
     train(reference, plain, inputs[:2])
-    train(ddp, opt, inputs[:2])
+    # the first window: refused before anything loads (the lr and state are the dict's)
+    other = copy.deepcopy(plain.state_dict())
+    other["param_groups"][0]["lr"] = 5.0
+    ddp(inputs[0]).square().mean().backward()
+    before = ({p: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()},
+              opt.param_groups[0]["lr"])
+    first = error_of(lambda: opt.load_state_dict(other))
+    after = ({p: dict(s) for p, s in opt.state.items()}, opt.param_groups[0]["lr"])
+    unchanged = before[1] == after[1] and before[0].keys() == after[0].keys() and all(
+        compare(list(before[0][p].values()), list(after[0][p].values())) for p in before[0])
+    opt.step()
+    opt.zero_grad()
+    train(ddp, opt, inputs[1:2])
     opt.consolidate_state_dict(world_size - 1)
     gathered = opt.state_dict() if rank == world_size - 1 else None
     state = True if gathered is None else compare(
         [t for s in plain.state_dict()["state"].values() for t in s.values()],
         [t for s in gathered["state"].values() for t in s.values()])
+    # torch's API, with the gathering on the last rank (at 3 ranks: the one owning
+    # nothing), then loaded on every rank
+    named = copy.deepcopy(get_optimizer_state_dict(reference, plain))
+    got = error_of(lambda: get_optimizer_state_dict(ddp, opt)) if rank != world_size - 1 \
+        else None
+    torch_gathered = compare([], []) if rank != world_size - 1 else compare(
+        [t for s in named["state"].values() for t in s.values()],
+        [t for s in get_optimizer_state_dict(ddp, opt)["state"].values()
+         for t in s.values()])
+    set_optimizer_state_dict(ddp, opt, named)
     opt.load_state_dict(copy.deepcopy(plain.state_dict()))
     opt.load_state_dict(opt.local_state_dict())
     train(reference, plain, inputs[2:4])
@@ -127,4 +179,6 @@ def more_ranks_than_parameters(rank: int, world_size: int) -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad()
     return {"owned": len(opt.owned_parameters()), "state": state,
+            "first window": first, "first window: nothing changed": unchanged,
+            "torch get": got, "torch gathered": torch_gathered,
             "values": compare(values(reference), values(ddp))}

@@ -6,11 +6,17 @@ training goes on bitwise the plain run (it loaded no state before 0.4),
 ``load_state_dict`` between a stepping backward and ``step()`` is refused loading
 nothing (it was taken, and ``step()`` then refused after the parameters had stepped),
 ``consolidate_state_dict`` on only some ranks names the missing rank at the group's
-timeout (it was gloo's bare ``RuntimeError``), and a rank owning nothing trains,
-gathers and loads bitwise."""
+timeout (it was gloo's bare ``RuntimeError``), as does ``add_param_group`` on some
+ranks only (gloo's bare ``RuntimeError`` still), ``consolidate_state_dict(to=rank)``
+naming different ranks is refused at once on every rank (it timed out), and a rank
+owning nothing trains, gathers and loads bitwise, through torch's API too (torch's
+initialising step on that rank alone waited for the others' exchange until the group's
+timeout), and refuses a load in the first window before anything loads (it loaded,
+then refused ``step()``)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -42,8 +48,19 @@ def test_torch_s_optimizer_state_dict_api_and_a_load_in_the_window(world_size: i
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_consolidate_on_some_ranks_only_names_the_missing_rank(world_size: int) -> None:
+def test_consolidate_or_add_param_group_on_some_ranks_or_to_differing_is_named(
+        world_size: int) -> None:
     results = _run(ranks_.consolidated_on_some_ranks, world_size)
+    for rank, result in enumerate(results):
+        error = result["mismatched"]  # each rank named itself
+        assert error is not None and error["type"] == "ConfigurationError", (rank, error)
+        assert "to=1" in error["message"] and "Nothing was gathered" in error["message"]
+        assert result["mismatched seconds"] < 2, result
+    error = results[0]["added"]  # add_param_group on rank 0 only
+    assert error is not None and error["type"] == "ExchangeFailedError", error
+    assert "add_param_group" in error["message"], error
+    assert re.search(r"ranks? [12]\b", error["message"]), error  # a silent one named
+    assert results[0]["added seconds"] < 10, results[0]  # the group's 6 s + the roll call
     missing = world_size - 1
     for rank, result in enumerate(results[:missing]):
         error = result["error"]
@@ -53,8 +70,17 @@ def test_consolidate_on_some_ranks_only_names_the_missing_rank(world_size: int) 
         assert result["seconds"] < 9, result  # the group's 5 s + the roll call
 
 
-def test_a_rank_owning_nothing_trains_gathers_and_loads_bitwise() -> None:
+def test_a_rank_owning_nothing_trains_gathers_and_loads_bitwise_also_through_torch_s_api(
+        ) -> None:
     results = _run(ranks_.more_ranks_than_parameters, 3)
     assert sorted(r["owned"] for r in results) == [0, 1, 1], results
     assert not failures(results, "state")
-    assert not failures(results, "values")
+    for rank, result in enumerate(results):
+        error = result["first window"]
+        assert error is not None and error["type"] == "ConfigurationError", (rank, error)
+        assert "Nothing was loaded" in error["message"], error
+        assert result["first window: nothing changed"], rank
+        if rank != 2:
+            assert result["torch get"]["type"] == "ConfigurationError", result["torch get"]
+    assert not failures(results, "torch gathered")  # on the rank owning nothing
+    assert not failures(results, "values")  # set_optimizer_state_dict on every rank

@@ -253,6 +253,27 @@ def test_load_state_dict_between_backward_and_step_is_refused_loading_nothing() 
     opt.load_state_dict(saved)  # after step(): the plain loop's
 
 
+def test_load_state_dict_in_the_first_window_is_refused_loading_nothing() -> None:
+    # whether the loop calls step() is not known yet: 0.4.0 loaded (lr and state
+    # replaced), then refused the step() that followed, after the load
+    _, opt = _stepped_once()
+    saved = copy.deepcopy(opt.state_dict())
+    saved["param_groups"][0]["lr"] = 5.0
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    fresh = overlapkit.optimizer_in_backward(module, torch.optim.AdamW, lr=1e-2)
+    module(rank_batches(0, 1)[0]).square().mean().backward()
+    before = copy.deepcopy(fresh.state_dict())
+    with pytest.raises(overlapkit.ConfigurationError, match="first stepping backward"):
+        fresh.load_state_dict(saved)
+    after = fresh.state_dict()
+    assert after["param_groups"][0]["lr"] == 1e-2
+    assert compare(before["state"][0], after["state"][0])
+    fresh.step()
+    fresh.zero_grad()
+    fresh.load_state_dict(saved)  # after step(): the plain loop's
+
+
 def test_a_param_group_added_between_backward_and_step_is_refused_at_step() -> None:
     # the plain step() steps the added parameters with this backward's gradients
     module, opt = _stepped_once(lambda m: list(m[0].parameters()))

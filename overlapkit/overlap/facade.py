@@ -58,7 +58,7 @@ class BackwardSteps(Protocol):
 
     def synchronize(self) -> None: ...
 
-    def window_refusal(self, call: str) -> str | None: ...
+    def window_refusal(self, call: str, *, loading: bool = False) -> str | None: ...
 
     #: what waits for the end of backward (global clipping, a GradScaler), or None
     global_step: GlobalStep | None
@@ -380,7 +380,8 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         accept_rewrites(self._steps, self._engine.parameters(), versions)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if (refusal := self._steps.window_refusal("optimizer.load_state_dict()")) is not None:
+        if (refusal := self._steps.window_refusal("optimizer.load_state_dict()",
+                                                  loading=True)) is not None:
             raise ConfigurationError(f"{refusal} Nothing was loaded.")
         self.synchronize()
         self._engine.load_state_dict(state_dict)

@@ -336,12 +336,27 @@ class StepAccount:
             raise step_again_error(self.technique)  # none set again by hand either
         return stepped
 
-    def window_refusal(self, call: str) -> str | None:
+    def window_refusal(self, call: str, *, loading: bool = False) -> str | None:
         """Why ``call`` (``load_state_dict()``, a checkpoint's save or load) cannot run
         now, or None: between a stepping backward and ``step()``, in a loop that calls
         ``step()``, the plain ``step()`` comes after it (stepping from what a load gives,
-        left out of what a save keeps), where this backward has already stepped."""
-        if not (self.window and self.steps_after_backward):
+        left out of what a save keeps), where this backward has already stepped.
+
+        ``loading``: ``call`` changes the optimizer, and is refused in the first window
+        too, while the loop's shape is not known yet: a loop that calls ``step()``
+        refused the load only at that ``step()``, once it had loaded (the state and the
+        param groups replaced, 0.4.0). A backward-only loop loads from its second
+        backward on, or before its first."""
+        if not self.window:
+            return None
+        if loading and self.window == 1 and not self.calls_step:
+            return (f"{call} between the first stepping backward() and optimizer.step() "
+                    "or zero_grad(): whether this loop calls step() after its backwards "
+                    f"is not known yet, and {self.technique} has already stepped the "
+                    "parameters during backward, where the plain loop's step() would "
+                    "come after the load and step from what it gives. Load before the "
+                    "first backward (or the forward), or after optimizer.step().")
+        if not self.steps_after_backward:
             return None
         return (f"{call} between backward() and optimizer.step(): in the plain loop the "
                 "step() comes after it (stepping from what a load gives, or left out of "

@@ -48,8 +48,11 @@ from overlapkit.overlap.sharded.ownership import (
 )
 from overlapkit.overlap.sharded.state_dicts import (
     gather_state_dict,
+    in_torch_s_initialising_step,
+    plain_state_dict,
     sharded_state_dict,
     share_of,
+    with_state,
 )
 from overlapkit.overlap.sharded.stepper import ShardedBucketStepper
 
@@ -65,40 +68,6 @@ class _Consolidated:
 
     to: int
     generation: int
-
-
-def _plain_state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """``optimizer.state_dict()`` without its state-dict hooks (they run once, on the
-    dict the user gets: :func:`_with_state`)."""
-    pre, post = optimizer._optimizer_state_dict_pre_hooks, \
-        optimizer._optimizer_state_dict_post_hooks
-    saved = dict(pre), dict(post)
-    pre.clear()
-    post.clear()
-    try:
-        return optimizer.state_dict()
-    finally:
-        pre.update(saved[0])
-        post.update(saved[1])
-
-
-def _with_state(optimizer: torch.optim.Optimizer, state: dict[int, Any]) -> dict[str, Any]:
-    """The real optimizer's ``state_dict()`` (its pre-hooks, current param groups, its
-    post-hooks' entries) with ``state`` (the whole, gathered state) as its state: the
-    post-hooks see the whole state, as a plain optimizer's do."""
-    post = optimizer._optimizer_state_dict_post_hooks
-    saved = dict(post)
-    post.clear()
-    try:
-        out = optimizer.state_dict()
-    finally:
-        post.update(saved)
-    out["state"] = state
-    for hook in saved.values():
-        changed = hook(optimizer, out)
-        if changed is not None:
-            out = changed
-    return out
 
 
 def _step_hook_refusal(method: str) -> ConfigurationError:
@@ -240,8 +209,18 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         """As ``overlap_ddp``'s ``step()``: nothing to do after a backward that
         stepped (it returns once the other ranks' updates have landed). A full step (no
         stepping backward since the last ``step()``) steps this rank's share, then
-        exchanges it."""
+        exchanges it.
+
+        torch's initialising step (``get_optimizer_state_dict`` /
+        ``set_optimizer_state_dict`` on a rank whose share holds no state) steps
+        nothing once the optimizer has stepped or loaded: the plain optimizer holds
+        state then and takes no such step, and a rank taking it alone would wait for
+        the others' exchange (:func:`~overlapkit.overlap.sharded.state_dicts.
+        in_torch_s_initialising_step`). Before that every rank takes it, as a plain
+        optimizer's."""
         refuse_retired(self._steps, "step()")
+        if closure is None and self._stepper.generation and in_torch_s_initialising_step():
+            return
         full = not self._stepper.stepped_since_step
         if full:  # (a stepping backward checked param_groups when it started)
             self.synchronize()
@@ -269,7 +248,7 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         self.synchronize()
         self._held_now()
         with self._engine.lock:
-            local = _plain_state_dict(self._engine.optimizer)
+            local = plain_state_dict(self._engine.optimizer)
         gathered = gather_state_dict(local, self._ownership, self._model.process_group, to)
         self._stepper.consolidated = None if gathered is None else gathered["state"]
         self._consolidated = _Consolidated(to, self._stepper.generation)
@@ -314,7 +293,7 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         # whole (gathered) state
         gathered = self._stepper.consolidated
         with self._engine.lock:
-            return _with_state(self._engine.optimizer, gathered)
+            return with_state(self._engine.optimizer, gathered)
 
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's share of the state, with the ownership it belongs to: for saving
@@ -336,7 +315,8 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
             between a stepping backward and ``step()`` (as without sharding). Nothing is
             changed then.
         """
-        if (refusal := self._steps.window_refusal("optimizer.load_state_dict()")) is not None:
+        if (refusal := self._steps.window_refusal("optimizer.load_state_dict()",
+                                                  loading=True)) is not None:
             raise ConfigurationError(f"{refusal} Nothing was loaded.")
         self.synchronize()
         self._held_now()

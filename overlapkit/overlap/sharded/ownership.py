@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 
 from overlapkit.errors import ConfigurationError
+from overlapkit.nodes.failed_collective import collective_failure
 
-__all__ = ["Ownership", "ParamSlot", "ShardingPolicy", "SizeBalancedPolicy", "assign_owners",
-           "drop_state_outside_share", "slots_of"]
+__all__ = ["Ownership", "ParamSlot", "ShardingPolicy", "SizeBalancedPolicy",
+           "all_gather_named", "assign_owners", "drop_state_outside_share", "slots_of"]
 
 
 @attrs.frozen(kw_only=True)
@@ -181,6 +182,26 @@ def _digest(owners: Sequence[int]) -> str:
     return hashlib.sha256(",".join(map(str, owners)).encode()).hexdigest()
 
 
+def all_gather_named(obj: Any, group: Any, what: str) -> list[Any]:
+    """``dist.all_gather_object`` of ``obj`` over ``group``, a rank that does not take
+    part named: a rank that skipped the call (``add_param_group()`` or
+    ``consolidate_state_dict()`` on some ranks only) made the others raise gloo's bare
+    ``RuntimeError`` at the group's timeout (``Timed out waiting 5000ms for send
+    operation to complete``), and the next backward another bare one; it is the
+    :class:`~overlapkit.errors.ExchangeFailedError` (or ``RanksLostError``) of
+    :func:`~overlapkit.nodes.failed_collective.collective_failure` now, ``what``
+    saying which call."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    try:
+        dist.all_gather_object(out, obj, group=group)
+    except Exception as error:
+        failed = collective_failure(error, what, group)
+        if failed is None:
+            raise
+        raise failed from error
+    return out
+
+
 def assign_owners(policy: ShardingPolicy, slots: Sequence[ParamSlot], world_size: int,
                   loads: Sequence[int], group: Any) -> list[int]:
     """Ask ``policy`` for the owners of ``slots``; check the answer, and that every rank
@@ -211,8 +232,11 @@ def assign_owners(policy: ShardingPolicy, slots: Sequence[ParamSlot], world_size
                 "process group)."
             )
     if world_size > 1:
-        digests: list[str | None] = [None] * world_size
-        dist.all_gather_object(digests, _digest(answer), group=group)
+        digests = all_gather_named(
+            _digest(answer), group,
+            "agreeing on the owners of the parameters (the set-up of sharded optimizer "
+            "state, or add_param_group(), which every rank of the DDP model's process "
+            "group calls)")
         if len(set(digests)) > 1:
             differing = [r for r, d in enumerate(digests) if d != digests[0]]
             raise ConfigurationError(

@@ -17,6 +17,7 @@ rank's share to one DCP checkpoint and reads it back at any world size.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,10 +27,11 @@ import torch.distributed as dist
 from overlapkit.errors import ConfigurationError
 from overlapkit.nodes.exit_safe import gather_object
 from overlapkit.nodes.failed_collective import collective_failure
-from overlapkit.overlap.sharded.ownership import Ownership
+from overlapkit.overlap.sharded.ownership import Ownership, all_gather_named
 
 __all__ = ["SHARDED_STATE_KEY", "SHARDING_KEY", "check_sharded_state_dict",
-           "gather_state_dict", "share_of", "sharded_state_dict"]
+           "gather_state_dict", "in_torch_s_initialising_step", "plain_state_dict",
+           "share_of", "sharded_state_dict", "with_state"]
 
 #: where a sharded state dict keeps its share of the state (not "state": a plain
 #: optimizer's ``load_state_dict`` then fails at once instead of loading a share silently)
@@ -48,6 +50,70 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
+def plain_state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` without its state-dict hooks (they run once, on the
+    dict the user gets: :func:`with_state`)."""
+    pre, post = optimizer._optimizer_state_dict_pre_hooks, \
+        optimizer._optimizer_state_dict_post_hooks
+    saved = dict(pre), dict(post)
+    pre.clear()
+    post.clear()
+    try:
+        return optimizer.state_dict()
+    finally:
+        pre.update(saved[0])
+        post.update(saved[1])
+
+
+def with_state(optimizer: torch.optim.Optimizer, state: dict[int, Any]) -> dict[str, Any]:
+    """The real optimizer's ``state_dict()`` (its pre-hooks, current param groups, its
+    post-hooks' entries) with ``state`` (the whole, gathered state) as its state: the
+    post-hooks see the whole state, as a plain optimizer's do."""
+    post = optimizer._optimizer_state_dict_post_hooks
+    saved = dict(post)
+    post.clear()
+    try:
+        out = optimizer.state_dict()
+    finally:
+        post.update(saved)
+    out["state"] = state
+    for hook in saved.values():
+        changed = hook(optimizer, out)
+        if changed is not None:
+            out = changed
+    return out
+
+
+def in_torch_s_initialising_step() -> bool:
+    """Whether the optimizer's ``step()`` is being called by torch's
+    ``torch.distributed.checkpoint.state_dict`` to create the optimizer state before
+    reading or loading it (``_init_optim_state``: zero gradients, ``lr`` 0, one step,
+    on a rank whose ``optimizer.state`` is empty).
+
+    Each rank decides alone whether to take that step, from its own ``state``, which
+    with sharded state holds its share only: a rank owning nothing (or only parameters
+    without state) took it while the others did not, and its parameter exchange waited
+    for them until the group's timeout (``ExchangeFailedError``, every later call
+    refused). Looked up by the caller's code (a few frames up: torch may wrap
+    ``step``), so an ordinary ``step()`` is never mistaken for it."""
+    try:
+        from torch.distributed.checkpoint import state_dict as torch_state_dict
+    except ImportError:  # pragma: no cover - torch without torch.distributed
+        return False
+    init = getattr(torch_state_dict, "_init_optim_state", None)
+    code = getattr(init, "__code__", None)
+    if code is None:
+        return False
+    frame = sys._getframe(1)
+    for _ in range(6):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return False
+        if frame.f_code is code:
+            return True
+    return False
+
+
 def gather_state_dict(local: dict[str, Any], ownership: Ownership, group: Any,
                       to: int) -> dict[str, Any] | None:
     """The whole state dict, on rank ``to`` of ``group`` (None elsewhere), from each
@@ -63,6 +129,20 @@ def gather_state_dict(local: dict[str, Any], ownership: Ownership, group: Any,
     overwrote the owner's state when every rank's entries were merged (measured: one
     parameter's Adam state missing at 2 ranks, two at 3; resuming restarted Adam for
     them)."""
+    what = (f"gathering the sharded optimizer state on rank {to} "
+            "(consolidate_state_dict(), which every rank of the DDP model's process group "
+            "calls)")
+    if ownership.world_size > 1:
+        # every rank names the same one: ranks gathering on different ranks each
+        # waited for the others' shares until the group's timeout
+        chosen = all_gather_named(to, group, what)
+        if len(set(chosen)) > 1:
+            raise ConfigurationError(
+                "consolidate_state_dict(to=...) was called with different ranks on "
+                "different ranks (" + ", ".join(f"rank {r}: to={t}" for r, t in
+                                                 enumerate(chosen)) + "); every rank "
+                "names the same one, where state_dict() is then called. Nothing was "
+                "gathered.")
     owned = ownership.my_indices()
     mine = _to_cpu({index: value for index, value in local["state"].items()
                     if index in owned})
@@ -74,10 +154,7 @@ def gather_state_dict(local: dict[str, Any], ownership: Ownership, group: Any,
         gathered = gather_object(mine, dst=dist.get_global_rank(group, to), group=group)
     except Exception as error:
         # a rank that skipped its consolidate_state_dict(): gloo's bare timeout, named
-        failed = collective_failure(
-            error, f"gathering the sharded optimizer state on rank {to} "
-            "(consolidate_state_dict(), which every rank of the DDP model's process group "
-            "calls)", group)
+        failed = collective_failure(error, what, group)
         if failed is None:
             raise
         raise failed from error
