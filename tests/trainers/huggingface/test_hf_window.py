@@ -15,9 +15,9 @@ editing ``.grad`` in a Trainer subclass listed after ``OverlapTrainer`` (0.0148 
 (0.0193 off), one set on a callback instance (0.0149 off). Found by the fifth probe,
 what makes the Trainer's clip differ from the one set up (each seen before the backward
 that would step, then the plain order): ``max_grad_norm`` lowered by a callback (was
-refused after the step it clipped for, 0.0088 off) or set to 0 for a second ``train()``
+refused at the Trainer's clip, after the step it was for) or set to 0 for a second ``train()``
 (silently 0.0152 off, other logged ``grad_norm``), a frozen layer unfrozen while
-training (refused after its step, 0.0050 off), an optimizer given through
+training (refused after its step), an optimizer given through
 ``optimizers=`` over part of the trainable parameters (refused at the first clip, after
 the first backward stepped)."""
 
