@@ -163,12 +163,19 @@ def check_accelerator(accelerator: Accelerator, *, where: str = "Accelerator") -
                       "to overlapkit instead (comm_hook='fp16_compress', "
                       "'bf16_compress'; `overlapkit plugins` lists them).")
     if accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
-        raise _refuse("sync_each_batch=True (GradientAccumulationPlugin)",
-                      "every backward would be reduced, and so step, where the plain "
-                      "loop steps once per accumulation window",
-                      "Leave sync_each_batch off: the backwards inside "
-                      "accelerator.accumulate() then step nothing, and the last one "
-                      "steps the sum.")
+        trainer = where == "TrainingArguments"
+        raise _refuse("sync_each_batch=True " + (
+            "(TrainingArguments(accelerator_config={'gradient_accumulation_kwargs': "
+            "{'sync_each_batch': True}}))" if trainer else "(GradientAccumulationPlugin)"),
+            "every backward would be reduced, and so step, where the plain loop steps once "
+            "per accumulation window",
+            "Leave sync_each_batch out of " + (
+                "accelerator_config's gradient_accumulation_kwargs: the Trainer then runs "
+                "the other micro-batches of a step in no_sync(), which step nothing, and "
+                "the last one steps the sum." if trainer else
+                "the GradientAccumulationPlugin: the backwards inside "
+                "accelerator.accumulate() then step nothing, and the last one steps the "
+                "sum."))
 
 
 def _one_process_overlap_ddp() -> ConfigurationError:

@@ -142,6 +142,9 @@ class OverlapTrainer(Trainer):
         self.overlap_in_plain_order = bool(step_in_plain_order)
         #: what turned the overlap off for this run (:meth:`window_users`), or empty
         self.overlap_off_by: list[str] = []
+        #: the clip the technique was set up with and the ids of the parameters requiring
+        #: grad then (:meth:`_clip_users`), or None before set-up
+        self._overlap_clip_set_up: tuple[float | None, frozenset[int]] | None = None
         super().__init__(*args, **kwargs)
         self._overlap_optimizer_given = self.optimizer is not None
         if isinstance(self.optimizer, OptimizerWrapper):
@@ -240,7 +243,59 @@ class OverlapTrainer(Trainer):
         edit, no optimizer kept).
         """
         found = ["step_in_plain_order=True"] if self.overlap_in_plain_order else []
-        return found + trainer_window_users(self, skip=(OverlapTrainer,))
+        return found + trainer_window_users(self, skip=(OverlapTrainer,)) + self._clip_users()
+
+    def _trainer_clip(self) -> float | None:
+        """The ``clip_grad_norm=`` that matches the Trainer's clip with ``args`` as they are
+        now: ``max_grad_norm`` when > 0; else ``inf`` under ``optimizer_in_backward`` (the
+        norm the Trainer logs, :meth:`set_up_overlap`), else None."""
+        max_norm = self.args.max_grad_norm
+        if max_norm is not None and max_norm > 0:
+            return float(max_norm)
+        return float("inf") if self.overlap_technique == "optimizer_in_backward" else None
+
+    def _clip_users(self) -> list[str]:
+        """Why the Trainer's clip, ``clip_grad_norm_(model.parameters(), max_grad_norm)``
+        before each ``optimizer.step()``, would not be the one the technique applies during
+        backward (``clip_grad_norm=``, over the optimizer's parameters, fixed at set-up):
+        parameters that require grad outside the optimizer (their gradients count in the
+        Trainer's norm), and, once set up, ``args.max_grad_norm`` or a ``requires_grad``
+        changed since (a callback lowering the clip, unfreezing a layer). Each is seen
+        before the backward that would step (:meth:`training_step`); before, the Trainer's
+        clip was refused after that step had been taken, or its norm silently differed."""
+        if not isinstance(self.model, torch.nn.Module) or self.optimizer is None:
+            return []
+        trainable = frozenset(id(p) for p in self.model.parameters() if p.requires_grad)
+        if self._overlap_clip_set_up is not None:
+            clip, before = self._overlap_clip_set_up
+            found = []
+            if self._trainer_clip() != clip:
+                found.append(f"max_grad_norm={self.args.max_grad_norm}, changed since the "
+                             "technique was set up to clip as the Trainer did then")
+            if trainable != before:
+                changed = len(trainable ^ before)
+                found.append(f"requires_grad changed on {changed} parameter"
+                             f"{'s' if changed > 1 else ''} since the technique was set up "
+                             "(the Trainer's clip counts the "
+                             "gradients of every parameter that requires grad)")
+            return found
+        stepped = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        outside = len(trainable - stepped)
+        if not outside or self._trainer_clip() is None:
+            return []
+        return [f"{outside} parameter{'s' if outside > 1 else ''} requiring grad outside the "
+                "optimizer (the Trainer's clip_grad_norm_ over model.parameters() counts "
+                "their gradients)"]
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's, after a look at what changed since the technique was set up
+        (:meth:`_clip_users`): such a change turns the rest of the run to the plain order
+        before this micro-batch's backward, which would step."""
+        facade = getattr(self.optimizer, "optimizer", None)
+        if (isinstance(facade, OverlappedOptimizerFacade) and not self.overlap_off_by
+                and self._clip_users()):
+            self.set_up_overlap(from_step=self.state.global_step + 1)
+        return super().training_step(*args, **kwargs)
 
     def set_up_overlap(self, from_step: int | None = None) -> None:
         """Set the technique up on ``self.model_wrapped`` around the optimizer the Trainer
@@ -278,6 +333,7 @@ class OverlapTrainer(Trainer):
                 facade.learn_first_step(plain_order=True)  # an earlier train(): a callback
             elif set_up:  # released by another OverlapTrainer since: the plain optimizer
                 prepared.optimizer = facade.optimizer  # type: ignore[union-attr]
+                self._overlap_clip_set_up = None
             return
         if set_up and not released:
             return  # a second train() keeps what the first set up
@@ -293,17 +349,19 @@ class OverlapTrainer(Trainer):
             )
         inner = prepared.optimizer
         self.check_optimizer(inner)
-        max_norm = self.args.max_grad_norm
-        clip = float(max_norm) if max_norm is not None and max_norm > 0 else None
-        if clip is None and self.overlap_technique == "optimizer_in_backward":
-            # the plain Trainer logs clip_grad_norm_(params, inf) of the gradients, which
-            # optimizer_in_backward frees once stepped: clipping to inf computes that norm
-            # before the step and scales by exactly 1.0 (torch clamps the coefficient),
-            # and the Trainer's clip_grad_norm_(params, inf) then returns it (late_clipping)
-            clip = float("inf")
+        # max_grad_norm=0: the plain Trainer logs clip_grad_norm_(params, inf) of the
+        # gradients, which optimizer_in_backward frees once stepped: clipping to inf
+        # computes that norm before the step and scales by exactly 1.0 (torch clamps the
+        # coefficient), and the Trainer's clip_grad_norm_(params, inf) then returns it
+        # (late_clipping)
+        clip = self._trainer_clip()
         prepared.optimizer = overlap_prepared(
             self.accelerator, self.model_wrapped, inner, self.overlap_technique,
             clip_grad_norm=clip, **self.overlap_options)
+        model = self.model
+        assert isinstance(model, torch.nn.Module)  # the Trainer has one to train
+        self._overlap_clip_set_up = (clip, frozenset(
+            id(p) for p in model.parameters() if p.requires_grad))
 
 
 def _plain_order_warning(technique: str, users: list[str], from_step: int | None) -> str:
@@ -312,11 +370,14 @@ def _plain_order_warning(technique: str, users: list[str], from_step: int | None
     return (
         f"OverlapTrainer(technique={technique!r}) takes {steps} at the "
         "Trainer's optimizer.step(), in the plain order, without overlap: "
-        f"{', '.join(users)} may read or change the gradients (or the optimizer) between "
-        "backward and step, a window that stepping during backward removes. The run is "
+        f"{', '.join(users)} (each may read or change the gradients or the optimizer "
+        "between backward and step, or make the Trainer's clip there differ from the one "
+        "set up: a window that stepping during backward removes). The run is "
         "the plain Trainer's. To keep the overlap: do that work in on_step_end or "
         "on_step_begin instead, or, for a callback (or a Trainer subclass) that reads no "
         "gradients there, set the class attribute overlapkit_reads_no_gradients = True; "
+        "set max_grad_norm and requires_grad before train() and leave them, and give the "
+        "optimizer every parameter that requires grad; "
         "move gradient edits and second backwards out of training_step; give a custom "
         "optimizer "
         "through optimizers=(optimizer, None) instead of a create_optimizer override."

@@ -203,3 +203,22 @@ def test_two_ranks_a_second_trainer_on_the_same_model_is_bitwise_the_plain_train
                                         timeout=420):
         for technique, found in rank_results.items():
             assert found, (technique, str(found))
+
+
+def test_sync_each_batch_is_refused_in_the_trainers_terms(tmp_path: Path) -> None:
+    """Set through ``TrainingArguments(accelerator_config=...)``, the refusal names that
+    setting (before the fifth probe: Accelerate's GradientAccumulationPlugin and
+    ``accelerator.accumulate()``, which a Trainer user never writes)."""
+    from hf_models import Tokens, gpt2, quiet
+
+    from overlapkit.integrations.transformers import OverlapTrainer
+
+    quiet()
+    args = arguments(str(tmp_path), accelerator_config={
+        "gradient_accumulation_kwargs": {"sync_each_batch": True}})
+    with pytest.raises(overlapkit.ConfigurationError) as info:
+        OverlapTrainer(model=gpt2(), args=args, train_dataset=Tokens("gpt2"))
+    message = str(info.value)
+    assert "accelerator_config" in message and "gradient_accumulation_kwargs" in message
+    assert "GradientAccumulationPlugin" not in message
+    assert "accelerator.accumulate" not in message

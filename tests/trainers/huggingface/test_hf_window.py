@@ -12,7 +12,14 @@ Found by 0.4's probe, each silent or refused after a step before: a ``training_s
 editing ``.grad`` in a Trainer subclass listed after ``OverlapTrainer`` (0.0148 off), a
 ``_clip_grad_norm`` override (refused after the first step), a callback changing
 ``.grad`` added for a second ``train()`` (ignored) or by another callback while training
-(0.0193 off), one set on a callback instance (0.0149 off)."""
+(0.0193 off), one set on a callback instance (0.0149 off). Found by the fifth probe,
+what makes the Trainer's clip differ from the one set up (each seen before the backward
+that would step, then the plain order): ``max_grad_norm`` lowered by a callback (was
+refused at the Trainer's clip, after the step it was for) or set to 0 for a second ``train()``
+(silently 0.0152 off, other logged ``grad_norm``), a frozen layer unfrozen while
+training (refused after its step), an optimizer given through
+``optimizers=`` over part of the trainable parameters (refused at the first clip, after
+the first backward stepped)."""
 
 from __future__ import annotations
 
@@ -55,7 +62,11 @@ NAMED = {"callback zeroes rows": "ZeroOldRows.on_pre_optimizer_step",
          "base listed after": "EditingBase.training_step",
          "own clip": "OwnClip._clip_grad_norm",
          "callback for a second train": "ZeroOldRows.on_pre_optimizer_step",
-         "callback added while training": "ZeroOldRows.on_pre_optimizer_step"}
+         "callback added while training": "ZeroOldRows.on_pre_optimizer_step",
+         "max_grad_norm lowered while training": "max_grad_norm=0.3, changed since",
+         "max_grad_norm 0 for a second train": "max_grad_norm=0.0, changed since",
+         "a layer unfrozen while training": "requires_grad changed on 1 parameter since",
+         "optimizer over part of the model": "requiring grad outside the optimizer"}
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -19,7 +19,9 @@ from trainer_runs import arguments, same_run
 
 CASES = ("callback zeroes rows", "callback logs norms", "create_optimizer", "two backwards",
          "base listed after", "own clip", "callback for a second train",
-         "callback added while training")
+         "callback added while training", "max_grad_norm lowered while training",
+         "max_grad_norm 0 for a second train", "a layer unfrozen while training",
+         "optimizer over part of the model")
 STEPS = 3
 
 
@@ -58,6 +60,24 @@ def _adds_after_the_first_step(trainer: Any, logged: list[dict[str, float]]) -> 
                 trainer.add_callback(window_callback("callback zeroes rows", logged))
 
     return AddsZeroOldRows()
+
+
+def _changes_while_training(case: str, trainer: Any) -> Any:
+    """A callback that, before the second step, lowers ``args.max_grad_norm`` or unfreezes
+    the position embedding (frozen when the optimizer was built, so outside it: the
+    Trainer's clip over ``model.parameters()`` counts its gradient from then on)."""
+    from transformers import TrainerCallback
+
+    class ChangesTheClip(TrainerCallback):  # type: ignore[misc]
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if state.global_step != 1:
+                return
+            if case == "max_grad_norm lowered while training":
+                args.max_grad_norm = 0.3
+            else:
+                trainer.model.transformer.wpe.weight.requires_grad_(True)
+
+    return ChangesTheClip()
 
 
 def _trainer_class(case: str, base: type) -> type:
@@ -106,13 +126,20 @@ def train(case: str, technique: str | None, out_dir: str) -> dict[str, Any]:
     quiet()
     model = gpt2()
     base = Trainer if technique is None else OverlapTrainer
-    extra = {} if technique is None else {"technique": technique}
+    extra: dict[str, Any] = {} if technique is None else {"technique": technique}
+    if case == "a layer unfrozen while training":
+        model.transformer.wpe.weight.requires_grad_(False)
+    if case == "optimizer over part of the model":  # the rest requires grad, unstepped
+        extra["optimizers"] = (torch.optim.AdamW(model.transformer.h.parameters(), lr=1e-2),
+                               None)
     logged: list[dict[str, float]] = []
     trainer = _trainer_class(case, base)(
         model=model, args=arguments(out_dir, max_steps=STEPS), train_dataset=Tokens("gpt2"),
         **extra)
     if case == "callback added while training":
         trainer.add_callback(_adds_after_the_first_step(trainer, logged))
+    elif case in ("max_grad_norm lowered while training", "a layer unfrozen while training"):
+        trainer.add_callback(_changes_while_training(case, trainer))
     elif case.startswith("callback") and case != "callback for a second train":
         trainer.add_callback(window_callback(case, logged))
     with warnings.catch_warnings(record=True) as caught:
@@ -120,6 +147,9 @@ def train(case: str, technique: str | None, out_dir: str) -> dict[str, Any]:
         trainer.train()
         if case == "callback for a second train":  # the first train() overlapped
             trainer.add_callback(window_callback("callback zeroes rows", logged))
+            trainer.train()
+        if case == "max_grad_norm 0 for a second train":  # the first clipped at 1.0
+            trainer.args.max_grad_norm = 0.0
             trainer.train()
     entries = [entry for entry in trainer.state.log_history if "loss" in entry]
     inner = trainer.optimizer.optimizer
