@@ -13,12 +13,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from overlapkit.errors import ConfigurationError, NotPicklableError, OverlapkitError
 from overlapkit.optimizer_wrapper import OptimizerWrapper
+from overlapkit.overlap.backward_steps import BackwardSteps
 from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.overlap.core.kept_graph import second_backward_refusal
 from overlapkit.overlap.core.step_accounting import zeros_refusal
@@ -30,7 +31,7 @@ from overlapkit.overlap.rules.amp_scaler import (
     hand_inf_check,
     refuse_scaler_step,
 )
-from overlapkit.overlap.rules.global_step import GlobalStep, model_order
+from overlapkit.overlap.rules.global_step import model_order
 from overlapkit.overlap.rules.late_clipping import watch
 from overlapkit.overlap.setup import (
     check_unclaimed,
@@ -40,64 +41,6 @@ from overlapkit.overlap.setup import (
 )
 
 __all__ = ["BackwardSteps", "OverlappedOptimizerFacade"]
-
-
-class BackwardSteps(Protocol):
-    """What steps during backward (a :class:`~overlapkit.overlap.core.step_accounting.StepAccount`):
-    the facade reports ``step()``, ``zero_grad()`` and ``load_state_dict()`` calls to
-    it; ``register(params)`` hooks parameters added later (``add_param_group``)."""
-
-    #: any backward has stepped
-    has_stepped: bool
-
-    def step_called(self) -> bool: ...
-
-    def zero_grad_called(self) -> None: ...
-
-    def register(self, params: Iterable[torch.Tensor]) -> None: ...
-
-    def synchronize(self) -> None: ...
-
-    def window_refusal(self, call: str, *, loading: bool = False) -> str | None: ...
-
-    #: what waits for the end of backward (global clipping, a GradScaler), or None
-    global_step: GlobalStep | None
-
-    #: what a step() with no stepping backward since the last applies (clipping, a
-    #: GradScaler's unscale and inf check), or None for the optimizer's plain step()
-    full_step: GlobalStep | None
-
-    #: while true, backwards step nothing (:meth:`OverlappedOptimizerFacade.defer_steps`)
-    deferring: bool
-
-    def deferred(self) -> None: ...
-
-    #: asked when a stepping backward starts: the error to refuse it with, or None
-    backward_gate: Callable[[], OverlapkitError | None] | None
-
-    #: what the loop does in the window while steps are deferred to learn it, or None
-    first_window: FirstWindow | None
-
-    #: the loop has called step() right after a stepping backward
-    calls_step: bool
-
-    #: how to accumulate with this model, for messages
-    accumulate: str
-
-    #: a backward has stepped since the last step()
-    stepped_since_step: bool
-
-    #: the function that built it, for messages
-    technique: str
-
-    #: the gradients the last stepping backward left, to check at step(), or None
-    stepped_marks: FirstWindow | None
-    #: the real optimizer whose param-group settings a change before step() would miss
-    settings_of: torch.optim.Optimizer | None
-
-    #: the parameters whose gradients the last stepping backward freed, while no
-    #: zero_grad() has come since, or None
-    freed: list[torch.Tensor] | None
 
 
 class OverlappedOptimizerFacade(OptimizerWrapper):
@@ -410,4 +353,3 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._engine.optimizer!r})"
-

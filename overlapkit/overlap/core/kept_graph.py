@@ -75,7 +75,7 @@ def second_backward_refusal(steps: Any, error: BaseException) -> ConfigurationEr
     (:func:`refusing_second_backwards` raises it first where the graph's output is the
     model's.)
 
-    :param steps: the facade's :class:`~overlapkit.overlap.facade.BackwardSteps`.
+    :param steps: the facade's :class:`~overlapkit.overlap.backward_steps.BackwardSteps`.
     """
     if not (isinstance(error, RuntimeError) and steps.stepped_since_step
             and "modified by an inplace operation" in str(error)):

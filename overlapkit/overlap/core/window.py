@@ -235,7 +235,7 @@ def end_first_window(steps: Any, names: Mapping[int, str], params: list[torch.Te
     loop keeps the plain order (warned once), and whether it clipped the kept gradients
     itself (the full step then does not clip again); returns the latter.
 
-    :param steps: the facade's :class:`~overlapkit.overlap.facade.BackwardSteps`.
+    :param steps: the facade's :class:`~overlapkit.overlap.backward_steps.BackwardSteps`.
     """
     window = steps.first_window
     assert window is not None

@@ -10,7 +10,8 @@ buckets are stepped (:mod:`~overlapkit.overlap.ddp.bucket_steps`; their reduced 
 copied into ``.grad`` while later reductions are in flight:
 :mod:`~overlapkit.overlap.ddp.filled_grads`; a reduction that fails
 is raised as one overlapkit error when backward ends:
-:mod:`~overlapkit.overlap.ddp.failed_reductions`), the hooks on the parameters
+:mod:`~overlapkit.overlap.ddp.failed_reductions`; a bucket DDP never reduced, its
+gradients freed, likewise: :mod:`~overlapkit.overlap.ddp.unreduced`), the hooks on the parameters
 beside it (:mod:`~overlapkit.overlap.ddp.param_hooks`; where plain DDP divides gradients
 kept as bucket views: :mod:`~overlapkit.overlap.ddp.kept_gradients`) and the optimizer
 ``overlap_ddp`` returns (:mod:`~overlapkit.overlap.ddp.optimizer`).

@@ -23,15 +23,10 @@ from overlapkit.overlap.core.backward_scope import NEW, OUTSIDE, BackwardScope
 from overlapkit.overlap.core.bucket_layout import BucketLayouts, bucket_gradient_views
 from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.overlap.core.side_stream import SideStream
+from overlapkit.overlap.ddp import inline_schedule as inline
 from overlapkit.overlap.ddp.bucket_steps import BucketSteps, PendingBucket
 from overlapkit.overlap.ddp.comm_threads import COMM_THREADS
 from overlapkit.overlap.ddp.filled_grads import FilledGradients
-from overlapkit.overlap.ddp.inline_schedule import (
-    AFTER,
-    InlineSchedule,
-    block_on,
-    mean_bucket_bytes,
-)
 from overlapkit.overlap.ddp.param_hooks import free_local_grads_once_bucketed, refuse_unfrozen
 from overlapkit.overlap.ddp.unreduced import UnreducedGradients
 from overlapkit.overlap.rules.clipping import GradClipping
@@ -116,7 +111,7 @@ class BucketStepper(BucketSteps):
         #: bucket index -> the future DDP holds for it, completed once it is stepped
         self._answers: dict[int, torch.futures.Future[torch.Tensor]] = {}
         #: inline: the order of the steps at the end of backward
-        self.schedule = InlineSchedule()
+        self.schedule = inline.InlineSchedule()
         self._clips = clipping.enabled
         #: what is known of each bucket from the backwards before
         self.layouts = BucketLayouts(engine)
@@ -222,14 +217,14 @@ class BucketStepper(BucketSteps):
             return
         COMM_THREADS.refresh()
         blocked = [0.0, 0.0]  # wall and communication threads' CPU seconds waiting
-        order = self.schedule.order(lambda: mean_bucket_bytes(pending))
+        order = self.schedule.order(lambda: inline.mean_bucket_bytes(pending))
         spin = self.schedule.spins
-        if order == AFTER:
+        if order == inline.AFTER:
             for _, future in pending:
-                block_on(future, blocked, spin)
+                inline.block_on(future, blocked, spin)
         while pending:
             # wait for the next reduction, then take every bucket ready by then with it
-            block_on(pending[0][1], blocked, spin)
+            inline.block_on(pending[0][1], blocked, spin)
             run = [pending.popleft()]
             while pending and pending[0][1].done():
                 run.append(pending.popleft())
