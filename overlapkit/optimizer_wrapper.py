@@ -57,10 +57,10 @@ class OptimizerWrapper(torch.optim.Optimizer):
             inner = inner.wrapped
         return inner
 
-    def checkpoint_refusal(self) -> str | None:
-        """Why :mod:`overlapkit.checkpoint` cannot save or load this wrapper exactly
-        (it saves the real optimizer's state, one copy of what DDP replicates), with
-        what to do instead; None (the default) when it can."""
+    def checkpoint_refusal(self, *, loading: bool = False) -> str | None:
+        """Why :mod:`overlapkit.checkpoint` cannot save (or, ``loading``, load) this
+        wrapper exactly (it saves the real optimizer's state, one copy of what DDP
+        replicates), with what to do instead; None (the default) when it can."""
         return None
 
     def rewritten_unchanged(self, versions: dict[int, int]) -> None:

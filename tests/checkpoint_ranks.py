@@ -285,6 +285,24 @@ def overlap_and_failing_swap(rank: int, ws: int, root: str) -> dict[str, Any]:
                                  if "between backward() and optimizer.step()" in error],
         "second_save_written": Path(f"{root}/overlap-1").exists()}
 
+    # a load in the first window: refused before anything loads (it used to load, over
+    # parameters the backward had just stepped, where the plain step() comes after it)
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(Net())
+    opt = overlapkit.overlap_ddp(model, torch.optim.SGD, lr=0.1, momentum=0.9)
+    model(torch.randn(4, 8)).square().mean().backward()
+    before = [p.detach().clone() for p in model.parameters()], opt.state_dict()
+    try:
+        checkpoint.load(f"{root}/overlap-0", model, opt)
+        results["first_window_load"] = "loaded"
+    except CheckpointError as error:
+        results["first_window_load"] = str(error)
+    results["first_window_load_changed_nothing"] = all(
+        torch.equal(a, b) for a, b in zip(before[0], model.parameters(), strict=True)
+    ) and str(opt.state_dict()) == str(before[1])
+    opt.step()
+    opt.zero_grad()
+
     path = Path(root) / "swap"
     checkpoint.save(path, model)
     real_replace = saving.os.replace

@@ -49,6 +49,19 @@ def test_save_after_an_overlap_ddp_backward_keeps_step_a_no_op_and_is_refused_on
         assert not r["second_save_written"]
 
 
+def test_a_load_in_the_first_window_is_refused_on_every_rank_loading_nothing(
+    overlap_and_swap: list[dict[str, Any]],
+) -> None:
+    """The first window's save is taken (it changes nothing); its load is not: the
+    backward stepped the parameters, the plain loop's step() would start from what the
+    load gives."""
+    for r in overlap_and_swap:
+        assert "between the first stepping backward() and optimizer.step()" in \
+            r["first_window_load"], r["first_window_load"]
+        assert "Nothing was written or changed" in r["first_window_load"]
+        assert r["first_window_load_changed_nothing"]
+
+
 def test_a_failed_swap_on_rank_zero_is_a_checkpoint_error_on_every_rank(
     overlap_and_swap: list[dict[str, Any]],
 ) -> None:

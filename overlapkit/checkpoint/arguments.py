@@ -58,7 +58,7 @@ def check_model_and_optimizer(model: Any, optimizer: Any, call: str) -> None:
         )
     level: Any = optimizer
     while isinstance(level, OptimizerWrapper):
-        refusal = level.checkpoint_refusal()
+        refusal = level.checkpoint_refusal(loading=call == "load")
         if refusal is not None:
             raise CheckpointError(f"{call}: {refusal} Nothing was written or changed.")
         level = level.wrapped

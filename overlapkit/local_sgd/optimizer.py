@@ -105,7 +105,7 @@ class PostLocalSGDOptimizer(OptimizerWrapper):
     def __repr__(self) -> str:
         return f"PostLocalSGDOptimizer({self.optim!r}, averager={self.averager!r})"
 
-    def checkpoint_refusal(self) -> str:
+    def checkpoint_refusal(self, *, loading: bool = False) -> str:
         """Always a reason: :mod:`overlapkit.checkpoint` saves the real optimizer's
         state and one copy (rank 0's) of what DDP replicates, so it would lose the
         averager's and the comm hook's counters (a resumed run would re-run warm-up)

@@ -315,9 +315,10 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         self.synchronize()
         return self._engine.state_dict()
 
-    def checkpoint_refusal(self) -> str | None:
-        """Refused between a stepping backward and ``step()``, as :meth:`load_state_dict`."""
-        return self._steps.window_refusal("a checkpoint")
+    def checkpoint_refusal(self, *, loading: bool = False) -> str | None:
+        """Refused between a stepping backward and ``step()``, as :meth:`load_state_dict`
+        (a load also in the first window, a save taken there)."""
+        return self._steps.window_refusal("a checkpoint", loading=loading)
 
     def rewritten_unchanged(self, versions: dict[int, int]) -> None:
         accept_rewrites(self._steps, self._engine.parameters(), versions)
