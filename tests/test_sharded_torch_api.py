@@ -7,8 +7,7 @@ training goes on bitwise the plain run (it loaded no state before 0.4),
 nothing (it was taken, and ``step()`` then refused after the parameters had stepped),
 ``consolidate_state_dict`` on only some ranks names the missing rank at the group's
 timeout (it was gloo's bare ``RuntimeError``), as does ``add_param_group`` on some
-ranks only (gloo's bare ``RuntimeError`` still), ``consolidate_state_dict(to=rank)``
-naming different ranks is refused at once on every rank (it timed out), and a rank
+ranks only (gloo's bare ``RuntimeError`` before), and a rank
 owning nothing trains, gathers and loads bitwise, through torch's API too (torch's
 initialising step on that rank alone waited for the others' exchange until the group's
 timeout), and refuses a load in the first window before anything loads (it loaded,
@@ -51,11 +50,6 @@ def test_torch_s_optimizer_state_dict_api_and_a_load_in_the_window(world_size: i
 def test_consolidate_or_add_param_group_on_some_ranks_or_to_differing_is_named(
         world_size: int) -> None:
     results = _run(ranks_.consolidated_on_some_ranks, world_size)
-    for rank, result in enumerate(results):
-        error = result["mismatched"]  # each rank named itself
-        assert error is not None and error["type"] == "ConfigurationError", (rank, error)
-        assert "to=1" in error["message"] and "Nothing was gathered" in error["message"]
-        assert result["mismatched seconds"] < 2, result
     error = results[0]["added"]  # add_param_group on rank 0 only
     assert error is not None and error["type"] == "ExchangeFailedError", error
     assert "add_param_group" in error["message"], error

@@ -157,6 +157,7 @@ class BucketStepper(BucketSteps):
 
     def run(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         if self.replaying:  # a backward of zeros that only lays the buckets out
+            self.unreduced.reduced(bucket)  # its freed zeros were never a step
             done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             done.set_result(bucket.buffer())
             return done

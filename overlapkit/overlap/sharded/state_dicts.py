@@ -27,7 +27,7 @@ import torch.distributed as dist
 from overlapkit.errors import ConfigurationError
 from overlapkit.nodes.exit_safe import gather_object
 from overlapkit.nodes.failed_collective import collective_failure
-from overlapkit.overlap.sharded.ownership import Ownership, all_gather_named
+from overlapkit.overlap.sharded.ownership import Ownership
 
 __all__ = ["SHARDED_STATE_KEY", "SHARDING_KEY", "check_sharded_state_dict",
            "gather_state_dict", "in_torch_s_initialising_step", "plain_state_dict",
@@ -132,17 +132,6 @@ def gather_state_dict(local: dict[str, Any], ownership: Ownership, group: Any,
     what = (f"gathering the sharded optimizer state on rank {to} "
             "(consolidate_state_dict(), which every rank of the DDP model's process group "
             "calls)")
-    if ownership.world_size > 1:
-        # every rank names the same one: ranks gathering on different ranks each
-        # waited for the others' shares until the group's timeout
-        chosen = all_gather_named(to, group, what)
-        if len(set(chosen)) > 1:
-            raise ConfigurationError(
-                "consolidate_state_dict(to=...) was called with different ranks on "
-                "different ranks (" + ", ".join(f"rank {r}: to={t}" for r, t in
-                                                 enumerate(chosen)) + "); every rank "
-                "names the same one, where state_dict() is then called. Nothing was "
-                "gathered.")
     owned = ownership.my_indices()
     mine = _to_cpu({index: value for index, value in local["state"].items()
                     if index in owned})
