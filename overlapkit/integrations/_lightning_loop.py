@@ -136,14 +136,14 @@ class AutomaticOptimization:
         """Refuse a backward run inside ``training_step`` (optimizer_in_backward on DDP),
         and make the early freeing of gradients end with the fit (:meth:`detach`).
 
-        Lightning runs ``training_step`` inside DDP's forward, where DDP reduces nothing
-        and the overlapped optimizer steps nothing; but ``optimizer_in_backward`` frees
-        each local gradient once DDP has copied it, and so drops what such a backward
-        accumulated, which the plain run adds to the next micro-batch's gradients. A tensor
-        hook per parameter notes it (one Python call per parameter and backward)."""
+        DDP reduces nothing there; the local gradients freed once copied are lost. A
+        tensor hook per parameter notes it: this refusal, not the unreduced buckets'."""
         def note(grad: torch.Tensor) -> None:
             if self._in_training_step:
                 self._backward_in_training_step = True
+                for _, state in getattr(ddp_model, "_comm_hooks", ()):  # ours is raised
+                    if (left := getattr(getattr(state, "stepper", state), "unreduced", None)):
+                        left.refused_elsewhere = True
 
         self._grad_hooks = [p.register_hook(note) for p in params if p.requires_grad]
         self._freeing_ddp_model = ddp_model

@@ -156,8 +156,8 @@ class BucketStepper(BucketSteps):
     # -- on the autograd thread -------------------------------------------------
 
     def run(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        self.unreduced.reduced(bucket)  # DDP ran this bucket's hook, whatever comes of it
         if self.replaying:  # a backward of zeros that only lays the buckets out
-            self.unreduced.reduced(bucket)  # its freed zeros were never a step
             done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             done.set_result(bucket.buffer())
             return done
@@ -179,7 +179,6 @@ class BucketStepper(BucketSteps):
             # DDP queues its own finalize after the last bucket's hook, so ours (queued
             # now) runs first.
             self._step_error = self.starting_backward()
-        self.unreduced.reduced(bucket)
         if self.recording_layout:
             self._seen_buckets[bucket.index()] = bucket.parameters()
         if self._answers_itself and self.global_step is None and not self.deferring:

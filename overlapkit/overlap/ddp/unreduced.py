@@ -43,6 +43,9 @@ class UnreducedGradients:
         self._technique = technique
         #: set where local gradients are freed once bucketed (``ddp.setup``)
         self.active = False
+        #: set by an integration that refuses this backward with its own error (a
+        #: backward inside Lightning's training_step, where DDP reduces nothing)
+        self.refused_elsewhere = False
         #: ``id(param)`` -> its shape, freed and not reduced yet in this backward
         self._waiting: dict[int, tuple[int, ...]] = {}
         #: ``id`` of each parameter whose bucket ran in this backward (the last
@@ -80,7 +83,8 @@ class UnreducedGradients:
     def _check(self) -> None:
         waiting, self._waiting = self._waiting, {}
         self._reduced = set()
-        if not waiting:
+        if not waiting or self.refused_elsewhere:
+            self.refused_elsewhere = False
             return
         self._refused()
         shapes = ", ".join(str(shape) for shape in list(waiting.values())[:3])
