@@ -66,8 +66,8 @@ class UnreducedGradients:
             self._waiting[id(param)] = tuple(param.shape)
 
     def reduced(self, bucket: dist.GradBucket) -> None:
-        """The comm hook runs for ``bucket`` (in a backward): its gradients are reduced
-        and stepped."""
+        """DDP runs the comm hook for ``bucket``: its gradients reach the stepper, whatever
+        it does with them (steps them, replays a layout, a refused backward)."""
         if self.active:
             self._check_at_the_end()
             for param in bucket.parameters():
