@@ -136,6 +136,16 @@ def _clamp_parameters(ddp: Any, opt: Any, i: int) -> None:
             param.clamp_(-0.1, 0.1)
 
 
+def _scale_momentum(ddp: Any, opt: Any, i: int) -> None:
+    if i == 1:  # the plain step() starts from the scaled buffer
+        opt.state[ddp.module[0].weight]["momentum_buffer"].mul_(0.5)
+
+
+def _clear_state_entry(ddp: Any, opt: Any, i: int) -> None:
+    if i == 1:  # the plain step() starts a new momentum buffer
+        opt.state[ddp.module[2].bias].clear()
+
+
 #: name -> (what the loop does between backward and step(), returning "skip" to skip
 #: that step(); what it does after step())
 WINDOWS: dict[str, tuple[Callable[[Any, Any, int], Any], Callable[[Any], None] | None]] = {
@@ -147,6 +157,8 @@ WINDOWS: dict[str, tuple[Callable[[Any, Any, int], Any], Callable[[Any], None] |
     "step twice": (lambda ddp, opt, i: None, lambda opt: opt.step()),
     "clip in two halves": (_clip_in_two_halves, None),
     "parameters clamped": (_clamp_parameters, None),
+    "momentum scaled": (_scale_momentum, None),
+    "state entry cleared": (_clear_state_entry, None),
 }
 
 

@@ -190,6 +190,18 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
             optimizer=self._engine.optimizer, plain_order=plain_order)
         steps.deferring = True
 
+    def _parameter_names(self) -> dict[int, str]:
+        """``id(param)`` -> the model's name for it, for the window's refusals: those
+        :meth:`learn_first_step` was given, else the model's the technique was built
+        on (taken once)."""
+        names: dict[int, str] | None = getattr(self, "_names", None)
+        if names is None:
+            model = getattr(self, "_model", None)
+            names = {} if not isinstance(model, torch.nn.Module) else {
+                id(p): name for name, p in model.named_parameters()}
+            self._names = names
+        return names
+
     def second_backward_refusal(self, error: BaseException) -> OverlapkitError | None:
         """:func:`~overlapkit.overlap.core.kept_graph.second_backward_refusal`, for an
         integration that runs the loop's backward (Accelerate's)."""
@@ -267,7 +279,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
             )
         scaler = self._scaler_driving()
         self.synchronize()
-        steps, names = self._steps, getattr(self, "_names", {})
+        steps, names = self._steps, self._parameter_names()
         # the first window learnt (learn_first_step): the plain order kept, or not
         clipped_by_loop = (steps.first_window is not None and steps.deferring and end_first_window(
             steps, names, self._engine.parameters(), self._technique))
@@ -278,6 +290,8 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
                 self.__dict__.pop(name, None)
             raise
         marks, steps.stepped_marks = steps.stepped_marks, None
+        if marks is not None:
+            marks.release_state()
         if stepped:
             if marks is not None:
                 refuse_changed_gradients(marks, names, self._engine.parameters(),

@@ -283,6 +283,7 @@ class StepAccount:
         (:func:`~overlapkit.overlap.core.step_hooks.follow_step_hooks`), or refusing it
         (a global post-hook with sharded state,
         :func:`~overlapkit.overlap.core.step_hooks.sharded_post_hook_refusal`)."""
+        self.release_state()
         refusal = sharded_post_hook_refusal(self)
         if refusal is not None:
             return refusal
@@ -301,8 +302,15 @@ class StepAccount:
             marks = FirstWindow(optimizer=self.settings_of, learned=self.learned)
             marks.mark(params)
             marks.mark_settings()
+            self.release_state()
             marks.mark_state()
             self.stepped_marks = marks
+
+    def release_state(self) -> None:
+        """The optimizer's ``state`` watched since the last stepping backward is the
+        plain dict again (:meth:`FirstWindow.release_state`)."""
+        if self.stepped_marks is not None:
+            self.stepped_marks.release_state()
 
     def deferred(self) -> None:
         """The deferred backwards are over (``defer_steps()`` left): forget what they
@@ -313,6 +321,7 @@ class StepAccount:
         it there, so the window is closed and the next backward is not refused for it
         (and its gradients, reduced into ``.grad`` all the same, are not an edit)."""
         self.window = 0
+        self.release_state()
         self.stepped_marks = None
 
     def step_called(self) -> bool:
@@ -372,6 +381,7 @@ class StepAccount:
         """
         if self.first_window is not None and self.deferring:
             self.first_window.discard()
+        self.release_state()
         window, self.window, self.stepped_marks = self.window, 0, None
         freed_norm_read, self.freed_norm_read = self.freed_norm_read, False
         if window and self.steps_after_backward:

@@ -133,7 +133,8 @@ def unwatch_grad(param: torch.Tensor) -> None:
 
 
 class WatchedState(MutableMapping[Any, Any]):
-    """The optimizer's ``state`` between a backward and ``step()`` in the first window:
+    """The optimizer's ``state`` between a backward and ``step()`` (in the first window,
+    or after a stepping backward: :class:`~overlapkit.overlap.core.state_marks.StateWrites`):
     the same dict behind it; the loop reading it (or writing) is noted in the window."""
 
     def __init__(self, state: MutableMapping[Any, Any], window: _Window) -> None:
@@ -158,3 +159,15 @@ class WatchedState(MutableMapping[Any, Any]):
 
     def __len__(self) -> int:
         return len(self._note())
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._note()  # not through __getitem__ (a defaultdict's insert)
+
+    def __repr__(self) -> str:
+        return repr(self._note())
+
+    def __getattr__(self, name: str) -> Any:
+        """The dict's other attributes (``default_factory``), as on the dict."""
+        if name in ("state", "window"):
+            raise AttributeError(name)
+        return getattr(self._note(), name)

@@ -35,7 +35,8 @@ In a loop no integration sets up, the step is taken during backward from the fir
 so what the loop does in the window that the plain ``step()`` would have used is
 refused at that ``step()`` (:func:`refuse_changed_gradients`), from the first step on:
 a gradient changed or set, a parameter changed in place, a param-group setting changed
-(a warm-up, ``lr_scheduler.step()`` called first), a param group added, the state reset.
+(a warm-up, ``lr_scheduler.step()`` called first), a param group added, the state reset
+or one parameter's entry written (:mod:`~overlapkit.overlap.core.state_marks`).
 The parameters have taken the step by then: the message says so, and names
 ``learn_first_step`` (:data:`LEARN`), which has such a loop learnt as above.
 """
@@ -51,6 +52,7 @@ import torch
 
 from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.core.group_settings import changed_settings, settings
+from overlapkit.overlap.core.state_marks import StateWrites
 from overlapkit.overlap.core.watched_reads import (
     WatchedState,
     is_watched,
@@ -117,9 +119,8 @@ class FirstWindow:
     #: the loop's first step was learnt (``learn_first_step``): its refusals do not
     #: suggest it
     learned: bool = False
-    #: ``(id, len)`` of the optimizer's ``state`` after a stepping backward
-    #: (:meth:`mark_state`), or None
-    state_seen: tuple[int, int] | None = None
+    #: the optimizer's ``state`` watched after a stepping backward (:meth:`mark_state`)
+    state_writes: StateWrites | None = None
 
     def mark(self, params: Iterable[torch.Tensor]) -> None:
         """Record the gradients of ``params`` as they are now (end of a backward, or
@@ -139,22 +140,28 @@ class FirstWindow:
             self.settings = settings(self.optimizer)
 
     def mark_state(self) -> None:
-        """Record the optimizer's ``state`` as a stepping backward leaves it: a reset or
-        replaced state before ``step()`` shows (not a clear of one parameter's entry:
-        that would cost a look-up per parameter and backward). Not while it is watched."""
+        """Watch the optimizer's ``state`` as a stepping backward leaves it, until
+        :meth:`release_state`: a reset or replaced state before ``step()`` shows, and a
+        write to one parameter's entry (:mod:`~overlapkit.overlap.core.state_marks`)."""
         if self.optimizer is not None:
-            state = self.optimizer.state
-            self.state_seen = (id(state), len(state))
+            self.release_state()
+            self.state_writes = StateWrites(self.optimizer)
+
+    def release_state(self) -> None:
+        """Stop watching the state (``step()``, the next backward); what was noted
+        stays for :meth:`state_reset` and :meth:`state_written`."""
+        if self.state_writes is not None:
+            self.state_writes.release()
+
+    def state_written(self, names: Mapping[int, str]) -> list[str]:
+        """The names of the parameters whose state entry the loop wrote since
+        :meth:`mark_state` (the state itself not reset)."""
+        return [] if self.state_writes is None else self.state_writes.written(names)
 
     def state_reset(self) -> list[str]:
-        """``["optimizer.state (N entries -> M)"]`` when it changed since
-        :meth:`mark_state`, else empty."""
-        if self.optimizer is None or self.state_seen is None:
-            return []
-        state = self.optimizer.state
-        if (id(state), len(state)) == self.state_seen:
-            return []
-        return [f"optimizer.state ({self.state_seen[1]} entries -> {len(state)}, a reset)"]
+        """``["optimizer.state (N entries -> M, a reset)"]`` when it was replaced or
+        emptied since :meth:`mark_state`, else empty."""
+        return [] if self.state_writes is None else self.state_writes.reset()
 
     def watch_state(self) -> None:
         """Note the loop's reads of ``optimizer.state`` until :meth:`unwatch` (while
@@ -305,6 +312,16 @@ def refuse_changed_gradients(marks: FirstWindow, names: Mapping[int, str],
             "settings before backward() (an LR scheduler stepped after optimizer.step() "
             f"does){learn}"
         )
+    written = marks.state_written(names)
+    if written:
+        raise ConfigurationError(
+            f"the optimizer's state of {_shown(written)} was written between backward() "
+            "and optimizer.step() (a moment scaled in place, an entry cleared, replaced "
+            f"or deleted), after {technique} had already stepped them during backward "
+            "with the state before the write, where the plain step starts from the "
+            "written state. The parameters have taken it: restart from the last "
+            "checkpoint after fixing the loop. Write the optimizer's state after "
+            f"optimizer.step(){learn}")
     moved = marks.moved(dict(names), params)
     if moved:
         raise ConfigurationError(
