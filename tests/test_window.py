@@ -28,6 +28,7 @@ from window_ranks import run
 
 import overlapkit
 from overlapkit.distributed import run_distributed
+from overlapkit.overlap.core.state_marks import StateReadInWindowWarning
 from overlapkit.overlap.rules.late_clipping import FreedGradientNormWarning
 
 
@@ -405,3 +406,17 @@ def test_the_state_watched_in_the_window_reads_as_the_dict_and_is_given_back() -
     opt.step()  # reading is not a write: nothing refused
     assert type(opt.state) is collections.defaultdict
     assert type(opt.optimizer.state) is collections.defaultdict
+
+
+def test_a_state_read_between_backward_and_step_is_warned_of_once() -> None:
+    # it holds this step's update already (0.4.0: silently)
+    module, opt = _stepped_once()
+    with pytest.warns(StateReadInWindowWarning, match="holds this step's update already"):
+        opt.state[module[0].weight]["exp_avg"].norm()
+    opt.step()
+    opt.zero_grad()
+    module(rank_batches(0, 3)[2]).square().mean().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dict(opt.state_dict())  # warned once per optimizer
+    opt.step()

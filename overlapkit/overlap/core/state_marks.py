@@ -24,6 +24,8 @@ before that backward.
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,7 +34,8 @@ import torch
 
 from overlapkit.overlap.core.watched_reads import WatchedState
 
-__all__ = ["StateMarks", "StateWrites", "mark_entries", "written_entries"]
+__all__ = ["StateMarks", "StateReadInWindowWarning", "StateWrites", "mark_entries",
+           "state_read_warning", "written_entries"]
 
 
 @attrs.frozen(eq=False)
@@ -98,12 +101,35 @@ def written_entries(state: Mapping[Any, Any], marks: StateMarks,
     return found
 
 
+class StateReadInWindowWarning(UserWarning):
+    """The loop read the optimizer's state between a stepping backward and ``step()``:
+    it holds this step's update already, the plain loop's the last step's."""
+
+
+#: the optimizers whose loop was warned (once each)
+_WARNED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+def state_read_warning(technique: str) -> str:
+    return (
+        f"{technique} took this step during backward, so the optimizer's state read "
+        "between backward() and optimizer.step() holds this step's update already (the "
+        "plain loop's holds the last step's). Read the state after optimizer.step() or "
+        "before backward(), or call optimizer.learn_first_step(model) once before the "
+        "loop (a loop reading it at its first step then takes every step at "
+        "optimizer.step(), bitwise the plain loop). A write there is refused at "
+        "optimizer.step(). Shown once.")
+
+
 class StateWrites:
     """The optimizer's ``state`` from a stepping backward to ``step()``: watched, its
-    entries marked at the loop's first access (see the module docstring)."""
+    entries marked at the loop's first access (see the module docstring), which is
+    warned of once per optimizer (:class:`StateReadInWindowWarning`) in a loop known to
+    call ``step()`` (``technique`` given)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, technique: str | None = None) -> None:
         self.optimizer = optimizer
+        self.technique = technique
         state = optimizer.state
         #: the dict behind, its id and length as the backward left it
         self.state: Any = state.state if isinstance(state, WatchedState) else state
@@ -126,6 +152,10 @@ class StateWrites:
     def state_read(self, value: bool) -> None:
         if value and self.marks is None:
             self.marks = mark_entries(self.state)
+            if self.technique is not None and self.optimizer not in _WARNED:
+                _WARNED.add(self.optimizer)
+                warnings.warn(state_read_warning(self.technique), StateReadInWindowWarning,
+                              stacklevel=4)
 
     def note_read(self, name: str) -> None:
         """A gradient read: not this watch's."""

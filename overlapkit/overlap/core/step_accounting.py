@@ -303,7 +303,7 @@ class StepAccount:
             marks.mark(params)
             marks.mark_settings()
             self.release_state()
-            marks.mark_state()
+            marks.mark_state(self.technique if self.calls_step else None)
             self.stepped_marks = marks
 
     def release_state(self) -> None:

@@ -139,13 +139,15 @@ class FirstWindow:
         if self.optimizer is not None:
             self.settings = settings(self.optimizer)
 
-    def mark_state(self) -> None:
+    def mark_state(self, warn_reads: str | None = None) -> None:
         """Watch the optimizer's ``state`` as a stepping backward leaves it, until
         :meth:`release_state`: a reset or replaced state before ``step()`` shows, and a
-        write to one parameter's entry (:mod:`~overlapkit.overlap.core.state_marks`)."""
+        write to one parameter's entry (:mod:`~overlapkit.overlap.core.state_marks`);
+        ``warn_reads``: the technique, to warn of a read (a loop known to call
+        ``step()``)."""
         if self.optimizer is not None:
             self.release_state()
-            self.state_writes = StateWrites(self.optimizer)
+            self.state_writes = StateWrites(self.optimizer, warn_reads)
 
     def release_state(self) -> None:
         """Stop watching the state (``step()``, the next backward); what was noted
