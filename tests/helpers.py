@@ -192,3 +192,21 @@ def on_each_real_step(opt: Any, record: Callable[[torch.optim.Optimizer], Any]) 
         return step(*args, **kwargs)
 
     real.step = recorded
+
+
+def stepped_once(params: Any = None) -> tuple[nn.Module, Any]:
+    """A plain module under optimizer_in_backward after one ordinary step and the
+    backward of the next."""
+    import overlapkit
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    opt = overlapkit.optimizer_in_backward(
+        module, torch.optim.AdamW, lr=1e-2,
+        params=None if params is None else params(module))
+    first, second = rank_batches(0, 2)
+    module(first).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    module(second).square().mean().backward()
+    return module, opt

@@ -13,7 +13,6 @@ learn the loop at its first step instead
 
 from __future__ import annotations
 
-import collections
 import copy
 import math
 import pickle
@@ -22,13 +21,12 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import compare, rank_batches, values
+from helpers import compare, rank_batches, stepped_once, values
 from torch import nn
 from window_ranks import run
 
 import overlapkit
 from overlapkit.distributed import run_distributed
-from overlapkit.overlap.core.state_marks import StateReadInWindowWarning
 from overlapkit.overlap.rules.late_clipping import FreedGradientNormWarning
 
 
@@ -240,25 +238,9 @@ def test_copying_or_pickling_the_optimizer_is_refused_naming_the_state_dict(
     copy.deepcopy(opt.state_dict())  # what the message says works
 
 
-def _stepped_once(params: Any = None) -> tuple[nn.Module, Any]:
-    """A plain module under optimizer_in_backward after one ordinary step and the
-    backward of the next."""
-    torch.manual_seed(0)
-    module = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
-    opt = overlapkit.optimizer_in_backward(
-        module, torch.optim.AdamW, lr=1e-2,
-        params=None if params is None else params(module))
-    first, second = rank_batches(0, 2)
-    module(first).square().mean().backward()
-    opt.step()
-    opt.zero_grad()
-    module(second).square().mean().backward()
-    return module, opt
-
-
 def test_load_state_dict_between_backward_and_step_is_refused_loading_nothing() -> None:
     # the plain step() steps from the loaded state (0.4.0: 0.018 off, silently)
-    _, opt = _stepped_once()
+    _, opt = stepped_once()
     saved = copy.deepcopy(opt.state_dict())
     with pytest.raises(overlapkit.ConfigurationError, match="Nothing was loaded"):
         opt.load_state_dict({**saved, "state": {}})
@@ -271,7 +253,7 @@ def test_load_state_dict_between_backward_and_step_is_refused_loading_nothing() 
 def test_load_state_dict_in_the_first_window_is_refused_loading_nothing() -> None:
     # whether the loop calls step() is not known yet: 0.4.0 loaded (lr and state
     # replaced), then refused the step() that followed, after the load
-    _, opt = _stepped_once()
+    _, opt = stepped_once()
     saved = copy.deepcopy(opt.state_dict())
     saved["param_groups"][0]["lr"] = 5.0
     torch.manual_seed(0)
@@ -291,7 +273,7 @@ def test_load_state_dict_in_the_first_window_is_refused_loading_nothing() -> Non
 
 def test_a_param_group_added_between_backward_and_step_is_refused_at_step() -> None:
     # the plain step() steps the added parameters with this backward's gradients
-    module, opt = _stepped_once(lambda m: list(m[0].parameters()))
+    module, opt = stepped_once(lambda m: list(m[0].parameters()))
     opt.add_param_group({"params": list(module[2].parameters())})
     with pytest.raises(overlapkit.ConfigurationError, match=r"settings \(param groups\)"):
         opt.step()
@@ -346,77 +328,3 @@ def test_a_parameter_clamped_in_a_learned_first_step_keeps_the_plain_order_bitwi
     ours, said = train("optimizer_in_backward")
     assert compare(expected, ours)
     assert len(said) == 1 and "were changed in place" in said[0], said
-
-
-def test_an_optimizer_state_reset_between_backward_and_step_is_refused_at_step() -> None:
-    # the plain step() starts from the empty state (0.4.0: silently kept this step's)
-    _, opt = _stepped_once()
-    opt.state = collections.defaultdict(dict)
-    with pytest.raises(overlapkit.ConfigurationError, match=r"optimizer\.state \(4 entries -> 0"):
-        opt.step()
-
-
-@pytest.mark.parametrize("write", ["scaled", "replaced", "cleared", "deleted"])
-def test_one_parameters_state_written_between_backward_and_step_is_refused_at_step(
-        write: str) -> None:
-    # 0.4.0: not detected (the step had used the state before the write)
-    module, opt = _stepped_once()
-    weight = module[0].weight
-    if write == "scaled":
-        opt.state[weight]["exp_avg"].mul_(0.5)
-    elif write == "replaced":
-        opt.state[weight]["exp_avg_sq"] = opt.state[weight]["exp_avg_sq"] * 2
-    elif write == "cleared":
-        opt.state[weight].clear()
-    else:
-        del opt.state[weight]
-    with pytest.raises(overlapkit.ConfigurationError,
-                       match=r"state of 0\.weight.* was written between backward"):
-        opt.step()
-
-
-def test_state_read_for_parameters_without_state_is_not_a_reset() -> None:
-    # opt.state[p] creates an empty entry for a parameter the optimizer does not step
-    # (0.4.0: refused at step() as "a reset")
-    def train(technique: str | None) -> list[torch.Tensor]:
-        torch.manual_seed(0)
-        module = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
-        stepped = list(module[0].parameters())
-        if technique is None:
-            opt: Any = torch.optim.AdamW(stepped, lr=1e-2)
-        else:
-            opt = overlapkit.optimizer_in_backward(module, torch.optim.AdamW, lr=1e-2,
-                                                   params=stepped)
-        for batch in rank_batches(0, 3):
-            module(batch).square().mean().backward()
-            assert [len(opt.state[p]) > 0 for p in module.parameters()].count(True) in (0, 2)
-            opt.step()
-            opt.zero_grad()
-        return values(module)
-
-    assert compare(train(None), train("optimizer_in_backward"))
-
-
-def test_the_state_watched_in_the_window_reads_as_the_dict_and_is_given_back() -> None:
-    module, opt = _stepped_once()
-    state = opt.state
-    assert state.default_factory is dict
-    assert module[0].weight in state and len(state) == 4
-    assert repr(state).startswith("defaultdict(")
-    opt.step()  # reading is not a write: nothing refused
-    assert type(opt.state) is collections.defaultdict
-    assert type(opt.optimizer.state) is collections.defaultdict
-
-
-def test_a_state_read_between_backward_and_step_is_warned_of_once() -> None:
-    # it holds this step's update already (0.4.0: silently)
-    module, opt = _stepped_once()
-    with pytest.warns(StateReadInWindowWarning, match="holds this step's update already"):
-        opt.state[module[0].weight]["exp_avg"].norm()
-    opt.step()
-    opt.zero_grad()
-    module(rank_batches(0, 3)[2]).square().mean().backward()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        dict(opt.state_dict())  # warned once per optimizer
-    opt.step()

@@ -18,6 +18,7 @@ overlapkit's own reads (the loop's clip answered, the step) run under
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
@@ -165,6 +166,15 @@ class WatchedState(MutableMapping[Any, Any]):
 
     def __repr__(self) -> str:
         return repr(self._note())
+
+    def __copy__(self) -> Any:
+        return copy.copy(self._note())  # the dict's copy, not a second watch
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return copy.deepcopy(self._note(), memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self._note().__reduce_ex__(protocol)  # pickled as the dict
 
     def __getattr__(self, name: str) -> Any:
         """The dict's other attributes (``default_factory``), as on the dict."""
