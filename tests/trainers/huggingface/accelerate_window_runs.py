@@ -290,3 +290,66 @@ def norm_after_the_clip(technique: str | None) -> dict[str, Any]:
             if step == STEPS:
                 break
     return {"norms": norms, "warnings": [str(w.message) for w in caught]}
+
+
+def checkpoint_in_the_window(case: str, technique: str | None, at: int,
+                             directory: str) -> dict[str, Any]:
+    """A loop calling ``accelerator.save_state`` (``case`` "save") or ``load_state``
+    ("load", of the plain loop's checkpoint after its first step, saved in ``directory``
+    by ``case`` "make") between the clip and ``optimizer.step()`` of step ``at``: the
+    error, whether the call left the parameters as they were, and the parameters after
+    STEPS steps (or at the error)."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from helpers import error_of
+
+    quiet()
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True)
+    model = gpt2()
+    model, optimizer = prepared(accelerator, model,
+                                torch.optim.AdamW(model.parameters(), lr=LR), technique,
+                                MAX_NORM)
+    data = accelerator.prepare(torch.utils.data.DataLoader(Tokens("gpt2"), batch_size=2))
+    error, unchanged = None, True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step, batch in enumerate(data, start=1):
+            accelerator.backward(model(**batch).loss)
+            accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+            if step == at and case in ("save", "load"):
+                before = [p.detach().clone() for p in model.parameters()]
+                call = accelerator.save_state if case == "save" else accelerator.load_state
+                error = error_of(lambda: call(directory))  # noqa: B023
+                unchanged = all(p.detach().equal(b) for p, b in
+                                zip(model.parameters(), before, strict=True))
+                if error is not None:
+                    break
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 1 and case == "make":
+                accelerator.save_state(directory)
+            if step == STEPS:
+                break
+    return {"error": error, "unchanged": unchanged,
+            "params": parameters(accelerator.unwrap_model(model))}
+
+
+def checkpoints(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    """Per technique, ``save_state`` and ``load_state`` in the window of the third step
+    (refused: the error, whether the parameters were left as they were, whether the
+    save wrote anything)."""
+    import os
+
+    checkpoint_in_the_window("make", None, 0, f"{directory}/made")
+    out: dict[str, Any] = {}
+    for technique in ("overlap_ddp", "optimizer_in_backward"):
+        saved = f"{directory}/{technique}-saved"
+        out[technique] = {
+            "save": checkpoint_in_the_window("save", technique, 3, saved),
+            "load": checkpoint_in_the_window("load", technique, 3, f"{directory}/made")}
+        out[technique]["save"]["wrote"] = os.path.exists(saved)
+        for result in out[technique].values():
+            del result["params"]
+    return out

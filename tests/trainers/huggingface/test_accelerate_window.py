@@ -25,6 +25,8 @@ import pytest
 from accelerate_window_runs import (
     CASES,
     MAX_NORM,
+    checkpoint_in_the_window,
+    checkpoints,
     compare_case,
     gans,
     norm_after_the_clip,
@@ -166,3 +168,65 @@ def test_the_norm_asked_after_the_clip_once_overlapping_is_never_the_unclipped_o
     assert all(norm <= MAX_NORM for norm in plain), plain
     assert all(math.isnan(norm) for norm in ours["norms"]), ours["norms"]
     assert any("freed during backward" in w for w in ours["warnings"]), ours["warnings"]
+
+
+def _checkpoint_refused(result: dict[str, Any], call: str) -> None:
+    error = result["error"]
+    assert error is not None and error["type"] == "ConfigurationError", error
+    assert f"accelerator.{call}() refused" in error["message"], error["message"]
+    assert "Call it before the forward or after optimizer.step()" in error["message"]
+    assert result["unchanged"]
+
+
+def test_save_and_load_state_in_a_later_window_are_refused_before_anything_changes(
+        tmp_path: Any) -> None:
+    """Between a stepping backward and step(), the plain loop's save keeps the parameters
+    before the step and its load gives the step its start. Before the sixth probe:
+    save_state kept this step, silently (the model 0.0101 off the plain loop's
+    checkpoint, Adam's moments 0.0056), and load_state loaded the model, then the
+    optimizer refused its part (the parameters 0.0201 changed, training on refused)."""
+    checkpoint_in_the_window("make", None, 0, f"{tmp_path}/made")
+    save = checkpoint_in_the_window("save", "optimizer_in_backward", 3, f"{tmp_path}/saved")
+    _checkpoint_refused(save, "save_state")
+    assert "Nothing was written" in save["error"]["message"]
+    assert not (tmp_path / "saved").exists()
+    load = checkpoint_in_the_window("load", "optimizer_in_backward", 3, f"{tmp_path}/made")
+    _checkpoint_refused(load, "load_state")
+    assert "Nothing was loaded" in load["error"]["message"]
+
+
+@pytest.mark.parametrize("call", ["save", "load"])
+def test_save_and_load_state_in_the_first_window_are_the_plain_loops(
+        tmp_path: Any, call: str) -> None:
+    """The first step is deferred (nothing has stepped in its window): the save there is
+    the plain loop's checkpoint, the load there its start, bitwise."""
+    from helpers import compare
+
+    checkpoint_in_the_window("make", None, 0, f"{tmp_path}/made")
+    where = f"{tmp_path}/made" if call == "load" else f"{tmp_path}/{{}}"
+    plain = checkpoint_in_the_window(call, None, 1, where.format("plain"))
+    ours = checkpoint_in_the_window(call, "optimizer_in_backward", 1, where.format("ours"))
+    assert plain["error"] is None and ours["error"] is None, ours["error"]
+    assert compare(plain["params"], ours["params"])
+    if call == "save":
+        assert compare(_saved(tmp_path / "plain"), _saved(tmp_path / "ours"))
+
+
+def _saved(directory: Any) -> dict[str, Any]:
+    """The model and the optimizer state save_state wrote."""
+    import torch
+    from safetensors.torch import load_file
+
+    tensors = dict(load_file(str(directory / "model.safetensors")))
+    state = torch.load(directory / "optimizer.bin", weights_only=False)["state"]
+    tensors.update({f"state {index} {name}": value for index, entry in state.items()
+                    for name, value in entry.items() if isinstance(value, torch.Tensor)})
+    return tensors
+
+
+def test_two_ranks_save_and_load_state_in_a_later_window_are_refused(tmp_path: Any) -> None:
+    for rank_results in run_distributed(checkpoints, 2, args=(str(tmp_path),), timeout=600):
+        for technique in ("overlap_ddp", "optimizer_in_backward"):
+            _checkpoint_refused(rank_results[technique]["save"], "save_state")
+            assert not rank_results[technique]["save"]["wrote"]
+            _checkpoint_refused(rank_results[technique]["load"], "load_state")
