@@ -299,14 +299,16 @@ class OverlapTrainer(Trainer):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's, after a look at what changed since the technique was set up
-        (:meth:`_clip_users`) and at whether this micro-batch, run outside ``no_sync``,
-        ends no optimizer step (:func:`~overlapkit.integrations._trainer_window.
-        unsynced_micro_batch`): either turns the rest of the run to the plain order
-        before this micro-batch's backward, which would step."""
+        (:meth:`window_users`: a window callback added since, even by another callback's
+        ``on_step_begin`` that runs after this Trainer's own; :meth:`_clip_users`) and at
+        whether this micro-batch, run outside ``no_sync``, ends no optimizer step
+        (:func:`~overlapkit.integrations._trainer_window.unsynced_micro_batch`): any of
+        them turns the rest of the run to the plain order before this micro-batch's
+        backward, which would step."""
         facade = getattr(self.optimizer, "optimizer", None)
         if isinstance(facade, OverlappedOptimizerFacade) and not self.overlap_off_by:
             self._overlap_loop_users = unsynced_micro_batch(self)
-            if self._clip_users() or self._overlap_loop_users:
+            if self.window_users():
                 self.set_up_overlap(from_step=self.state.global_step + 1)
         return super().training_step(*args, **kwargs)
 

@@ -19,7 +19,11 @@ refused at the Trainer's clip, after the step it was for) or set to 0 for a seco
 (silently 0.0152 off, other logged ``grad_norm``), a frozen layer unfrozen while
 training (refused after its step), an optimizer given through
 ``optimizers=`` over part of the trainable parameters (refused at the first clip, after
-the first backward stepped)."""
+the first backward stepped). Found by the sixth probe: an epoch shorter than the
+accumulation window (stepped in its unsynced last micro-batch, then refused as a second
+backward, 0.0252 off), a window callback added in another callback's ``on_step_begin``
+(that step's edit missed, 0.0180 off), ``model_init`` (the overlap off from the second
+``train()``, with a false warning)."""
 
 from __future__ import annotations
 
@@ -68,7 +72,8 @@ NAMED = {"callback zeroes rows": "ZeroOldRows.on_pre_optimizer_step",
          "a layer unfrozen while training": "requires_grad changed on 1 parameter since",
          "optimizer over part of the model": "requiring grad outside the optimizer",
          "epoch shorter than the window": "a micro-batch run outside no_sync() that ends "
-                                          "no optimizer step"}
+                                          "no optimizer step",
+         "callback added at a step's beginning": "ZeroOldRows.on_pre_optimizer_step"}
 
 
 @pytest.mark.parametrize("case", CASES)
