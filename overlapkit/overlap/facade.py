@@ -11,6 +11,7 @@ backward that already stepped, so existing training loops keep working.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -22,7 +23,7 @@ from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.overlap.backward_steps import BackwardSteps
 from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.overlap.core.kept_graph import second_backward_refusal
-from overlapkit.overlap.core.step_accounting import zeros_refusal
+from overlapkit.overlap.core.step_accounting import zeros_refusal, zeros_warning
 from overlapkit.overlap.core.window import FirstWindow, end_first_window, refuse_changed_gradients
 from overlapkit.overlap.core.window import accept_unchanged_rewrites as accept_rewrites
 from overlapkit.overlap.rebuild import refuse_retired, release_steps
@@ -303,10 +304,18 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
 
         :raises ConfigurationError: ``set_to_none=False`` after a backward that freed
             the gradients it stepped (``optimizer_in_backward``), before anything is
-            zeroed (:func:`~overlapkit.overlap.core.step_accounting.zeros_refusal`)."""
+            zeroed (:func:`~overlapkit.overlap.core.step_accounting.zeros_refusal`).
+            Before one, in a loop that learnt its first step (``learn_first_step``), every
+            later step is taken in the plain order instead, keeping the zeroed gradients,
+            with one warning (``zeros_warning``)."""
         refuse_retired(self._steps, "zero_grad()")
         if not set_to_none and self._steps.freed:
             raise zeros_refusal(self._technique)
+        if (not set_to_none and self._technique == "optimizer_in_backward"
+                and self._steps.learned and self._steps.first_window is None):
+            # learnt, before a backward freed anything: the plain order keeps the zeros
+            warnings.warn(zeros_warning(self._technique), UserWarning, stacklevel=2)
+            self.learn_first_step(plain_order=True)
         self._steps.zero_grad_called()
         self.synchronize()
         self._engine.zero_grad(set_to_none=set_to_none)

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from overlapkit.overlap.core.engine import OverlapEngine
 
 __all__ = ["StepAccount", "accumulation_error", "backward_without_step_error",
-           "discarded_step_error", "step_again_error", "zeros_refusal"]
+           "discarded_step_error", "step_again_error", "zeros_refusal", "zeros_warning"]
 
 
 def backward_without_step_error(technique: str, accumulate: str) -> ConfigurationError:
@@ -157,6 +157,19 @@ def zeros_refusal(technique: str) -> ConfigurationError:
         "backward does not reach the parameter, and the loop may read it). Nothing was "
         "zeroed. Call zero_grad() (set_to_none=True, torch's default): every gradient is "
         "None then, as here, and the run is the plain loop's.")
+
+
+def zeros_warning(technique: str) -> str:
+    """``zero_grad(set_to_none=False)`` in a loop that learnt its first step
+    (``learn_first_step``), before any backward has freed a gradient: honoured by taking
+    every later step at ``step()`` in the plain order, the gradients kept (and zeroed) as
+    the plain loop keeps them, where :func:`zeros_refusal` would stop the run at the
+    next ``zero_grad`` (Accelerate: after two steps, the sixth probe)."""
+    return (f"{technique} takes every step of this loop from now on at optimizer.step(), in "
+            "the plain order, without overlap: zero_grad(set_to_none=False) keeps a zero "
+            "gradient for every parameter, which it would free once stepped. The run is the "
+            "plain loop's, bitwise. To keep the overlap: call zero_grad() (set_to_none=True, "
+            "torch's default).")
 
 
 class StepAccount:

@@ -25,6 +25,7 @@ import pytest
 from accelerate_window_runs import (
     CASES,
     MAX_NORM,
+    ZEROS,
     checkpoint_in_the_window,
     checkpoints,
     compare_case,
@@ -230,3 +231,21 @@ def test_two_ranks_save_and_load_state_in_a_later_window_are_refused(tmp_path: A
             _checkpoint_refused(rank_results[technique]["save"], "save_state")
             assert not rank_results[technique]["save"]["wrote"]
             _checkpoint_refused(rank_results[technique]["load"], "load_state")
+
+
+def test_one_process_zero_grad_keeping_zeros_is_the_plain_loop_with_one_warning() -> None:
+    """``zero_grad(set_to_none=False)`` keeps a zero gradient per parameter, which
+    optimizer_in_backward frees. Before the sixth probe: refused at the third step's
+    zero_grad, after two steps (the run stopped)."""
+    check_plain_order(compare_case(ZEROS, ("optimizer_in_backward",))["optimizer_in_backward"],
+                      "zero_grad(set_to_none=False) keeps a zero gradient")
+
+
+def test_two_ranks_zero_grad_keeping_zeros_is_the_plain_loop(
+        two_ranks: list[dict[str, Any]]) -> None:
+    for rank_results in two_ranks:
+        check_plain_order(rank_results[ZEROS]["optimizer_in_backward"],
+                          "zero_grad(set_to_none=False) keeps a zero gradient")
+        same, differences, warned = rank_results[ZEROS]["overlap_ddp"]
+        assert same, differences
+        assert warned == [], warned  # overlap_ddp keeps the gradients: the overlap stays
