@@ -114,6 +114,9 @@ class FirstWindow:
     #: the loop clipped (or asked their norm) again after that: it reads the clipped
     #: gradients' norm, which a step taken during backward does not keep
     clipped_again: bool = False
+    #: the loop's clip by the set-up norm left out this many of the optimizer's
+    #: parameters with gradients (a clip of part of the model), or 0
+    clipped_part: int = 0
     #: the loop's first step was learnt (``learn_first_step``): its refusals do not
     #: suggest it
     learned: bool = False
@@ -261,6 +264,10 @@ def end_first_window(steps: Any, names: Mapping[int, str], params: list[torch.Te
         if window.clipped_again:
             used.append("clip_grad_norm_ was called again after the loop's clip (the "
                         "plain one returns the clipped gradients' norm)")
+        if window.clipped_part:
+            used.append(f"clip_grad_norm_ left out {window.clipped_part} of the "
+                        "optimizer's parameters (its clip during backward would take "
+                        "the norm over all of them)")
         if window.state_read:
             used.append(f"the optimizer's state was read (from the second step on it "
                         f"would hold that step's update already: {technique} steps "

@@ -19,7 +19,7 @@ from trainer_helpers import prepared
 
 CASES = ("manual accumulation", "gradient noise", "gradient masking",
          "gradient norms logged", "warm-up by hand", "optimizer state logged",
-         "norm logged after the clip")
+         "norm logged after the clip", "clip of part of the model")
 STEPS, MAX_NORM, LR = 4, 1.0, 1e-2
 #: a loop zeroing with zero_grad(set_to_none=False) (the sixth probe: under
 #: optimizer_in_backward refused at the third step's zero_grad, two steps taken; now the
@@ -65,7 +65,10 @@ def loop(case: str, technique: str | None) -> dict[str, Any]:
                     param.grad[:4] = 0
                 elif case == "gradient norms logged":  # read only, before the clip
                     logged.append(torch.linalg.vector_norm(param.grad))
-            norms.append(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM))
+            clipped = (accelerator.unwrap_model(model).transformer.h.parameters()
+                       if case == "clip of part of the model"  # the blocks only (sixth
+                       else model.parameters())  # probe: refused after step 2, stepped)
+            norms.append(accelerator.clip_grad_norm_(clipped, MAX_NORM))
             if case == "norm logged after the clip":  # the clipped gradients' norm
                 norms.append(accelerator.clip_grad_norm_(model.parameters(), float("inf")))
             optimizer.step()
