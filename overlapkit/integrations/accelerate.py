@@ -343,7 +343,7 @@ def prepare(accelerator: Accelerator, model: torch.nn.Module,
     # between backward and step (overlapkit.overlap.core.window), before anything steps
     facade.learn_first_step(
         prepared, accumulate="inside `with accelerator.accumulate(model):` (or "
-        "`with accelerator.no_sync(model):`)")
+        "`with accelerator.no_sync(model):`)", loop_clips=clip_grad_norm)
     _refuse_backward_through_stepped(accelerator, prepared, facade)
     guard_checkpoints(accelerator, lambda: list(
         getattr(accelerator, "_overlapkit_facades", {}).values()))

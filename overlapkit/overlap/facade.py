@@ -161,7 +161,8 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
             steps.deferred()
 
     def learn_first_step(self, model: torch.nn.Module | None = None,
-                         accumulate: str | None = None, *, plain_order: bool = False) -> None:
+                         accumulate: str | None = None, *, plain_order: bool = False,
+                         loop_clips: float | None = None) -> None:
         """Defer the first optimizer step, to see what the loop does between backward and
         ``step()`` before anything steps (:mod:`~overlapkit.overlap.core.window`), then step
         during backward from the second step on — or, when the loop used that window
@@ -175,6 +176,9 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         ``step()``, how that framework accumulates (``"inside `with ...`"``).
         ``plain_order``: every step at ``step()`` from now on, nothing to learn (an
         integration that found the loop uses the window after set-up warns itself).
+        ``loop_clips``: the ``clip_grad_norm=`` the loop says it clips with itself before
+        ``step()``; a first step it did not clip before is refused, nothing stepped
+        (Accelerate's ``prepare``: the sixth probe found such a loop clipped silently).
         """
         steps = self._steps
         if plain_order and steps.first_window is not None and steps.first_window.plain_order:
@@ -188,7 +192,8 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         reads_matter = self._technique == "optimizer_in_backward" or steps.full_step is not None
         steps.first_window = FirstWindow(
             watching=dict(self._names) if reads_matter and not plain_order else None,
-            optimizer=self._engine.optimizer, plain_order=plain_order)
+            optimizer=self._engine.optimizer, plain_order=plain_order,
+            loop_clips=loop_clips)
         steps.deferring = True
 
     def second_backward_refusal(self, error: BaseException) -> OverlapkitError | None:

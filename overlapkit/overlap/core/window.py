@@ -114,6 +114,9 @@ class FirstWindow:
     #: the loop clipped (or asked their norm) again after that: it reads the clipped
     #: gradients' norm, which a step taken during backward does not keep
     clipped_again: bool = False
+    #: the ``clip_grad_norm=`` the loop says it clips with before each ``step()``
+    #: (Accelerate's ``prepare``), or None: a first step without that clip is refused
+    loop_clips: float | None = None
     #: the loop's clip by the set-up norm left out this many of the optimizer's
     #: parameters with gradients (a clip of part of the model), or 0
     clipped_part: int = 0
@@ -243,6 +246,14 @@ def end_first_window(steps: Any, names: Mapping[int, str], params: list[torch.Te
     window = steps.first_window
     assert window is not None
     clipped = window.clipped
+    if window.loop_clips is not None and not window.plain_order and not window.clipped_to_norm:
+        raise ConfigurationError(
+            f"{technique} was set up with clip_grad_norm={window.loop_clips:g} (the loop's "
+            "clip), but the loop called no clip_grad_norm_ with it between its backward and "
+            "this first optimizer.step(): the plain loop's step is then not clipped, and "
+            f"{technique} would clip every step during backward. Nothing has stepped yet. "
+            "Clip before optimizer.step() (accelerator.clip_grad_norm_(model.parameters(), "
+            f"{window.loop_clips:g})), or pass clip_grad_norm=None if the loop does not clip.")
     if not window.plain_order:
         used = []
         if window.backwards > 1:

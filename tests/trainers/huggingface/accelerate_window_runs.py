@@ -194,11 +194,13 @@ def refused_in_the_window(case: str, technique: str) -> dict[str, Any]:
                 group["lr"] = LR / 2
         if case == "clip by value":
             accelerator.clip_grad_value_(model.parameters(), 0.05)
-        else:
+        elif case not in ("no clip", "clip after the step"):
             accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
         for each in (optimizer, other):  # one step() each (a second is refused)
             if each is not None:
                 each.step()
+                if case == "clip after the step":  # a mis-ordered loop: no clip before
+                    accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
                 each.zero_grad()
 
     with warnings.catch_warnings():

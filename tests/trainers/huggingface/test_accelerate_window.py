@@ -123,6 +123,10 @@ def test_a_learning_rate_changed_in_the_window_after_the_overlap_began_raises_at
 @pytest.mark.parametrize(("case", "named"), [
     ("clip by value", r"clip_grad_value_\(\.\.\., clip_value=0\.05\).*clip_grad_value=0\.05"),
     ("clip over two optimizers", r"4 parameters with gradients that this .* does not step"),
+    # the sixth probe: set up with clip_grad_norm= by a loop that does not clip before
+    # step(): clipped every step, silently (0.0103 off the plain loop after 4 steps)
+    ("no clip", r"set up with clip_grad_norm=1 \(the loop's clip\), but the loop called no"),
+    ("clip after the step", r"clip_grad_norm=None if the loop does not clip"),
 ])
 def test_a_clip_the_optimizer_was_not_set_up_for_is_refused_before_anything_steps(
         case: str, named: str) -> None:
