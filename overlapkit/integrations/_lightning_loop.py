@@ -105,8 +105,8 @@ class AutomaticOptimization:
         self._backward_in_training_step = self._in_training_step = False
         #: the DDP model whose parameters optimizer_in_backward frees early, until detach
         self._freeing_ddp_model: DistributedDataParallel | None = None
-        #: optimizer_in_backward: the gradients the first optimizer step kept, watched
-        #: for reads until the next training_step (:meth:`_after_first_step`)
+        #: optimizer_in_backward: the gradients the first optimizer step kept, watched for
+        #: reads up to the next zero_grad, after training_step (:meth:`_after_first_step`)
         self._reads: tuple[FirstWindow, list[torch.Tensor]] | None = None
         #: what changes in the optimizer turns the fit to the plain order
         self._changes: OptimizerChanges | None = None
@@ -157,7 +157,6 @@ class AutomaticOptimization:
     def training_step(self, step: Callable[[], Any]) -> Any:
         """``Strategy.training_step``, refused after it ran a backward that
         :meth:`watch_training_step` saw (before Lightning's backward: nothing stepped)."""
-        self._after_first_step()
         found = None if self._changes is None or self.plain_order else self._changes.found()
         if found is not None:
             self._plain_order_from_now("from this one on", *found)
@@ -166,6 +165,7 @@ class AutomaticOptimization:
             output = step()
         finally:
             self._in_training_step = False
+        self._after_first_step()  # the module's training_step read the kept ones too?
         if self._backward_in_training_step:
             self._backward_in_training_step = False
             raise ConfigurationError(
@@ -316,21 +316,21 @@ class AutomaticOptimization:
         return closure_result  # what a torch optimizer's step(closure) returns
 
     def _after_first_step(self) -> None:
-        """Before the training_step that follows the first optimizer step: when a hook
-        read the gradients that step kept (which optimizer_in_backward frees from the
-        second step on), every later step is taken at ``step()`` in the plain order."""
+        """After the training_step following the first step (the plain zero_grad is next):
+        a read of the gradients that step kept, by a hook or that training_step (freed from
+        the second step on: None, sixth probe), takes every later step at ``step()``."""
         if self._reads is None:
             return
         (window, params), self._reads = self._reads, None
         window.unwatch(params)
-        if window.read and self.optimizer is not None:
+        if window.read and self.optimizer is not None and not self.plain_order:
             shown = ", ".join(window.read[:3]) + (" and others" if len(window.read) > 3
                                                    else "")
             self._plain_order_from_now(
                 "from the second on", f"the gradients of {shown} were read after the "
-                "first optimizer step (by a hook), where the plain loop keeps them until "
-                "the next zero_grad and optimizer_in_backward would have freed them",
-                "read gradients in no hook, or use "
+                "first optimizer step (by a hook or training_step), where the plain loop keeps "
+                "them until the next zero_grad and optimizer_in_backward would have freed them",
+                "read gradients in no hook nor in training_step, or use "
                 "OverlapDDPStrategy(technique='overlap_ddp') (it keeps them)")
 
     def _plain_order_from_now(self, steps: str, why: str, keep: str) -> None:

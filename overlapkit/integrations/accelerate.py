@@ -35,7 +35,8 @@ maps onto overlapkit's own rules:
   more processes), or ``optimizer.no_step()`` on a plain module;
 - ``optimizer.step()`` / ``zero_grad()``, the prepared scheduler,
   ``accelerator.save_state()`` / ``load_state()``: the facade's (plain ``state_dict()``
-  format).
+  format); between a stepping backward and ``step()`` they are refused, writing or
+  loading nothing (:mod:`~overlapkit.integrations._accelerate_window`).
 
 What it cannot honour raises :class:`~overlapkit.errors.ConfigurationError` before
 anything is prepared (:func:`check_accelerator`).
@@ -62,6 +63,10 @@ from accelerate.utils import DistributedType  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from overlapkit.errors import ConfigurationError, UnsupportedModelError  # noqa: E402
+from overlapkit.integrations._accelerate_window import (  # noqa: E402
+    PAUSED,
+    guard_checkpoints,
+)
 from overlapkit.integrations.existing_optimizer import (  # noqa: E402
     check_technique,
     overlap_existing,
@@ -272,7 +277,11 @@ def _pause_steps_in_no_sync(accelerator: Accelerator, model: torch.nn.Module,
                     yield
                 else:
                     with pausing():
-                        yield
+                        setattr(accelerator, PAUSED, getattr(accelerator, PAUSED, 0) + 1)
+                        try:
+                            yield
+                        finally:
+                            setattr(accelerator, PAUSED, getattr(accelerator, PAUSED) - 1)
 
         accelerator.no_sync = no_sync
         accelerator._overlapkit_pauses = pauses
@@ -334,8 +343,10 @@ def prepare(accelerator: Accelerator, model: torch.nn.Module,
     # between backward and step (overlapkit.overlap.core.window), before anything steps
     facade.learn_first_step(
         prepared, accumulate="inside `with accelerator.accumulate(model):` (or "
-        "`with accelerator.no_sync(model):`)")
+        "`with accelerator.no_sync(model):`)", loop_clips=clip_grad_norm)
     _refuse_backward_through_stepped(accelerator, prepared, facade)
+    guard_checkpoints(accelerator, lambda: list(
+        getattr(accelerator, "_overlapkit_facades", {}).values()))
     return prepared, accelerator.prepare(facade)
 
 

@@ -60,6 +60,10 @@ from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from overlapkit.errors import ConfigurationError, UnsupportedOptimizerError  # noqa: E402
+from overlapkit.integrations._trainer_window import (  # noqa: E402
+    plain_order_warning,
+    unsynced_micro_batch,
+)
 from overlapkit.integrations.accelerate import (  # noqa: E402
     check_accelerator,
     overlap_prepared,
@@ -142,9 +146,14 @@ class OverlapTrainer(Trainer):
         self.overlap_in_plain_order = bool(step_in_plain_order)
         #: what turned the overlap off for this run (:meth:`window_users`), or empty
         self.overlap_off_by: list[str] = []
-        #: the clip the technique was set up with and the ids of the parameters requiring
-        #: grad then (:meth:`_clip_users`), or None before set-up
-        self._overlap_clip_set_up: tuple[float | None, frozenset[int]] | None = None
+        #: what the Trainer's loop did that a step during backward cannot follow (seen in
+        #: :meth:`training_step`); the steps stay in the plain order from then on
+        self._overlap_loop_users: list[str] = []
+        #: the clip the technique was set up with, the ids of the parameters requiring
+        #: grad then (:meth:`_clip_users`) and the model it was set up on, or None before
+        #: set-up
+        self._overlap_clip_set_up: tuple[
+            float | None, frozenset[int], weakref.ref[torch.nn.Module]] | None = None
         super().__init__(*args, **kwargs)
         self._overlap_optimizer_given = self.optimizer is not None
         if isinstance(self.optimizer, OptimizerWrapper):
@@ -243,7 +252,8 @@ class OverlapTrainer(Trainer):
         edit, no optimizer kept).
         """
         found = ["step_in_plain_order=True"] if self.overlap_in_plain_order else []
-        return found + trainer_window_users(self, skip=(OverlapTrainer,)) + self._clip_users()
+        return (found + trainer_window_users(self, skip=(OverlapTrainer,))
+                + self._clip_users() + self._overlap_loop_users)
 
     def _trainer_clip(self) -> float | None:
         """The ``clip_grad_norm=`` that matches the Trainer's clip with ``args`` as they are
@@ -267,7 +277,7 @@ class OverlapTrainer(Trainer):
             return []
         trainable = frozenset(id(p) for p in self.model.parameters() if p.requires_grad)
         if self._overlap_clip_set_up is not None:
-            clip, before = self._overlap_clip_set_up
+            clip, before, _ = self._overlap_clip_set_up
             found = []
             if self._trainer_clip() != clip:
                 found.append(f"max_grad_norm={self.args.max_grad_norm}, changed since the "
@@ -289,12 +299,17 @@ class OverlapTrainer(Trainer):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's, after a look at what changed since the technique was set up
-        (:meth:`_clip_users`): such a change turns the rest of the run to the plain order
-        before this micro-batch's backward, which would step."""
+        (:meth:`window_users`: a window callback added since, even by another callback's
+        ``on_step_begin`` that runs after this Trainer's own; :meth:`_clip_users`) and at
+        whether this micro-batch, run outside ``no_sync``, ends no optimizer step
+        (:func:`~overlapkit.integrations._trainer_window.unsynced_micro_batch`): any of
+        them turns the rest of the run to the plain order before this micro-batch's
+        backward, which would step."""
         facade = getattr(self.optimizer, "optimizer", None)
-        if (isinstance(facade, OverlappedOptimizerFacade) and not self.overlap_off_by
-                and self._clip_users()):
-            self.set_up_overlap(from_step=self.state.global_step + 1)
+        if isinstance(facade, OverlappedOptimizerFacade) and not self.overlap_off_by:
+            self._overlap_loop_users = unsynced_micro_batch(self)
+            if self.window_users():
+                self.set_up_overlap(from_step=self.state.global_step + 1)
         return super().training_step(*args, **kwargs)
 
     def set_up_overlap(self, from_step: int | None = None) -> None:
@@ -317,6 +332,12 @@ class OverlapTrainer(Trainer):
             warning names it).
         """
         prepared = self.optimizer
+        if (from_step is None and self._overlap_clip_set_up is not None
+                and self._overlap_clip_set_up[2]() is not self.model):
+            # a new model (model_init builds one at each train(), each hyperparameter
+            # trial): what changed since the last set-up is no longer the question (it
+            # was: every parameter's requires_grad "changed", the overlap off)
+            self._overlap_clip_set_up = None
         users = self.window_users()
         facade = getattr(prepared, "optimizer", None)
         set_up = isinstance(facade, OverlappedOptimizerFacade)
@@ -326,7 +347,7 @@ class OverlapTrainer(Trainer):
                     and release_elsewhere(self.model_wrapped, own))
         if users:
             if users != self.overlap_off_by:  # one warning, not one per train()
-                warnings.warn(_plain_order_warning(self.overlap_technique, users, from_step),
+                warnings.warn(plain_order_warning(self.overlap_technique, users, from_step),
                               UserWarning, stacklevel=2)
             self.overlap_off_by = users
             if isinstance(facade, OverlappedOptimizerFacade) and not released:  # set up by
@@ -361,24 +382,5 @@ class OverlapTrainer(Trainer):
         model = self.model
         assert isinstance(model, torch.nn.Module)  # the Trainer has one to train
         self._overlap_clip_set_up = (clip, frozenset(
-            id(p) for p in model.parameters() if p.requires_grad))
+            id(p) for p in model.parameters() if p.requires_grad), weakref.ref(model))
 
-
-def _plain_order_warning(technique: str, users: list[str], from_step: int | None) -> str:
-    steps = ("every step of this run" if from_step is None
-             else f"every step from step {from_step} on")
-    return (
-        f"OverlapTrainer(technique={technique!r}) takes {steps} at the "
-        "Trainer's optimizer.step(), in the plain order, without overlap: "
-        f"{', '.join(users)} (each may read or change the gradients or the optimizer "
-        "between backward and step, or make the Trainer's clip there differ from the one "
-        "set up: a window that stepping during backward removes). The run is "
-        "the plain Trainer's. To keep the overlap: do that work in on_step_end or "
-        "on_step_begin instead, or, for a callback (or a Trainer subclass) that reads no "
-        "gradients there, set the class attribute overlapkit_reads_no_gradients = True; "
-        "set max_grad_norm and requires_grad before train() and leave them, and give the "
-        "optimizer every parameter that requires grad; "
-        "move gradient edits and second backwards out of training_step; give a custom "
-        "optimizer "
-        "through optimizers=(optimizer, None) instead of a create_optimizer override."
-    )

@@ -56,6 +56,9 @@ class BackwardSteps(Protocol):
     #: what the loop does in the window while steps are deferred to learn it, or None
     first_window: FirstWindow | None
 
+    #: the first step was learnt (``learn_first_step``) and the loop steps in backward
+    learned: bool
+
     #: the loop has called step() right after a stepping backward
     calls_step: bool
 

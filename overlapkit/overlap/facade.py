@@ -11,6 +11,7 @@ backward that already stepped, so existing training loops keep working.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -23,7 +24,12 @@ from overlapkit.overlap.backward_steps import BackwardSteps
 from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.overlap.core.kept_graph import second_backward_refusal
 from overlapkit.overlap.core.step_accounting import zeros_refusal
-from overlapkit.overlap.core.window import FirstWindow, end_first_window, refuse_changed_gradients
+from overlapkit.overlap.core.window import (
+    FirstWindow,
+    end_first_window,
+    refuse_changed_gradients,
+    zeros_warning,
+)
 from overlapkit.overlap.core.window import accept_unchanged_rewrites as accept_rewrites
 from overlapkit.overlap.rebuild import refuse_retired, release_steps
 from overlapkit.overlap.rules.amp_scaler import (
@@ -160,7 +166,8 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
             steps.deferred()
 
     def learn_first_step(self, model: torch.nn.Module | None = None,
-                         accumulate: str | None = None, *, plain_order: bool = False) -> None:
+                         accumulate: str | None = None, *, plain_order: bool = False,
+                         loop_clips: float | None = None) -> None:
         """Defer the first optimizer step, to see what the loop does between backward and
         ``step()`` before anything steps (:mod:`~overlapkit.overlap.core.window`), then step
         during backward from the second step on — or, when the loop used that window
@@ -174,6 +181,9 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         ``step()``, how that framework accumulates (``"inside `with ...`"``).
         ``plain_order``: every step at ``step()`` from now on, nothing to learn (an
         integration that found the loop uses the window after set-up warns itself).
+        ``loop_clips``: the ``clip_grad_norm=`` the loop says it clips with itself before
+        ``step()``; a first step it did not clip before is refused, nothing stepped
+        (Accelerate's ``prepare``: the sixth probe found such a loop clipped silently).
         """
         steps = self._steps
         if plain_order and steps.first_window is not None and steps.first_window.plain_order:
@@ -187,7 +197,8 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         reads_matter = self._technique == "optimizer_in_backward" or steps.full_step is not None
         steps.first_window = FirstWindow(
             watching=dict(self._names) if reads_matter and not plain_order else None,
-            optimizer=self._engine.optimizer, plain_order=plain_order)
+            optimizer=self._engine.optimizer, plain_order=plain_order,
+            loop_clips=loop_clips)
         steps.deferring = True
 
     def _parameter_names(self) -> dict[int, str]:
@@ -317,10 +328,18 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
 
         :raises ConfigurationError: ``set_to_none=False`` after a backward that freed
             the gradients it stepped (``optimizer_in_backward``), before anything is
-            zeroed (:func:`~overlapkit.overlap.core.step_accounting.zeros_refusal`)."""
+            zeroed (:func:`~overlapkit.overlap.core.step_accounting.zeros_refusal`).
+            Before one, in a loop that learnt its first step (``learn_first_step``), every
+            later step is taken in the plain order instead, keeping the zeroed gradients,
+            with one warning (``zeros_warning``)."""
         refuse_retired(self._steps, "zero_grad()")
         if not set_to_none and self._steps.freed:
             raise zeros_refusal(self._technique)
+        if (not set_to_none and self._technique == "optimizer_in_backward"
+                and self._steps.learned and self._steps.first_window is None):
+            # learnt, before a backward freed anything: the plain order keeps the zeros
+            warnings.warn(zeros_warning(self._technique), UserWarning, stacklevel=2)
+            self.learn_first_step(plain_order=True)
         self._steps.zero_grad_called()
         self.synchronize()
         self._engine.zero_grad(set_to_none=set_to_none)

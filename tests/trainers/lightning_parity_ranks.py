@@ -37,6 +37,7 @@ CASES: dict[str, dict[str, Any]] = {
         "gradient_clip_val": 0.05, "accumulate_grad_batches": 2},
     "a callback reads .grad in on_train_batch_start": {},
     "a module reads .grad in on_after_batch_transfer": {},
+    "a module reads .grad in training_step": {},
     # the window between backward and step: stepped in the plain order (WARNED)
     "on_before_optimizer_step logs gradient norms": {},
     "on_before_optimizer_step reads the parameters and the optimizer state": {},
@@ -69,6 +70,8 @@ WARNED: dict[str, dict[str, str]] = {
                            else "ReadsGradsAtStart.on_train_batch_start" if "start" in case
                            else "were read after the first optimizer step")
        for case in READS_GRADS},
+    "a module reads .grad in training_step": dict.fromkeys(
+        ("optimizer_in_backward", "one device"), "were read after the first optimizer step"),
     "self.optimizer kept, lr lowered by hand": dict.fromkeys(
         ("optimizer_in_backward", "one device"), "LowersItsLr.on_train_batch_start"),
     "on_before_optimizer_step logs gradient norms": dict.fromkeys(
@@ -160,6 +163,21 @@ class ReadsGradsAfterTransfer(Regression):
             ReadsGrads.on_train_batch_end(self, self.trainer, self, None,  # type: ignore[arg-type]
                                           batch, 0)
         return batch
+
+
+class ReadsGradsInTrainingStep(Regression):
+    """Reads every gradient in ``training_step``, before Lightning's ``zero_grad``: the
+    last step's, in the plain loop (the sixth probe: optimizer_in_backward had freed
+    them, None read from the third step on, silently)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ReadsGrads.on_train_batch_end(self, self.trainer, self, None,  # type: ignore[arg-type]
+                                      batch, batch_idx)
+        return super().training_step(batch, batch_idx)
 
 
 class LowersLrInAStepHook(Callback):
@@ -277,6 +295,7 @@ MODULES: dict[str, type[Regression]] = {
         ClipsFromTheSecondStep,
     "LR warm-up set in optimizer_step": WarmsUp,
     "a module reads .grad in on_after_batch_transfer": ReadsGradsAfterTransfer,
+    "a module reads .grad in training_step": ReadsGradsInTrainingStep,
 }
 
 
@@ -329,7 +348,7 @@ def fit(label: str, case: str, world_size: int, root: Path,
             str(w.message) for w in caught if "overlap" in str(w.message)]}
         if (case in READS_GRADS and "callback" in case) or "step pre-hook" in case:
             out["state"] = options["callbacks"][0].read
-        if isinstance(module, ReadsGradsAfterTransfer):
+        if isinstance(module, (ReadsGradsAfterTransfer, ReadsGradsInTrainingStep)):
             out["state"] = module.read
         if isinstance(module, ReadsBeforeTheStep):
             out["state"] = module.record

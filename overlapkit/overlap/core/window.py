@@ -62,7 +62,7 @@ from overlapkit.overlap.core.watched_reads import (
 )
 
 __all__ = ["LEARN", "FirstWindow", "accept_unchanged_rewrites", "end_first_window",
-           "plain_order_warning",
+           "plain_order_warning", "zeros_warning",
            "quiet_reads", "refuse_changed_gradients", "state"]
 
 #: what a hand-written loop that works in the window calls to have it honoured
@@ -116,6 +116,12 @@ class FirstWindow:
     #: the loop clipped (or asked their norm) again after that: it reads the clipped
     #: gradients' norm, which a step taken during backward does not keep
     clipped_again: bool = False
+    #: the ``clip_grad_norm=`` the loop says it clips with before each ``step()``
+    #: (Accelerate's ``prepare``), or None: a first step without that clip is refused
+    loop_clips: float | None = None
+    #: the loop's clip by the set-up norm left out this many of the optimizer's
+    #: parameters with gradients (a clip of part of the model), or 0
+    clipped_part: int = 0
     #: the loop's first step was learnt (``learn_first_step``): its refusals do not
     #: suggest it
     learned: bool = False
@@ -238,6 +244,20 @@ def plain_order_warning(technique: str, used: str) -> str:
     )
 
 
+def zeros_warning(technique: str) -> str:
+    """``zero_grad(set_to_none=False)`` in a loop that learnt its first step
+    (``learn_first_step``), before any backward has freed a gradient: honoured by taking
+    every later step at ``step()`` in the plain order, the gradients kept (and zeroed) as
+    the plain loop keeps them, where
+    :func:`~overlapkit.overlap.core.step_accounting.zeros_refusal` would stop the run at
+    the next ``zero_grad`` (Accelerate: after two steps, the sixth probe)."""
+    return (f"{technique} takes every step of this loop from now on at optimizer.step(), in "
+            "the plain order, without overlap: zero_grad(set_to_none=False) keeps a zero "
+            "gradient for every parameter, which it would free once stepped. The run is the "
+            "plain loop's, bitwise. To keep the overlap: call zero_grad() (set_to_none=True, "
+            "torch's default).")
+
+
 def end_first_window(steps: Any, names: Mapping[int, str], params: list[torch.Tensor],
                      technique: str) -> bool:
     """At ``step()`` while the facade's ``learn_first_step`` defers: decide whether the
@@ -249,6 +269,14 @@ def end_first_window(steps: Any, names: Mapping[int, str], params: list[torch.Te
     window = steps.first_window
     assert window is not None
     clipped = window.clipped
+    if window.loop_clips is not None and not window.plain_order and not window.clipped_to_norm:
+        raise ConfigurationError(
+            f"{technique} was set up with clip_grad_norm={window.loop_clips:g} (the loop's "
+            "clip), but the loop called no clip_grad_norm_ with it between its backward and "
+            "this first optimizer.step(): the plain loop's step is then not clipped, and "
+            f"{technique} would clip every step during backward. Nothing has stepped yet. "
+            "Clip before optimizer.step() (accelerator.clip_grad_norm_(model.parameters(), "
+            f"{window.loop_clips:g})), or pass clip_grad_norm=None if the loop does not clip.")
     if not window.plain_order:
         used = []
         if window.backwards > 1:
@@ -270,6 +298,10 @@ def end_first_window(steps: Any, names: Mapping[int, str], params: list[torch.Te
         if window.clipped_again:
             used.append("clip_grad_norm_ was called again after the loop's clip (the "
                         "plain one returns the clipped gradients' norm)")
+        if window.clipped_part:
+            used.append(f"clip_grad_norm_ left out {window.clipped_part} of the "
+                        "optimizer's parameters (its clip during backward would take "
+                        "the norm over all of them)")
         if window.state_read:
             used.append(f"the optimizer's state was read (from the second step on it "
                         f"would hold that step's update already: {technique} steps "

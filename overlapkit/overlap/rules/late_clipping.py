@@ -151,7 +151,10 @@ def _refuse_other_clip_in_window(params: list[torch.Tensor], max_norm: float,
                                  norm_type: float) -> None:
     """A clip by norm in a deferred first step that is not the one the optimizer was
     set up with: the later steps, taken during backward, could not honour it, so it is
-    refused now, before anything steps (``max_norm=inf``, a norm for logging, passes)."""
+    refused now, before anything steps (``max_norm=inf``, a norm for logging, passes).
+    The set-up ``max_norm`` over part of the optimizer's parameters (``model.transformer
+    .parameters()``: the sixth probe found it refused after the second step was taken)
+    is learnt instead: the loop then steps in the plain order, its clip the plain one."""
     if math.isinf(max_norm):
         return
     for param in params:
@@ -173,6 +176,12 @@ def _refuse_other_clip_in_window(params: list[torch.Tensor], max_norm: float,
                 "Nothing has stepped yet. Clip each optimizer's parameters in its own call "
                 "(clip_grad_norm_(params_of_this_optimizer, ...)), or step them all with "
                 f"one optimizer.{_framework_hint()}")
+        asked = {id(p) for p in params}
+        left_out = sum(1 for p, ref in list(_STEPPERS.items()) if ref() is stepper
+                       and p.grad is not None and id(p) not in asked)
+        if left_out and clipping is not None and clipping.norm == max_norm:
+            stepper.first_window.clipped_part = left_out  # learnt: the plain order
+            return
         if (clipping is None or clipping.norm != max_norm
                 or float(clipping.norm_type) != float(norm_type)):
             option = f"clip_grad_norm={max_norm:g}" + (

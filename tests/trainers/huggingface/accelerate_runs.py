@@ -25,9 +25,14 @@ def loop(technique: str | None, kind: str, *, save: str | None = None,
     ``resume``. Returns the parameters and the norms the clip returned."""
     import torch
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from transformers import get_scheduler
 
     quiet()
+    # the settings of an Accelerator an earlier test file left (one pytest worker runs
+    # several files: after test_accelerate_window.py this one raised "AcceleratorState
+    # has already been initialized")
+    AcceleratorState._reset_state(True)
     accelerator = Accelerator(cpu=CPU, mixed_precision="bf16",
                               gradient_accumulation_steps=ACCUMULATE)
     model = MODELS[kind]()
@@ -108,8 +113,10 @@ def rebuilt(technique: str | None, new_accelerator: bool, steps: int = 2) -> dic
     ``steps`` more: parameters, clip norms, SGD's state."""
     import torch
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
     quiet()
+    AcceleratorState._reset_state(True)
     accelerator = Accelerator(cpu=CPU, gradient_accumulation_steps=ACCUMULATE)
     model: Any = MODELS["gpt2"]()
     data = accelerator.prepare(torch.utils.data.DataLoader(Tokens("gpt2"), batch_size=2))

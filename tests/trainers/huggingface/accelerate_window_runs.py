@@ -19,8 +19,12 @@ from trainer_helpers import prepared
 
 CASES = ("manual accumulation", "gradient noise", "gradient masking",
          "gradient norms logged", "warm-up by hand", "optimizer state logged",
-         "norm logged after the clip")
+         "norm logged after the clip", "clip of part of the model")
 STEPS, MAX_NORM, LR = 4, 1.0, 1e-2
+#: a loop zeroing with zero_grad(set_to_none=False) (the sixth probe: under
+#: optimizer_in_backward refused at the third step's zero_grad, two steps taken; now the
+#: plain order from the first, bitwise, one warning; overlap_ddp keeps the overlap)
+ZEROS = "zero_grad(set_to_none=False)"
 
 
 def loop(case: str, technique: str | None) -> dict[str, Any]:
@@ -61,11 +65,14 @@ def loop(case: str, technique: str | None) -> dict[str, Any]:
                     param.grad[:4] = 0
                 elif case == "gradient norms logged":  # read only, before the clip
                     logged.append(torch.linalg.vector_norm(param.grad))
-            norms.append(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM))
+            clipped = (accelerator.unwrap_model(model).transformer.h.parameters()
+                       if case == "clip of part of the model"  # the blocks only (sixth
+                       else model.parameters())  # probe: refused after step 2, stepped)
+            norms.append(accelerator.clip_grad_norm_(clipped, MAX_NORM))
             if case == "norm logged after the clip":  # the clipped gradients' norm
                 norms.append(accelerator.clip_grad_norm_(model.parameters(), float("inf")))
             optimizer.step()
-            optimizer.zero_grad()
+            optimizer.zero_grad(set_to_none=case != ZEROS)
             steps += 1
             if steps == STEPS:
                 break
@@ -134,6 +141,7 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
     out["second backward"] = {t: second_backward(t)
                               for t in ("overlap_ddp", "optimizer_in_backward")}
     out["gan"] = gans(("overlap_ddp", "optimizer_in_backward"))
+    out[ZEROS] = compare_case(ZEROS, ("overlap_ddp", "optimizer_in_backward"))
     return out
 
 
@@ -186,11 +194,13 @@ def refused_in_the_window(case: str, technique: str) -> dict[str, Any]:
                 group["lr"] = LR / 2
         if case == "clip by value":
             accelerator.clip_grad_value_(model.parameters(), 0.05)
-        else:
+        elif case not in ("no clip", "clip after the step"):
             accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
         for each in (optimizer, other):  # one step() each (a second is refused)
             if each is not None:
                 each.step()
+                if case == "clip after the step":  # a mis-ordered loop: no clip before
+                    accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
                 each.zero_grad()
 
     with warnings.catch_warnings():
@@ -290,3 +300,66 @@ def norm_after_the_clip(technique: str | None) -> dict[str, Any]:
             if step == STEPS:
                 break
     return {"norms": norms, "warnings": [str(w.message) for w in caught]}
+
+
+def checkpoint_in_the_window(case: str, technique: str | None, at: int,
+                             directory: str) -> dict[str, Any]:
+    """A loop calling ``accelerator.save_state`` (``case`` "save") or ``load_state``
+    ("load", of the plain loop's checkpoint after its first step, saved in ``directory``
+    by ``case`` "make") between the clip and ``optimizer.step()`` of step ``at``: the
+    error, whether the call left the parameters as they were, and the parameters after
+    STEPS steps (or at the error)."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from helpers import error_of
+
+    quiet()
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True)
+    model = gpt2()
+    model, optimizer = prepared(accelerator, model,
+                                torch.optim.AdamW(model.parameters(), lr=LR), technique,
+                                MAX_NORM)
+    data = accelerator.prepare(torch.utils.data.DataLoader(Tokens("gpt2"), batch_size=2))
+    error, unchanged = None, True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step, batch in enumerate(data, start=1):
+            accelerator.backward(model(**batch).loss)
+            accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+            if step == at and case in ("save", "load"):
+                before = [p.detach().clone() for p in model.parameters()]
+                call = accelerator.save_state if case == "save" else accelerator.load_state
+                error = error_of(lambda: call(directory))  # noqa: B023
+                unchanged = all(p.detach().equal(b) for p, b in
+                                zip(model.parameters(), before, strict=True))
+                if error is not None:
+                    break
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 1 and case == "make":
+                accelerator.save_state(directory)
+            if step == STEPS:
+                break
+    return {"error": error, "unchanged": unchanged,
+            "params": parameters(accelerator.unwrap_model(model))}
+
+
+def checkpoints(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    """Per technique, ``save_state`` and ``load_state`` in the window of the third step
+    (refused: the error, whether the parameters were left as they were, whether the
+    save wrote anything)."""
+    import os
+
+    checkpoint_in_the_window("make", None, 0, f"{directory}/made")
+    out: dict[str, Any] = {}
+    for technique in ("overlap_ddp", "optimizer_in_backward"):
+        saved = f"{directory}/{technique}-saved"
+        out[technique] = {
+            "save": checkpoint_in_the_window("save", technique, 3, saved),
+            "load": checkpoint_in_the_window("load", technique, 3, f"{directory}/made")}
+        out[technique]["save"]["wrote"] = os.path.exists(saved)
+        for result in out[technique].values():
+            del result["params"]
+    return out

@@ -25,6 +25,9 @@ import pytest
 from accelerate_window_runs import (
     CASES,
     MAX_NORM,
+    ZEROS,
+    checkpoint_in_the_window,
+    checkpoints,
     compare_case,
     gans,
     norm_after_the_clip,
@@ -43,7 +46,8 @@ NAMED = {"manual accumulation": "2 backwards ran before one optimizer.step()",
          "gradient norms logged": "were read",
          "warm-up by hand": "settings (lr of param group 0) were changed",
          "optimizer state logged": "the optimizer's state was read",
-         "norm logged after the clip": "clip_grad_norm_ was called again after"}
+         "norm logged after the clip": "clip_grad_norm_ was called again after",
+         "clip of part of the model": "clip_grad_norm_ left out"}
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +123,10 @@ def test_a_learning_rate_changed_in_the_window_after_the_overlap_began_raises_at
 @pytest.mark.parametrize(("case", "named"), [
     ("clip by value", r"clip_grad_value_\(\.\.\., clip_value=0\.05\).*clip_grad_value=0\.05"),
     ("clip over two optimizers", r"4 parameters with gradients that this .* does not step"),
+    # the sixth probe: set up with clip_grad_norm= by a loop that does not clip before
+    # step(): clipped every step, silently (0.0103 off the plain loop after 4 steps)
+    ("no clip", r"set up with clip_grad_norm=1 \(the loop's clip\), but the loop called no"),
+    ("clip after the step", r"clip_grad_norm=None if the loop does not clip"),
 ])
 def test_a_clip_the_optimizer_was_not_set_up_for_is_refused_before_anything_steps(
         case: str, named: str) -> None:
@@ -166,3 +174,83 @@ def test_the_norm_asked_after_the_clip_once_overlapping_is_never_the_unclipped_o
     assert all(norm <= MAX_NORM for norm in plain), plain
     assert all(math.isnan(norm) for norm in ours["norms"]), ours["norms"]
     assert any("freed during backward" in w for w in ours["warnings"]), ours["warnings"]
+
+
+def _checkpoint_refused(result: dict[str, Any], call: str) -> None:
+    error = result["error"]
+    assert error is not None and error["type"] == "ConfigurationError", error
+    assert f"accelerator.{call}() refused" in error["message"], error["message"]
+    assert "Call it before the forward or after optimizer.step()" in error["message"]
+    assert result["unchanged"]
+
+
+def test_save_and_load_state_in_a_later_window_are_refused_before_anything_changes(
+        tmp_path: Any) -> None:
+    """Between a stepping backward and step(), the plain loop's save keeps the parameters
+    before the step and its load gives the step its start. Before the sixth probe:
+    save_state kept this step, silently (the model 0.0101 off the plain loop's
+    checkpoint, Adam's moments 0.0056), and load_state loaded the model, then the
+    optimizer refused its part (the parameters 0.0201 changed, training on refused)."""
+    checkpoint_in_the_window("make", None, 0, f"{tmp_path}/made")
+    save = checkpoint_in_the_window("save", "optimizer_in_backward", 3, f"{tmp_path}/saved")
+    _checkpoint_refused(save, "save_state")
+    assert "Nothing was written" in save["error"]["message"]
+    assert not (tmp_path / "saved").exists()
+    load = checkpoint_in_the_window("load", "optimizer_in_backward", 3, f"{tmp_path}/made")
+    _checkpoint_refused(load, "load_state")
+    assert "Nothing was loaded" in load["error"]["message"]
+
+
+@pytest.mark.parametrize("call", ["save", "load"])
+def test_save_and_load_state_in_the_first_window_are_the_plain_loops(
+        tmp_path: Any, call: str) -> None:
+    """The first step is deferred (nothing has stepped in its window): the save there is
+    the plain loop's checkpoint, the load there its start, bitwise."""
+    from helpers import compare
+
+    checkpoint_in_the_window("make", None, 0, f"{tmp_path}/made")
+    where = f"{tmp_path}/made" if call == "load" else f"{tmp_path}/{{}}"
+    plain = checkpoint_in_the_window(call, None, 1, where.format("plain"))
+    ours = checkpoint_in_the_window(call, "optimizer_in_backward", 1, where.format("ours"))
+    assert plain["error"] is None and ours["error"] is None, ours["error"]
+    assert compare(plain["params"], ours["params"])
+    if call == "save":
+        assert compare(_saved(tmp_path / "plain"), _saved(tmp_path / "ours"))
+
+
+def _saved(directory: Any) -> dict[str, Any]:
+    """The model and the optimizer state save_state wrote."""
+    import torch
+    from safetensors.torch import load_file
+
+    tensors = dict(load_file(str(directory / "model.safetensors")))
+    state = torch.load(directory / "optimizer.bin", weights_only=False)["state"]
+    tensors.update({f"state {index} {name}": value for index, entry in state.items()
+                    for name, value in entry.items() if isinstance(value, torch.Tensor)})
+    return tensors
+
+
+def test_two_ranks_save_and_load_state_in_a_later_window_are_refused(tmp_path: Any) -> None:
+    for rank_results in run_distributed(checkpoints, 2, args=(str(tmp_path),), timeout=600):
+        for technique in ("overlap_ddp", "optimizer_in_backward"):
+            _checkpoint_refused(rank_results[technique]["save"], "save_state")
+            assert not rank_results[technique]["save"]["wrote"]
+            _checkpoint_refused(rank_results[technique]["load"], "load_state")
+
+
+def test_one_process_zero_grad_keeping_zeros_is_the_plain_loop_with_one_warning() -> None:
+    """``zero_grad(set_to_none=False)`` keeps a zero gradient per parameter, which
+    optimizer_in_backward frees. Before the sixth probe: refused at the third step's
+    zero_grad, after two steps (the run stopped)."""
+    check_plain_order(compare_case(ZEROS, ("optimizer_in_backward",))["optimizer_in_backward"],
+                      "zero_grad(set_to_none=False) keeps a zero gradient")
+
+
+def test_two_ranks_zero_grad_keeping_zeros_is_the_plain_loop(
+        two_ranks: list[dict[str, Any]]) -> None:
+    for rank_results in two_ranks:
+        check_plain_order(rank_results[ZEROS]["optimizer_in_backward"],
+                          "zero_grad(set_to_none=False) keeps a zero gradient")
+        same, differences, warned = rank_results[ZEROS]["overlap_ddp"]
+        assert same, differences
+        assert warned == [], warned  # overlap_ddp keeps the gradients: the overlap stays

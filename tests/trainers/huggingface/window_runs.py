@@ -3,8 +3,9 @@
 ``on_pre_optimizer_step``, a ``create_optimizer`` override, a ``training_step`` override
 with two backwards (FGM); and (0.4's probe) a ``training_step`` editing ``.grad`` in a
 Trainer subclass listed after ``OverlapTrainer``, a ``_clip_grad_norm`` override of one's
-own, a callback changing ``.grad`` added for a second ``train()`` or while training.
-Each is run by the
+own, a callback changing ``.grad`` added for a second ``train()`` or while training;
+(the sixth probe) an epoch shorter than the accumulation window (a dataset without a
+length). Each is run by the
 plain ``Trainer`` and by ``OverlapTrainer`` with the same override, in the test process
 or on gloo ranks (``run``)."""
 
@@ -21,8 +22,23 @@ CASES = ("callback zeroes rows", "callback logs norms", "create_optimizer", "two
          "base listed after", "own clip", "callback for a second train",
          "callback added while training", "max_grad_norm lowered while training",
          "max_grad_norm 0 for a second train", "a layer unfrozen while training",
-         "optimizer over part of the model")
+         "optimizer over part of the model", "epoch shorter than the window",
+         "callback added at a step's beginning")
 STEPS = 3
+
+
+class Unsized(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """A dataset without a length (a streamed one): 3 batches of 4 per rank and epoch,
+    so the Trainer (gradient_accumulation_steps=2) runs each epoch's last micro-batch
+    outside no_sync() without stepping, and adds the next epoch's to it (the sixth
+    probe: OverlapTrainer stepped in that backward, then refused a later one as a
+    second backward, 0.0252 off the plain run)."""
+
+    def __iter__(self) -> Any:
+        ranks = (torch.distributed.get_world_size()
+                 if torch.distributed.is_initialized() else 1)
+        tokens = Tokens("gpt2", 12 * ranks)
+        return (tokens[index] for index in range(len(tokens)))
 
 
 class MomentumSGD(torch.optim.SGD):
@@ -50,13 +66,21 @@ def window_callback(case: str, logged: list[dict[str, float]]) -> Any:
     return ZeroOldRows() if case == "callback zeroes rows" else LogNorms()
 
 
-def _adds_after_the_first_step(trainer: Any, logged: list[dict[str, float]]) -> Any:
-    """A callback adding the one zeroing rows once the first step has ended."""
+def _adds_after_the_first_step(trainer: Any, logged: list[dict[str, float]],
+                               at_step_begin: bool = False) -> Any:
+    """A callback adding the one zeroing rows once the first step has ended, or as the
+    second begins (``at_step_begin``: added after the Trainer was built, it runs after
+    OverlapTrainer's own ``on_step_begin``; the sixth probe: that step's edit was missed
+    under optimizer_in_backward, silently 0.0180 off)."""
     from transformers import TrainerCallback
 
     class AddsZeroOldRows(TrainerCallback):  # type: ignore[misc]
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            if state.global_step == 1:
+            if state.global_step == 1 and not at_step_begin:
+                trainer.add_callback(window_callback("callback zeroes rows", logged))
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if state.global_step == 1 and at_step_begin:
                 trainer.add_callback(window_callback("callback zeroes rows", logged))
 
     return AddsZeroOldRows()
@@ -133,11 +157,12 @@ def train(case: str, technique: str | None, out_dir: str) -> dict[str, Any]:
         extra["optimizers"] = (torch.optim.AdamW(model.transformer.h.parameters(), lr=1e-2),
                                None)
     logged: list[dict[str, float]] = []
+    data = Unsized() if case == "epoch shorter than the window" else Tokens("gpt2")
     trainer = _trainer_class(case, base)(
-        model=model, args=arguments(out_dir, max_steps=STEPS), train_dataset=Tokens("gpt2"),
-        **extra)
-    if case == "callback added while training":
-        trainer.add_callback(_adds_after_the_first_step(trainer, logged))
+        model=model, args=arguments(out_dir, max_steps=STEPS), train_dataset=data, **extra)
+    if case in ("callback added while training", "callback added at a step's beginning"):
+        trainer.add_callback(_adds_after_the_first_step(
+            trainer, logged, at_step_begin=case != "callback added while training"))
     elif case in ("max_grad_norm lowered while training", "a layer unfrozen while training"):
         trainer.add_callback(_changes_while_training(case, trainer))
     elif case.startswith("callback") and case != "callback for a second train":
@@ -205,4 +230,42 @@ def run(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
     techniques = ("overlap_ddp", "optimizer_in_backward")
     out = {case: compare_case(case, out_dir, techniques) for case in CASES}
     out["max_grad_norm 0"] = unclipped(out_dir, techniques)
+    return out
+
+
+def model_init_run(technique: str | None, out_dir: str) -> dict[str, Any]:
+    """``Trainer(model_init=...)`` (what ``hyperparameter_search`` runs once per trial)
+    trained twice: each ``train()`` builds a new model and optimizer. The last model's
+    parameters, the logs, the plain-order warnings and what the last ``train()`` stepped
+    with (the sixth probe: its set-up took the new model's parameters for ones whose
+    ``requires_grad`` had changed, and stepped in the plain order, with a warning)."""
+    from transformers import Trainer
+
+    from overlapkit.integrations.transformers import OverlapTrainer
+
+    quiet()
+    base = Trainer if technique is None else OverlapTrainer
+    extra: dict[str, Any] = {} if technique is None else {"technique": technique}
+    trainer = base(model_init=gpt2, args=arguments(out_dir, max_steps=2),
+                   train_dataset=Tokens("gpt2"), **extra)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+        trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return {"params": parameters(trainer.model),
+            "grad_norms": [entry.get("grad_norm") for entry in logged],
+            "lrs": [entry["learning_rate"] for entry in logged],
+            "stepped by": type(trainer.optimizer.optimizer).__name__,
+            "warnings": [str(w.message) for w in caught if "plain order" in str(w.message)]}
+
+
+def model_init_runs(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
+    """Per technique: (bitwise the plain Trainer, what stepped, the warnings)."""
+    plain = model_init_run(None, f"{out_dir}/init-plain")
+    out: dict[str, Any] = {}
+    for technique in ("overlap_ddp", "optimizer_in_backward"):
+        ours = model_init_run(technique, f"{out_dir}/init-{technique}")
+        found = same_run(plain, ours)
+        out[technique] = (bool(found), str(found), ours["stepped by"], ours["warnings"])
     return out

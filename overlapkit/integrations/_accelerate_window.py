@@ -1,0 +1,67 @@
+"""What the ``Accelerator``'s own methods show of the window between backward and
+``optimizer.step()``, for :mod:`overlapkit.integrations.accelerate` and
+:mod:`overlapkit.integrations.transformers` (private to them):
+
+- ``accelerator.save_state()`` / ``load_state()`` there (:func:`guard_checkpoints`). In
+  the plain loop the step comes after them: a save keeps the parameters and optimizer
+  state before it, a load gives the step its starting point. Here the backward has
+  stepped already, so a save kept this step (measured: the saved model 0.0101 off the
+  plain loop's checkpoint, Adam's moments 0.0056, silently) and a load loaded the model
+  before the optimizer refused its own part (the parameters 0.0201 changed when the
+  refusal came). Both are refused now before anything is written or loaded, as
+  :func:`overlapkit.checkpoint.save` / ``load`` are there (docs/window.inc).
+- whether the steps are paused now, inside ``accelerator.no_sync(model)``
+  (:func:`steps_paused`): the Trainer runs a micro-batch outside it that ends no
+  optimizer step at the end of an epoch shorter than its accumulation window
+  (:mod:`overlapkit.integrations.transformers`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from overlapkit.errors import ConfigurationError
+
+__all__ = ["PAUSED", "guard_checkpoints", "steps_paused"]
+
+#: the attribute of an accelerator counting the ``no_sync(model)`` blocks open on it
+#: whose steps overlapkit pauses (set by :mod:`overlapkit.integrations.accelerate`)
+PAUSED = "_overlapkit_paused"
+
+
+def steps_paused(accelerator: Any) -> bool:
+    """Whether a backward now steps nothing: inside ``accelerator.no_sync(model)`` of a
+    model whose steps overlapkit pauses there."""
+    return bool(getattr(accelerator, PAUSED, 0))
+
+
+def guard_checkpoints(accelerator: Any, facades: Callable[[], list[Any]]) -> None:
+    """Make ``accelerator.save_state`` / ``load_state`` raise a ConfigurationError,
+    writing or loading nothing, between a backward that stepped ``facades()``'s
+    optimizers and their ``step()`` (once the loop has called ``step()`` after a
+    backward; a load also in the first window, where that is not known yet:
+    ``checkpoint_refusal``). Wrapped once per accelerator (an attribute of this
+    instance; nothing else changes)."""
+    if getattr(accelerator, "_overlapkit_checkpoints_guarded", False):
+        return
+
+    def guarded(method: Callable[..., Any], loading: bool) -> Callable[..., Any]:
+        call = "load_state" if loading else "save_state"
+
+        @functools.wraps(method)
+        def refusing(*args: Any, **kwargs: Any) -> Any:
+            for facade in facades():
+                refusal = facade.checkpoint_refusal(loading=loading)
+                if refusal is not None:
+                    raise ConfigurationError(
+                        f"accelerator.{call}() refused: {refusal} Nothing was "
+                        f"{'loaded' if loading else 'written'}.")
+            return method(*args, **kwargs)
+
+        return refusing
+
+    accelerator.save_state = guarded(accelerator.save_state, loading=False)
+    accelerator.load_state = guarded(accelerator.load_state, loading=True)
+    accelerator._overlapkit_checkpoints_guarded = True
