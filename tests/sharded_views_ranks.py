@@ -330,3 +330,61 @@ def on_a_subgroup(rank: int, world_size: int) -> dict[str, Any]:
             "exchange": (dist.get_process_group_ranks(exchanged),
                          exchange.group_timeout(exchanged)),
             "state": compare_state_dicts(plain.state_dict(), whole) if rank == 2 else True}
+
+
+# -- optimizer.state read by the loop ---------------------------------------------------
+
+def state_read_by_the_loop(rank: int, world_size: int) -> dict[str, Any]:
+    """The loop reads ``opt.state[p]`` of every parameter between backward and ``step()``
+    (a log of Adam's step count: each rank reads parameters other ranks own), and, before
+    the first step, rank 0 reads one it does not own; then torch's
+    ``set_optimizer_state_dict`` on every rank (a 5 s group: a rank skipping torch's
+    initialising step alone made the others wait for its exchange), and training goes on
+    reading: against plain DDP + AdamW doing the same."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    group = dist.new_group(timeout=datetime.timedelta(seconds=5))
+    dist.barrier()
+    data = batches(rank, 4)
+
+    def train(model: Any, optimizer: Any, tokens: torch.Tensor) -> None:
+        _loss(model, tokens).backward()
+        logged = [optimizer.state[p].get("step") for group in optimizer.param_groups
+                  for p in group["params"]]
+        assert len(logged) == len(list(model.parameters()))
+        optimizer.step()
+        optimizer.zero_grad()
+
+    # a first step elsewhere: the dict both runs load, before their first step
+    first = build_reference()
+    plain = torch.optim.AdamW(param_groups(first, True), lr=LR)
+    train(first, plain, data[0])
+    saved = copy.deepcopy(get_optimizer_state_dict(first, plain))
+    reference, ddp = build_reference(), build(process_group=group)
+    with torch.no_grad():
+        for model in (reference, ddp):
+            for mine, theirs in zip(model.parameters(), first.parameters(), strict=True):
+                mine.copy_(theirs)
+    plain = torch.optim.AdamW(param_groups(reference, True), lr=LR)
+    opt = overlapkit.overlap_ddp(ddp, torch.optim.AdamW, params=param_groups(ddp, True),
+                                 lr=LR, shard_optimizer_state=True)
+    owned = set(map(id, opt.owned_parameters()))
+    others = [i for i, p in enumerate(ddp.parameters()) if id(p) not in owned]
+    if rank == 0 and others:  # a read: nothing stored for another rank's parameter
+        opt.state[list(ddp.parameters())[others[0]]]
+        plain.state[list(reference.parameters())[others[0]]]
+    shown = (len(opt.state), sum(p in opt.state for i, p in enumerate(ddp.parameters())
+                                 if i in others))
+    set_optimizer_state_dict(reference, plain, copy.deepcopy(saved))
+    errors = [error_of(lambda: set_optimizer_state_dict(ddp, opt, copy.deepcopy(saved)))]
+    for tokens in data[1:]:
+        train(reference, plain, tokens)
+        errors.append(error_of(lambda tokens=tokens: train(ddp, opt, tokens)))
+        if errors[-1] is not None:
+            break
+    return {"errors": errors, "shown before": shown,
+            "held": (len(opt.state), len(opt.owned_parameters())),
+            "values": compare(values(reference), values(ddp))}

@@ -46,6 +46,7 @@ from overlapkit.overlap.sharded.ownership import (
     drop_state_outside_share,
     slots_of,
 )
+from overlapkit.overlap.sharded.share_state import ShareOfState
 from overlapkit.overlap.sharded.state_dicts import (
     gather_state_dict,
     in_torch_s_initialising_step,
@@ -103,6 +104,7 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         self._ownership = ownership
         self._policy = policy
         self._consolidated: _Consolidated | None = None
+        self._state = ShareOfState(engine.optimizer, lambda: stepper.exchange.ownership)
         # a backward refuses param groups changed by hand, before anything steps
         stepper.held_check = weakref.WeakMethod(self._held_refusal)
 
@@ -118,6 +120,17 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
     def policy(self) -> ShardingPolicy:
         """The sharding policy that assigned the parameters."""
         return self._policy
+
+    @property
+    def state(self) -> Any:
+        """This rank's share of the optimizer state, live: a read of another rank's
+        parameter gives an empty dict and stores nothing (:class:`~overlapkit.overlap.
+        sharded.share_state.ShareOfState`)."""
+        return self._state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        self._engine.optimizer.state = state.real if isinstance(state, ShareOfState) else state
 
     def owned_parameters(self) -> list[torch.Tensor]:
         """The parameters this rank steps and keeps the optimizer state of."""
