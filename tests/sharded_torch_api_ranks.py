@@ -177,3 +177,54 @@ def more_ranks_than_parameters(rank: int, world_size: int) -> dict[str, Any]:
             "first window": first, "first window: nothing changed": unchanged,
             "torch get": got, "torch gathered": torch_gathered,
             "values": compare(values(reference), values(ddp))}
+
+
+def born_with_state(rank: int, world_size: int) -> dict[str, Any]:
+    """Adagrad (state from its constructor) at 3 ranks, the last owning nothing: torch's
+    ``set_optimizer_state_dict`` before the first step on every rank, then
+    ``get_optimizer_state_dict`` with the gathering on the rank owning nothing, then
+    training, against plain DDP + Adagrad loading the same dict (a 5 s group: the rank
+    owning nothing took torch's initialising step alone and waited for the others'
+    exchange until the timeout)."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=5))
+    dist.barrier()
+    generator = torch.Generator().manual_seed(rank)
+    inputs = [torch.randn(4, 6, generator=generator) for _ in range(4)]
+
+    def train(model: DDP, optimizer: Any, xs: list[torch.Tensor]) -> None:
+        for x in xs:
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    torch.manual_seed(0)
+    first = DDP(_Linear())
+    plain = torch.optim.Adagrad(first.parameters(), lr=LR)
+    train(first, plain, inputs[:1])
+    saved = copy.deepcopy(get_optimizer_state_dict(first, plain))
+    models = []
+    for options in ({}, {"process_group": group}):
+        torch.manual_seed(0)
+        models.append(DDP(_Linear(), **options))
+        with torch.no_grad():
+            for mine, theirs in zip(models[-1].parameters(), first.parameters(), strict=True):
+                mine.copy_(theirs)
+    reference, ddp = models
+    plain = torch.optim.Adagrad(reference.parameters(), lr=LR)
+    opt = overlapkit.overlap_ddp(ddp, torch.optim.Adagrad, lr=LR, shard_optimizer_state=True)
+    set_optimizer_state_dict(reference, plain, copy.deepcopy(saved))
+    start = time.monotonic()
+    loaded = error_of(lambda: set_optimizer_state_dict(ddp, opt, copy.deepcopy(saved)))
+    seconds = time.monotonic() - start
+    got = None
+    if loaded is None:
+        opt.consolidate_state_dict(world_size - 1)
+        if rank == world_size - 1:
+            got = compare([t for s in saved["state"].values() for t in s.values()],
+                          [t for s in get_optimizer_state_dict(ddp, opt)["state"].values()
+                           for t in s.values()])
+        train(reference, plain, inputs[1:])
+        train(ddp, opt, inputs[1:])
+    return {"owned": len(opt.owned_parameters()), "loaded": loaded, "seconds": seconds,
+            "gathered": True if got is None else got,
+            "values": compare(values(reference), values(ddp))}

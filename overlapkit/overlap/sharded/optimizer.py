@@ -226,13 +226,17 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
 
         torch's initialising step (``get_optimizer_state_dict`` /
         ``set_optimizer_state_dict`` on a rank whose share holds no state) steps
-        nothing once the optimizer has stepped or loaded: the plain optimizer holds
-        state then and takes no such step, and a rank taking it alone would wait for
-        the others' exchange (:func:`~overlapkit.overlap.sharded.state_dicts.
-        in_torch_s_initialising_step`). Before that every rank takes it, as a plain
-        optimizer's."""
+        nothing once the optimizer has stepped or loaded, or when it was built with
+        state (Adagrad's ``sum``; a rank owning nothing took it alone before its first
+        step and waited for the others' exchange until the group's timeout): the plain
+        optimizer holds state then and takes no such step, and a rank taking it alone
+        would wait for the others' exchange (:func:`~overlapkit.overlap.sharded.
+        state_dicts.in_torch_s_initialising_step`). Before that every rank takes it, as
+        a plain optimizer's."""
         refuse_retired(self._steps, "step()")
-        if closure is None and self._stepper.generation and in_torch_s_initialising_step():
+        stepper = self._stepper
+        if closure is None and (stepper.generation or stepper.born_with_state) \
+                and in_torch_s_initialising_step():
             return
         full = not self._stepper.stepped_since_step
         if full:  # (a stepping backward checked param_groups when it started)
