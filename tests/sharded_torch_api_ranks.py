@@ -228,3 +228,72 @@ def born_with_state(rank: int, world_size: int) -> dict[str, Any]:
     return {"owned": len(opt.owned_parameters()), "loaded": loaded, "seconds": seconds,
             "gathered": True if got is None else got,
             "values": compare(values(reference), values(ddp))}
+
+
+#: torch's StateDictOptions for a whole dict: given on every rank, or only on rank 0
+FULL_OPTIONS = {"whole on every rank": {"full_state_dict": True},
+                "broadcast from rank 0": {"full_state_dict": True,
+                                          "broadcast_from_rank0": True}}
+
+
+def full_state_dict_loads(rank: int, world_size: int, options: str) -> dict[str, Any]:
+    """torch's ``set_optimizer_state_dict(..., options=StateDictOptions(
+    full_state_dict=True, ...))`` (``FULL_OPTIONS``; with ``broadcast_from_rank0`` the
+    other ranks are given ``{}``), before the first step and after two, on the tests'
+    model and on one with fewer parameters than ranks (at 3 ranks one owns nothing),
+    then training: against plain DDP + AdamW loading the same way. Before 0.4 every case
+    was refused as a ``state_dict()`` without a gathering, after torch's initialising
+    step had created state; answered, a rank given the whole dict raised torch's bare
+    ``KeyError`` and a rank owning nothing its bare ``AssertionError``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    chosen = StateDictOptions(**FULL_OPTIONS[options])
+    out: dict[str, Any] = {}
+    for model_name, make in (("Net", lambda: build()), ("two parameters", _Linear)):
+        for when in ("before the first step", "after two steps"):
+            generator = torch.Generator().manual_seed(rank)
+            inputs = ([torch.randint(0, 32, (8, 6), generator=generator) for _ in range(5)]
+                      if model_name == "Net" else
+                      [torch.randn(4, 6, generator=generator) for _ in range(5)])
+
+            def train(model: Any, optimizer: Any, xs: list[torch.Tensor]) -> None:
+                for x in xs:
+                    output = model(x)
+                    output.float().square().mean().backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+
+            torch.manual_seed(0)
+            first = DDP(make() if model_name != "Net" else make().module)
+            plain = torch.optim.AdamW(first.parameters(), lr=LR)
+            train(first, plain, inputs[:1])
+            saved = copy.deepcopy(get_optimizer_state_dict(first, plain))
+            given = saved if rank == 0 or "broadcast" not in options else {}
+            models = []
+            for _ in range(2):
+                torch.manual_seed(1)
+                models.append(DDP(make() if model_name != "Net" else make().module))
+            reference, ddp = models
+            plain = torch.optim.AdamW(reference.parameters(), lr=LR)
+            opt = overlapkit.overlap_ddp(ddp, torch.optim.AdamW, lr=LR,
+                                         shard_optimizer_state=True)
+            if when == "after two steps":
+                train(reference, plain, inputs[1:3])
+                train(ddp, opt, inputs[1:3])
+            set_optimizer_state_dict(reference, plain, copy.deepcopy(given), options=chosen)
+            error = error_of(lambda: set_optimizer_state_dict(
+                ddp, opt, copy.deepcopy(given), options=chosen))  # noqa: B023
+            case = f"{model_name}, {when}"
+            out[case] = {"error": error}
+            if error is not None:
+                continue
+            index = {id(p): i for i, p in enumerate(ddp.parameters())}
+            reference_state = list(plain.state.values())
+            out[case]["state"] = all(
+                compare(list(reference_state[index[id(p)]].values()), list(s.values()))
+                for p, s in opt.state.items())
+            out[case]["held"] = (len(opt.state), len(opt.owned_parameters()))
+            train(reference, plain, inputs[3:])
+            train(ddp, opt, inputs[3:])
+            out[case]["values"] = compare(values(reference), values(ddp))
+    return out

@@ -89,3 +89,18 @@ def test_an_optimizer_built_with_state_loads_through_torch_s_api_where_a_rank_ow
         assert result["loaded"] is None, (rank, result["loaded"], result["seconds"])
     assert not failures(results, "gathered")
     assert not failures(results, "values")
+
+
+@pytest.mark.parametrize("options", sorted(ranks_.FULL_OPTIONS))
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_torch_s_set_optimizer_state_dict_of_a_whole_dict_loads_each_rank_s_share(
+        world_size: int, options: str) -> None:
+    results = run_distributed(ranks_.full_state_dict_loads, world_size, args=(options,),
+                              timeout=300)
+    for rank, result in enumerate(results):
+        for case, got in result.items():
+            assert got["error"] is None, (rank, case, got["error"])
+            assert got["state"], (rank, case)  # each rank's share: the plain optimizer's
+            held, owned = got["held"]
+            assert held == owned, (rank, case, got["held"])
+            assert got["values"], (rank, case, got["values"])

@@ -50,9 +50,11 @@ from overlapkit.overlap.sharded.share_state import ShareOfState
 from overlapkit.overlap.sharded.state_dicts import (
     gather_state_dict,
     in_torch_s_initialising_step,
+    load_template,
     plain_state_dict,
     sharded_state_dict,
     share_of,
+    torch_s_load_template,
     with_state,
 )
 from overlapkit.overlap.sharded.stepper import ShardedBucketStepper
@@ -276,7 +278,9 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         sharded one at any world size).
 
         At world size 1 it is read directly. Otherwise it is the one
-        :meth:`consolidate_state_dict` gathered on this rank since the last step.
+        :meth:`consolidate_state_dict` gathered on this rank since the last step; read
+        by torch's ``set_optimizer_state_dict(..., full_state_dict=True)``, this rank's
+        share (:func:`~overlapkit.overlap.sharded.state_dicts.load_template`).
 
         :raises ConfigurationError: at world size > 1, no current consolidated state
             dict on this rank (never gathered, gathered on another rank, or a step since).
@@ -285,6 +289,8 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         self._held_now()
         if self._ownership.world_size == 1:
             return self._engine.state_dict()
+        if (given := torch_s_load_template()) is not None:
+            return load_template(self._engine.state_dict(), self._ownership, given)
         held = self._consolidated
         rank = self._ownership.rank
         if held is None or held.to != rank:
