@@ -15,6 +15,7 @@ import gc
 import io
 import pickle
 import time
+import warnings
 import weakref
 from typing import Any
 
@@ -387,4 +388,24 @@ def state_read_by_the_loop(rank: int, world_size: int) -> dict[str, Any]:
             break
     return {"errors": errors, "shown before": shown,
             "held": (len(opt.state), len(opt.owned_parameters())),
+            "values": compare(values(reference), values(ddp))}
+
+
+def state_read_in_a_learnt_window(rank: int, world_size: int) -> dict[str, Any]:
+    """As :func:`state_read_by_the_loop` after ``learn_first_step(model)`` (the state is
+    watched while the first window is learnt: the reads are noted on every rank alike,
+    and the steps then taken at ``step()``), against the plain loop."""
+    reference, plain, ddp, opt = _pair()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the plain order's one warning
+        opt.learn_first_step(ddp)
+        for model, optimizer in ((reference, plain), (ddp, opt)):
+            for tokens in batches(rank, 3):
+                _loss(model, tokens).backward()
+                for group in optimizer.param_groups:
+                    for param in group["params"]:
+                        optimizer.state[param].get("step")
+                optimizer.step()
+                optimizer.zero_grad()
+    return {"held": (len(opt.optimizer.state), len(opt.owned_parameters())),
             "values": compare(values(reference), values(ddp))}

@@ -129,3 +129,10 @@ def test_reading_the_state_of_every_parameter_in_the_loop_is_bitwise_and_stores_
         held, owned = result["held"]
         assert held == owned, (rank, result["held"])
         assert result["values"], (rank, result["values"])
+
+
+def test_reading_the_state_of_every_parameter_in_a_learnt_window_is_bitwise() -> None:
+    for rank, result in enumerate(_run(ranks_.state_read_in_a_learnt_window, 2)):
+        held, owned = result["held"]
+        assert held == owned, (rank, result["held"])  # nothing stored for the others'
+        assert result["values"], (rank, result["values"])

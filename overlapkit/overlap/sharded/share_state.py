@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from overlapkit.overlap.core.watched_reads import WatchedState
 from overlapkit.overlap.sharded.ownership import Ownership
 
 __all__ = ["ShareOfState"]
@@ -67,11 +68,22 @@ class ShareOfState(MutableMapping[Any, Any]):
         owner = ownership.owner_of(key)
         return owner is not None and owner != ownership.rank
 
-    def __getitem__(self, key: Any) -> Any:
+    def _dict(self) -> Any:
+        """The real ``state``'s dict itself: while the first window is learnt the real
+        ``state`` is a :class:`~overlapkit.overlap.core.watched_reads.WatchedState`,
+        whose ``in`` reads the entry (storing an empty one); the read is noted there
+        all the same, on every rank alike."""
         state = self.real
-        if key in state or not self._others(key):
-            return state[key]  # a defaultdict's read, as on a plain optimizer
-        return {}  # another rank's parameter: its state is its owner's; nothing stored
+        if isinstance(state, WatchedState):
+            return state._note()
+        return state
+
+    def __getitem__(self, key: Any) -> Any:
+        if not self._others(key):
+            return self.real[key]  # a defaultdict's read, as on a plain optimizer
+        state = self._dict()
+        # another rank's parameter: its state is its owner's; nothing stored
+        return state.get(key, {})
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self.real[key] = value
@@ -86,10 +98,10 @@ class ShareOfState(MutableMapping[Any, Any]):
         return len(self.real)
 
     def __contains__(self, key: object) -> bool:
-        return key in self.real
+        return key in self._dict()
 
     def get(self, key: Any, default: Any = None) -> Any:
-        return self.real.get(key, default)
+        return self._dict().get(key, default)
 
     def copy(self) -> Any:
         """A shallow copy of the real ``state`` (as ``defaultdict.copy``)."""
