@@ -297,3 +297,31 @@ def full_state_dict_loads(rank: int, world_size: int, options: str) -> dict[str,
             train(ddp, opt, inputs[3:])
             out[case]["values"] = compare(values(reference), values(ddp))
     return out
+
+
+def offloaded_whole_dict(rank: int, world_size: int) -> dict[str, Any]:
+    """torch's ``get_optimizer_state_dict(..., options=StateDictOptions(
+    full_state_dict=True, cpu_offload=True))`` on every rank (the whole state on rank 0,
+    ``{}`` elsewhere): without a gathering, gathered on the last rank, and gathered on
+    rank 0; then training goes on, against plain DDP + AdamW."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    reference, plain, ddp, opt = _pair()
+    data = batches(rank, 4)
+    _train(reference, plain, data[:2])
+    _train(ddp, opt, data[:2])
+    expected = get_optimizer_state_dict(reference, plain, options=options)
+    unsharded = error_of(lambda: get_optimizer_state_dict(ddp, opt, options=options))
+    opt.consolidate_state_dict(world_size - 1)
+    elsewhere = error_of(lambda: get_optimizer_state_dict(ddp, opt, options=options))
+    opt.consolidate_state_dict(0)
+    got = get_optimizer_state_dict(ddp, opt, options=options)
+    same = (compare([t for s in expected["state"].values() for t in s.values()],
+                    [t for s in got["state"].values() for t in s.values()])
+            if rank == 0 else got == expected == {})
+    _train(reference, plain, data[2:])
+    _train(ddp, opt, data[2:])
+    return {"without a gathering": unsharded, "gathered elsewhere": elsewhere,
+            "same": same, "groups": rank != 0 or got["param_groups"] == expected[
+                "param_groups"], "values": compare(values(reference), values(ddp))}

@@ -104,3 +104,19 @@ def test_torch_s_set_optimizer_state_dict_of_a_whole_dict_loads_each_rank_s_shar
             held, owned = got["held"]
             assert held == owned, (rank, case, got["held"])
             assert got["values"], (rank, case, got["values"])
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_torch_s_whole_dict_offloaded_to_rank_0_needs_a_gathering_there_and_is_plain_s(
+        world_size: int) -> None:
+    results = _run(ranks_.offloaded_whole_dict, world_size)
+    for rank, result in enumerate(results):
+        for case in ("without a gathering", "gathered elsewhere"):
+            # the same on every rank (was: refused on every rank but the gathering one)
+            error = result[case]
+            assert error is not None and error["type"] == "ConfigurationError", (
+                rank, case, error)
+            assert "consolidate_state_dict(to=0)" in error["message"], error
+    assert not failures(results, "same")  # rank 0: the plain dict; elsewhere {}
+    assert not failures(results, "groups")
+    assert not failures(results, "values")

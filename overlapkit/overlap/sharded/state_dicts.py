@@ -17,8 +17,6 @@ rank's share to one DCP checkpoint and reads it back at any world size.
 
 from __future__ import annotations
 
-import inspect
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,10 +28,9 @@ from overlapkit.nodes.exit_safe import gather_object
 from overlapkit.nodes.failed_collective import collective_failure
 from overlapkit.overlap.sharded.ownership import Ownership
 
-__all__ = ["SHARDED_STATE_KEY", "SHARDING_KEY", "TEMPLATE_DEVICE_KEY",
-           "check_sharded_state_dict", "gather_state_dict", "in_torch_s_initialising_step",
-           "load_template", "plain_state_dict", "share_of", "sharded_state_dict",
-           "torch_s_load_template", "with_state"]
+__all__ = ["SHARDED_STATE_KEY", "SHARDING_KEY", "check_sharded_state_dict",
+           "gather_state_dict", "not_gathered_refusal", "plain_state_dict", "share_of",
+           "sharded_state_dict", "stale_refusal", "with_state"]
 
 #: where a sharded state dict keeps its share of the state (not "state": a plain
 #: optimizer's ``load_state_dict`` then fails at once instead of loading a share silently)
@@ -86,114 +83,25 @@ def with_state(optimizer: torch.optim.Optimizer, state: dict[int, Any]) -> dict[
     return out
 
 
-def _torch_frame(name: str, depth: int) -> Any:
-    """The frame of ``torch.distributed.checkpoint.state_dict``'s function ``name`` among
-    the ``depth`` callers of this function's caller, or None (looked up by its code:
-    torch may wrap the functions between, so an ordinary call is never mistaken for
-    it)."""
-    try:
-        from torch.distributed.checkpoint import state_dict as torch_state_dict
-    except ImportError:  # pragma: no cover - torch without torch.distributed
-        return None
-    function = getattr(torch_state_dict, name, None)
-    # torch.no_grad() wraps some of them: their own code, not the shared wrapper's
-    code = getattr(inspect.unwrap(function), "__code__", None) if function else None
-    if code is None:
-        return None
-    frame = sys._getframe(2)
-    for _ in range(depth):
-        frame = frame.f_back  # type: ignore[assignment]
-        if frame is None:
-            return None
-        if frame.f_code is code:
-            return frame
-    return None
+def not_gathered_refusal(gathered_on: int | None, rank: int) -> ConfigurationError:
+    """``state_dict()`` at more than one rank without the whole state gathered on this
+    rank (``gathered_on``: where it was, or None)."""
+    where = "" if gathered_on is None else f" (it was gathered on rank {gathered_on})"
+    return ConfigurationError(
+        "the optimizer state is sharded across ranks, so state_dict() returns the whole "
+        "state once it has been gathered on this rank, and it has not "
+        f"been{where}. Call optimizer.consolidate_state_dict(to={rank}) on every rank "
+        f"first, then state_dict() on rank {rank}; or save with "
+        "overlapkit.checkpoint.save(path, model, optimizer) on every rank (no gathering, "
+        "loads at any world size); local_state_dict() is this rank's share.")
 
 
-def in_torch_s_initialising_step() -> bool:
-    """Whether the optimizer's ``step()`` is being called by torch's
-    ``torch.distributed.checkpoint.state_dict`` to create the optimizer state before
-    reading or loading it (``_init_optim_state``: zero gradients, ``lr`` 0, one step,
-    on a rank whose ``optimizer.state`` is empty).
-
-    Each rank decides alone whether to take that step, from its own ``state``, which
-    with sharded state holds its share only: a rank owning nothing (or only parameters
-    without state) took it while the others did not, and its parameter exchange waited
-    for them until the group's timeout (``ExchangeFailedError``, every later call
-    refused)."""
-    return _torch_frame("_init_optim_state", 6) is not None
-
-
-def torch_s_load_template() -> Mapping[str, Any] | None:
-    """When ``state_dict()`` is being called by torch's ``set_optimizer_state_dict`` with
-    ``StateDictOptions(full_state_dict=True)`` (``_load_optim_state_dict``), the dict
-    being loaded on this rank (``{}`` on a rank given none: ``broadcast_from_rank0``);
-    else None.
-
-    torch reads the optimizer's own state dict there as the template of what this rank
-    loads, fills it from the whole dict (or from rank 0's broadcast), then hands it to
-    ``load_state_dict``: the template of a sharded optimizer is built by
-    :func:`load_template`."""
-    frame = _torch_frame("_load_optim_state_dict", 8)
-    if frame is None:
-        return None
-    given = frame.f_locals.get("optim_state_dict")
-    return given if isinstance(given, Mapping) else {}
-
-
-#: the state entry a rank holding no tensor state puts in its load template
-#: (:func:`load_template`), under a parameter another rank owns
-TEMPLATE_DEVICE_KEY = "overlapkit_template_device"
-
-
-def _holds_tensor(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return value.dim() > 0
-    if isinstance(value, Mapping):
-        return any(_holds_tensor(v) for v in value.values())
-    return False
-
-
-def load_template(local: dict[str, Any], ownership: Ownership,
-                  given: Mapping[str, Any]) -> dict[str, Any]:
-    """What torch's ``set_optimizer_state_dict(..., full_state_dict=True)`` reads as this
-    rank's state dict (:func:`torch_s_load_template`; ``given``: the dict it loads on
-    this rank). ``local`` is the real optimizer's own (the param groups and this
-    rank's share of the state); ``load_state_dict`` keeps this rank's share of what
-    torch fills in, as without the option.
-
-    Taken as it is, that template failed in two ways (2 gloo ranks, AdamW; the plain
-    optimizer loads both): every rank given the whole dict, torch copied each scalar
-    entry (``step``) of another rank's parameters into it without the path to put it
-    back (its bare ``KeyError: 'state.embed.weight.step'``); and a rank whose share
-    holds no tensor (it owns nothing, or only parameters without state) left torch no
-    device to load onto (its bare ``AssertionError``, that rank alone, the others
-    waiting in the broadcast). So the other ranks' parameters of ``given`` are in the
-    template too (their tensors as empty ones on the parameter's device, their scalars
-    as given), and a rank still without a tensor gets one empty tensor under a
-    parameter another rank owns; ``load_state_dict`` drops both with the rest of the
-    other ranks' share."""
-    owned = ownership.my_indices()
-    state = dict(local["state"])
-    given_state = given.get("state")
-    if isinstance(given_state, Mapping):
-        saved = [key for group in given.get("param_groups", ()) for key in group["params"]]
-        for index, key in enumerate(saved[:len(ownership.params)]):
-            entry = given_state.get(key)
-            if index in owned or not isinstance(entry, Mapping):
-                continue
-            device = ownership.params[index].device
-            state[index] = {name: torch.empty(0, dtype=value.dtype, device=device)
-                            if isinstance(value, torch.Tensor) and value.dim() > 0 else value
-                            for name, value in entry.items()}
-    if not _holds_tensor(state):
-        other = next((index for index in range(len(ownership.params))
-                      if index not in owned), None)
-        if other is not None:  # (else this rank owns everything: torch's error, as plain)
-            param = ownership.params[other]
-            state[other] = {**state.get(other, {}), TEMPLATE_DEVICE_KEY: torch.empty(
-                0, dtype=param.dtype, device=param.device)}
-    return {**local, "state": state}
+def stale_refusal() -> ConfigurationError:
+    """``state_dict()`` after a step since the gathering."""
+    return ConfigurationError(
+        "the state dict gathered by consolidate_state_dict() is stale: the optimizer has "
+        "stepped since. Call consolidate_state_dict() on every rank again after the last "
+        "step you want to save, then state_dict().")
 
 
 def gather_state_dict(local: dict[str, Any], ownership: Ownership, group: Any,
