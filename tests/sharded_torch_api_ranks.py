@@ -325,3 +325,43 @@ def offloaded_whole_dict(rank: int, world_size: int) -> dict[str, Any]:
     return {"without a gathering": unsharded, "gathered elsewhere": elsewhere,
             "same": same, "groups": rank != 0 or got["param_groups"] == expected[
                 "param_groups"], "values": compare(values(reference), values(ddp))}
+
+
+def another_model_s_dict(rank: int, world_size: int) -> dict[str, Any]:
+    """``load_state_dict`` of another model's dict (its head has 5 outputs, not 4: the
+    same parameters and groups, state of other shapes), directly and through torch's
+    ``set_optimizer_state_dict``: a plain optimizer loads it and raises at its first
+    step on every rank; sharded, only the ranks owning the head raised (at the end of
+    backward) and the others trained on. Refused on every rank before anything loads;
+    training then goes on bitwise the plain run, which never loaded it."""
+    from sharded_state_ranks import Net
+
+    reference, plain, ddp, opt = _pair()
+    data = batches(rank, 3)
+    _train(reference, plain, data[:1])
+    _train(ddp, opt, data[:1])
+    torch.manual_seed(1)
+    other = Net()
+    other.head = nn.Linear(24, 5)
+    named = list(other.named_parameters())
+    other_opt = torch.optim.AdamW(
+        [{"params": [p for _, p in named if p.ndim > 1], "weight_decay": 0.1},
+         {"params": [p for _, p in named if p.ndim <= 1], "weight_decay": 0.0,
+          "lr": LR / 2}], lr=LR)
+    other(data[0]).sum().backward()
+    other_opt.step()
+    saved = other_opt.state_dict()
+    before = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    errors = [error_of(lambda: opt.load_state_dict(copy.deepcopy(saved)))]
+    by_name = dict(zip([n for n, _ in named], range(len(named)), strict=True))
+    keyed = {"state": {n: saved["state"][i] for n, i in by_name.items()
+                       if i in saved["state"]},
+             "param_groups": [{**g, "params": [named[i][0] for i in g["params"]]}
+                              for g in saved["param_groups"]]}
+    errors.append(error_of(lambda: set_optimizer_state_dict(ddp, opt, copy.deepcopy(keyed))))
+    unchanged = all(compare(list(before[id(p)].values()), list(s.values()))
+                    for p, s in opt.state.items()) and len(before) == len(opt.state)
+    _train(reference, plain, data[1:])
+    errors.append(error_of(lambda: _train(ddp, opt, data[1:])))
+    return {"errors": errors, "unchanged": unchanged,
+            "values": compare(values(reference), values(ddp))}

@@ -120,3 +120,17 @@ def test_torch_s_whole_dict_offloaded_to_rank_0_needs_a_gathering_there_and_is_p
     assert not failures(results, "same")  # rank 0: the plain dict; elsewhere {}
     assert not failures(results, "groups")
     assert not failures(results, "values")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_another_model_s_state_dict_is_refused_on_every_rank_before_it_loads(
+        world_size: int) -> None:
+    results = _run(ranks_.another_model_s_dict, world_size)
+    for rank, result in enumerate(results):
+        loaded, through_torch, trained = result["errors"]
+        for error in (loaded, through_torch):  # was: loaded, then only some ranks raised
+            assert error is not None and error["type"] == "ConfigurationError", (rank, error)
+            assert "Nothing was loaded" in error["message"], error
+        assert trained is None, (rank, trained)
+        assert result["unchanged"], rank
+    assert not failures(results, "values")

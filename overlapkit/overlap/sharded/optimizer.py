@@ -50,6 +50,7 @@ from overlapkit.overlap.sharded.ownership import (
 from overlapkit.overlap.sharded.share_state import ShareOfState
 from overlapkit.overlap.sharded.state_dicts import (
     gather_state_dict,
+    misfit_refusal,
     not_gathered_refusal,
     plain_state_dict,
     sharded_state_dict,
@@ -63,6 +64,7 @@ from overlapkit.overlap.sharded.torch_api import (
     load_template,
     offloaded_refusal,
     offloaded_to,
+    torch_s_broadcast_load,
     torch_s_load_template,
     torch_s_offloaded_get,
 )
@@ -324,9 +326,10 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         rank's share, or this rank's own :meth:`local_state_dict`.
 
         :raises ConfigurationError: a sharded state dict saved at another world size,
-            with another ownership, or by another rank; not a state dict; called
-            between a stepping backward and ``step()`` (as without sharding). Nothing is
-            changed then.
+            with another ownership, or by another rank; not a state dict; one a step
+            would fail after (:func:`~overlapkit.overlap.sharded.state_dicts.
+            misfit_refusal`); called between a stepping backward and ``step()`` (as
+            without sharding). Nothing is changed then.
         """
         if (refusal := self._steps.window_refusal("optimizer.load_state_dict()",
                                                   loading=True)) is not None:
@@ -334,6 +337,10 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         self.synchronize()
         self._held_now()
         share = share_of(state_dict, self._ownership)
+        whole = state_dict if "state" in state_dict else share  # (a local one: the share)
+        if not torch_s_broadcast_load() and (
+                misfit := misfit_refusal(self._engine.optimizer, whole)) is not None:
+            raise misfit
         self._engine.load_state_dict(share)
         self._stepper.advance()
         self._consolidated = None

@@ -29,8 +29,8 @@ from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.sharded.ownership import Ownership
 
 __all__ = ["TEMPLATE_DEVICE_KEY", "in_torch_s_initialising_step", "load_template",
-           "offloaded_refusal", "offloaded_to", "torch_s_load_template",
-           "torch_s_offloaded_get"]
+           "offloaded_refusal", "offloaded_to", "torch_s_broadcast_load",
+           "torch_s_load_template", "torch_s_offloaded_get"]
 
 
 def _torch_frame(name: str, depth: int) -> Any:
@@ -181,3 +181,13 @@ def offloaded_refusal(to: int | None) -> ConfigurationError:
         f"its share of the state, so the whole of it is gathered first; {how}. Or save "
         "with overlapkit.checkpoint.save(path, model, optimizer) on every rank (no "
         "gathering, loads at any world size).")
+
+
+def torch_s_broadcast_load() -> bool:
+    """Whether ``load_state_dict`` is being called by torch's ``set_optimizer_state_dict``
+    with ``broadcast_from_rank0=True``: the dict then holds this rank's share only (the
+    keys of :func:`load_template`, filled from rank 0's broadcast), not the whole."""
+    frame = _torch_frame("_load_optim_state_dict", 2)
+    info = None if frame is None else frame.f_locals.get("info")
+    return bool(getattr(info, "full_state_dict", False)
+                and getattr(info, "broadcast_from_rank0", False))
