@@ -409,3 +409,31 @@ def state_read_in_a_learnt_window(rank: int, world_size: int) -> dict[str, Any]:
                 optimizer.zero_grad()
     return {"held": (len(opt.optimizer.state), len(opt.owned_parameters())),
             "values": compare(values(reference), values(ddp))}
+
+
+def layer_state_reset(rank: int, world_size: int) -> dict[str, Any]:
+    """The head's optimizer state reset mid-training on every rank (a re-initialised
+    layer): ``del opt.state[p]`` for each of its parameters, against the plain loop; and
+    ``opt.state[p]["exp_avg"]`` of each, which only the owner holds."""
+    reference, plain, ddp, opt = _pair()
+    data = batches(rank, 3)
+    _train(reference, plain, data[:1])
+    _train(ddp, opt, data[:1])
+    deleted = []  # first: a read on the ranks not owning p stored an entry (0.4.0)
+    for model, optimizer in ((reference, plain), (ddp, opt)):
+        for param in model.module.head.parameters():
+            deleted.append(error_of(lambda o=optimizer, p=param: o.state.__delitem__(p)))
+    _train(reference, plain, data[1:])
+    _train(ddp, opt, data[1:])
+    owned = set(map(id, opt.owned_parameters()))
+    reads = []
+    for param in ddp.module.head.parameters():
+        error = error_of(lambda param=param: opt.state[param]["exp_avg"])
+        caught = False
+        try:
+            opt.state[param]["exp_avg"]
+        except KeyError:  # what a missing entry raises, as before
+            caught = True
+        reads.append((id(param) in owned, error, caught or id(param) in owned))
+    return {"reads": reads, "deleted": deleted,
+            "values": compare(values(reference), values(ddp))}

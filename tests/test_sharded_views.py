@@ -136,3 +136,19 @@ def test_reading_the_state_of_every_parameter_in_a_learnt_window_is_bitwise() ->
         held, owned = result["held"]
         assert held == owned, (rank, result["held"])  # nothing stored for the others'
         assert result["values"], (rank, result["values"])
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_a_layer_s_state_reset_on_every_rank_is_bitwise_and_a_read_names_its_owner(
+        world_size: int) -> None:
+    for rank, result in enumerate(_run(ranks_.layer_state_reset, world_size)):
+        # was: a bare KeyError on the ranks not owning the parameter (printing its values)
+        assert result["deleted"] == [None] * len(result["deleted"]), (rank, result)
+        assert result["values"], (rank, result["values"])
+        for owned, error, caught in result["reads"]:
+            assert caught, (rank, result["reads"])
+            if owned:
+                assert error is None, (rank, error)
+            else:  # was: a bare KeyError: 'exp_avg'
+                assert error is not None and error["type"] == "OwnedElsewhereError", error
+                assert error["overlapkit"] and "owns p" in error["message"], error

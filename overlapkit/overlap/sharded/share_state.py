@@ -20,9 +20,14 @@ per parameter another rank owns, and:
   rank's part of the parameter exchange until the group's timeout.
 
 So reading another rank's parameter gives an empty dict that is not stored (its state
-is its owner's); everything else — this rank's parameters, writes (``state[p] = ...``),
-deletes, ``clear()``, iteration — is the real optimizer's ``state``, read live (it is
-replaced by ``load_state_dict`` and by ``opt.state = ...``).
+is its owner's), whose entries, read, raise :class:`OwnedElsewhereError` naming the owner
+(``opt.state[p]["exp_avg"].zero_()`` on every rank raised a bare ``KeyError: 'exp_avg'``
+on the ranks not owning ``p``), and ``del opt.state[p]`` there deletes nothing (it raised a
+bare ``KeyError`` printing the parameter's values, where the owner's ``del`` resets the
+state, as a plain optimizer's on every rank); everything else — this rank's
+parameters, writes (``state[p] = ...``), deletes, ``clear()``, iteration — is the real
+optimizer's ``state``, read live (it is replaced by ``load_state_dict`` and by
+``opt.state = ...``).
 
 .. versionadded:: 0.4
 """
@@ -35,10 +40,38 @@ from typing import Any
 
 import torch
 
+from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.core.watched_reads import WatchedState
 from overlapkit.overlap.sharded.ownership import Ownership
 
-__all__ = ["ShareOfState"]
+__all__ = ["OwnedElsewhereError", "ShareOfState"]
+
+
+class OwnedElsewhereError(ConfigurationError, KeyError):
+    """A state entry of a parameter another rank owns was read (``opt.state[p]["exp_avg"]``
+    on a rank that does not own ``p``): a ``ConfigurationError`` and a ``KeyError``
+    (what a missing entry raises, so ``except KeyError`` still catches it)."""
+
+    def __str__(self) -> str:  # KeyError would otherwise repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class _OwnersState(dict[str, Any]):
+    """The (empty) state this rank shows for a parameter another rank owns: reading an
+    entry names the owner, where a bare ``KeyError: 'exp_avg'`` named nothing."""
+
+    def __init__(self, owner: int, rank: int) -> None:
+        super().__init__()
+        self._owner, self._rank = owner, rank
+
+    def __missing__(self, key: str) -> Any:
+        raise OwnedElsewhereError(
+            f"optimizer.state[p][{key!r}] on rank {self._rank}: the optimizer state is "
+            f"sharded, and rank {self._owner} owns p, steps it and keeps its state; this "
+            "rank holds none of it. Read or change a parameter's state on its owner (if "
+            "p in optimizer.state), or go over this rank's share (for p, s in "
+            "optimizer.state.items()) on every rank. To reset it, del optimizer.state[p] "
+            "on every rank (a no-op where another rank owns p).")
 
 
 class ShareOfState(MutableMapping[Any, Any]):
@@ -60,13 +93,14 @@ class ShareOfState(MutableMapping[Any, Any]):
         """The real optimizer's ``state`` (a ``defaultdict(dict)``)."""
         return self._optimizer.state
 
-    def _others(self, key: Any) -> bool:
-        """Whether ``key`` is a parameter of the optimizer that another rank owns."""
+    def _owner(self, key: Any) -> int | None:
+        """The rank owning ``key`` when it is a parameter of the optimizer another rank
+        owns, else None."""
         if not isinstance(key, torch.Tensor):
-            return False
+            return None
         ownership = self._ownership()
         owner = ownership.owner_of(key)
-        return owner is not None and owner != ownership.rank
+        return None if owner is None or owner == ownership.rank else owner
 
     def _dict(self) -> Any:
         """The real ``state``'s dict itself: while the first window is learnt the real
@@ -79,17 +113,22 @@ class ShareOfState(MutableMapping[Any, Any]):
         return state
 
     def __getitem__(self, key: Any) -> Any:
-        if not self._others(key):
+        owner = self._owner(key)
+        if owner is None:
             return self.real[key]  # a defaultdict's read, as on a plain optimizer
         state = self._dict()
         # another rank's parameter: its state is its owner's; nothing stored
-        return state.get(key, {})
+        return state.get(key) or _OwnersState(owner, self._ownership().rank)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self.real[key] = value
 
     def __delitem__(self, key: Any) -> None:
-        del self.real[key]
+        """Another rank's parameter without an entry here: nothing to delete (its owner's
+        ``del`` resets its state; a plain optimizer's ``del`` works on every rank)."""
+        state = self._dict()
+        if key in state or self._owner(key) is None:
+            del state[key]
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.real)
