@@ -229,7 +229,7 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         step and waited for the others' exchange until the group's timeout): the plain
         optimizer holds state then and takes no such step, and a rank taking it alone
         would wait for the others' exchange (:func:`~overlapkit.overlap.sharded.
-        state_dicts.in_torch_s_initialising_step`). Before that every rank takes it, as
+        torch_api.in_torch_s_initialising_step`). Before that every rank takes it, as
         a plain optimizer's."""
         refuse_retired(self._steps, "step()")
         stepper = self._stepper
