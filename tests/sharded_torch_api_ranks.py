@@ -177,3 +177,191 @@ def more_ranks_than_parameters(rank: int, world_size: int) -> dict[str, Any]:
             "first window": first, "first window: nothing changed": unchanged,
             "torch get": got, "torch gathered": torch_gathered,
             "values": compare(values(reference), values(ddp))}
+
+
+def born_with_state(rank: int, world_size: int) -> dict[str, Any]:
+    """Adagrad (state from its constructor) at 3 ranks, the last owning nothing: torch's
+    ``set_optimizer_state_dict`` before the first step on every rank, then
+    ``get_optimizer_state_dict`` with the gathering on the rank owning nothing, then
+    training, against plain DDP + Adagrad loading the same dict (a 5 s group: the rank
+    owning nothing took torch's initialising step alone and waited for the others'
+    exchange until the timeout)."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=5))
+    dist.barrier()
+    generator = torch.Generator().manual_seed(rank)
+    inputs = [torch.randn(4, 6, generator=generator) for _ in range(4)]
+
+    def train(model: DDP, optimizer: Any, xs: list[torch.Tensor]) -> None:
+        for x in xs:
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    torch.manual_seed(0)
+    first = DDP(_Linear())
+    plain = torch.optim.Adagrad(first.parameters(), lr=LR)
+    train(first, plain, inputs[:1])
+    saved = copy.deepcopy(get_optimizer_state_dict(first, plain))
+    models = []
+    for options in ({}, {"process_group": group}):
+        torch.manual_seed(0)
+        models.append(DDP(_Linear(), **options))
+        with torch.no_grad():
+            for mine, theirs in zip(models[-1].parameters(), first.parameters(), strict=True):
+                mine.copy_(theirs)
+    reference, ddp = models
+    plain = torch.optim.Adagrad(reference.parameters(), lr=LR)
+    opt = overlapkit.overlap_ddp(ddp, torch.optim.Adagrad, lr=LR, shard_optimizer_state=True)
+    set_optimizer_state_dict(reference, plain, copy.deepcopy(saved))
+    start = time.monotonic()
+    loaded = error_of(lambda: set_optimizer_state_dict(ddp, opt, copy.deepcopy(saved)))
+    seconds = time.monotonic() - start
+    got = None
+    if loaded is None:
+        opt.consolidate_state_dict(world_size - 1)
+        if rank == world_size - 1:
+            got = compare([t for s in saved["state"].values() for t in s.values()],
+                          [t for s in get_optimizer_state_dict(ddp, opt)["state"].values()
+                           for t in s.values()])
+        train(reference, plain, inputs[1:])
+        train(ddp, opt, inputs[1:])
+    return {"owned": len(opt.owned_parameters()), "loaded": loaded, "seconds": seconds,
+            "gathered": True if got is None else got,
+            "values": compare(values(reference), values(ddp))}
+
+
+#: torch's StateDictOptions for a whole dict: given on every rank, or only on rank 0
+FULL_OPTIONS = {"whole on every rank": {"full_state_dict": True},
+                "broadcast from rank 0": {"full_state_dict": True,
+                                          "broadcast_from_rank0": True}}
+
+
+def full_state_dict_loads(rank: int, world_size: int, options: str) -> dict[str, Any]:
+    """torch's ``set_optimizer_state_dict(..., options=StateDictOptions(
+    full_state_dict=True, ...))`` (``FULL_OPTIONS``; with ``broadcast_from_rank0`` the
+    other ranks are given ``{}``), before the first step and after two, on the tests'
+    model and on one with fewer parameters than ranks (at 3 ranks one owns nothing),
+    then training: against plain DDP + AdamW loading the same way. Before 0.4 every case
+    was refused as a ``state_dict()`` without a gathering, after torch's initialising
+    step had created state; answered, a rank given the whole dict raised torch's bare
+    ``KeyError`` and a rank owning nothing its bare ``AssertionError``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    chosen = StateDictOptions(**FULL_OPTIONS[options])
+    out: dict[str, Any] = {}
+    for model_name, make in (("Net", lambda: build()), ("two parameters", _Linear)):
+        for when in ("before the first step", "after two steps"):
+            generator = torch.Generator().manual_seed(rank)
+            inputs = ([torch.randint(0, 32, (8, 6), generator=generator) for _ in range(5)]
+                      if model_name == "Net" else
+                      [torch.randn(4, 6, generator=generator) for _ in range(5)])
+
+            def train(model: Any, optimizer: Any, xs: list[torch.Tensor]) -> None:
+                for x in xs:
+                    output = model(x)
+                    output.float().square().mean().backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+
+            torch.manual_seed(0)
+            first = DDP(make() if model_name != "Net" else make().module)
+            plain = torch.optim.AdamW(first.parameters(), lr=LR)
+            train(first, plain, inputs[:1])
+            saved = copy.deepcopy(get_optimizer_state_dict(first, plain))
+            given = saved if rank == 0 or "broadcast" not in options else {}
+            models = []
+            for _ in range(2):
+                torch.manual_seed(1)
+                models.append(DDP(make() if model_name != "Net" else make().module))
+            reference, ddp = models
+            plain = torch.optim.AdamW(reference.parameters(), lr=LR)
+            opt = overlapkit.overlap_ddp(ddp, torch.optim.AdamW, lr=LR,
+                                         shard_optimizer_state=True)
+            if when == "after two steps":
+                train(reference, plain, inputs[1:3])
+                train(ddp, opt, inputs[1:3])
+            set_optimizer_state_dict(reference, plain, copy.deepcopy(given), options=chosen)
+            error = error_of(lambda: set_optimizer_state_dict(
+                ddp, opt, copy.deepcopy(given), options=chosen))  # noqa: B023
+            case = f"{model_name}, {when}"
+            out[case] = {"error": error}
+            if error is not None:
+                continue
+            index = {id(p): i for i, p in enumerate(ddp.parameters())}
+            reference_state = list(plain.state.values())
+            out[case]["state"] = all(
+                compare(list(reference_state[index[id(p)]].values()), list(s.values()))
+                for p, s in opt.state.items())
+            out[case]["held"] = (len(opt.state), len(opt.owned_parameters()))
+            train(reference, plain, inputs[3:])
+            train(ddp, opt, inputs[3:])
+            out[case]["values"] = compare(values(reference), values(ddp))
+    return out
+
+
+def offloaded_whole_dict(rank: int, world_size: int) -> dict[str, Any]:
+    """torch's ``get_optimizer_state_dict(..., options=StateDictOptions(
+    full_state_dict=True, cpu_offload=True))`` on every rank (the whole state on rank 0,
+    ``{}`` elsewhere): without a gathering, gathered on the last rank, and gathered on
+    rank 0; then training goes on, against plain DDP + AdamW."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    reference, plain, ddp, opt = _pair()
+    data = batches(rank, 4)
+    _train(reference, plain, data[:2])
+    _train(ddp, opt, data[:2])
+    expected = get_optimizer_state_dict(reference, plain, options=options)
+    unsharded = error_of(lambda: get_optimizer_state_dict(ddp, opt, options=options))
+    opt.consolidate_state_dict(world_size - 1)
+    elsewhere = error_of(lambda: get_optimizer_state_dict(ddp, opt, options=options))
+    opt.consolidate_state_dict(0)
+    got = get_optimizer_state_dict(ddp, opt, options=options)
+    same = (compare([t for s in expected["state"].values() for t in s.values()],
+                    [t for s in got["state"].values() for t in s.values()])
+            if rank == 0 else got == expected == {})
+    _train(reference, plain, data[2:])
+    _train(ddp, opt, data[2:])
+    return {"without a gathering": unsharded, "gathered elsewhere": elsewhere,
+            "same": same, "groups": rank != 0 or got["param_groups"] == expected[
+                "param_groups"], "values": compare(values(reference), values(ddp))}
+
+
+def another_model_s_dict(rank: int, world_size: int) -> dict[str, Any]:
+    """``load_state_dict`` of another model's dict (its head has 5 outputs, not 4: the
+    same parameters and groups, state of other shapes), directly and through torch's
+    ``set_optimizer_state_dict``: a plain optimizer loads it and raises at its first
+    step on every rank; sharded, only the ranks owning the head raised (at the end of
+    backward) and the others trained on. Refused on every rank before anything loads;
+    training then goes on bitwise the plain run, which never loaded it."""
+    from sharded_state_ranks import Net
+
+    reference, plain, ddp, opt = _pair()
+    data = batches(rank, 3)
+    _train(reference, plain, data[:1])
+    _train(ddp, opt, data[:1])
+    torch.manual_seed(1)
+    other = Net()
+    other.head = nn.Linear(24, 5)
+    named = list(other.named_parameters())
+    other_opt = torch.optim.AdamW(
+        [{"params": [p for _, p in named if p.ndim > 1], "weight_decay": 0.1},
+         {"params": [p for _, p in named if p.ndim <= 1], "weight_decay": 0.0,
+          "lr": LR / 2}], lr=LR)
+    other(data[0]).sum().backward()
+    other_opt.step()
+    saved = other_opt.state_dict()
+    before = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    errors = [error_of(lambda: opt.load_state_dict(copy.deepcopy(saved)))]
+    by_name = dict(zip([n for n, _ in named], range(len(named)), strict=True))
+    keyed = {"state": {n: saved["state"][i] for n, i in by_name.items()
+                       if i in saved["state"]},
+             "param_groups": [{**g, "params": [named[i][0] for i in g["params"]]}
+                              for g in saved["param_groups"]]}
+    errors.append(error_of(lambda: set_optimizer_state_dict(ddp, opt, copy.deepcopy(keyed))))
+    unchanged = all(compare(list(before[id(p)].values()), list(s.values()))
+                    for p, s in opt.state.items()) and len(before) == len(opt.state)
+    _train(reference, plain, data[1:])
+    errors.append(error_of(lambda: _train(ddp, opt, data[1:])))
+    return {"errors": errors, "unchanged": unchanged,
+            "values": compare(values(reference), values(ddp))}

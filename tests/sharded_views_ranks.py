@@ -15,6 +15,7 @@ import gc
 import io
 import pickle
 import time
+import warnings
 import weakref
 from typing import Any
 
@@ -330,3 +331,109 @@ def on_a_subgroup(rank: int, world_size: int) -> dict[str, Any]:
             "exchange": (dist.get_process_group_ranks(exchanged),
                          exchange.group_timeout(exchanged)),
             "state": compare_state_dicts(plain.state_dict(), whole) if rank == 2 else True}
+
+
+# -- optimizer.state read by the loop ---------------------------------------------------
+
+def state_read_by_the_loop(rank: int, world_size: int) -> dict[str, Any]:
+    """The loop reads ``opt.state[p]`` of every parameter between backward and ``step()``
+    (a log of Adam's step count: each rank reads parameters other ranks own), and, before
+    the first step, rank 0 reads one it does not own; then torch's
+    ``set_optimizer_state_dict`` on every rank (a 5 s group: a rank skipping torch's
+    initialising step alone made the others wait for its exchange), and training goes on
+    reading: against plain DDP + AdamW doing the same."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    group = dist.new_group(timeout=datetime.timedelta(seconds=5))
+    dist.barrier()
+    data = batches(rank, 4)
+
+    def train(model: Any, optimizer: Any, tokens: torch.Tensor) -> None:
+        _loss(model, tokens).backward()
+        logged = [optimizer.state[p].get("step") for group in optimizer.param_groups
+                  for p in group["params"]]
+        assert len(logged) == len(list(model.parameters()))
+        optimizer.step()
+        optimizer.zero_grad()
+
+    # a first step elsewhere: the dict both runs load, before their first step
+    first = build_reference()
+    plain = torch.optim.AdamW(param_groups(first, True), lr=LR)
+    train(first, plain, data[0])
+    saved = copy.deepcopy(get_optimizer_state_dict(first, plain))
+    reference, ddp = build_reference(), build(process_group=group)
+    with torch.no_grad():
+        for model in (reference, ddp):
+            for mine, theirs in zip(model.parameters(), first.parameters(), strict=True):
+                mine.copy_(theirs)
+    plain = torch.optim.AdamW(param_groups(reference, True), lr=LR)
+    opt = overlapkit.overlap_ddp(ddp, torch.optim.AdamW, params=param_groups(ddp, True),
+                                 lr=LR, shard_optimizer_state=True)
+    owned = set(map(id, opt.owned_parameters()))
+    others = [i for i, p in enumerate(ddp.parameters()) if id(p) not in owned]
+    if rank == 0 and others:  # a read: nothing stored for another rank's parameter
+        opt.state[list(ddp.parameters())[others[0]]]
+        plain.state[list(reference.parameters())[others[0]]]
+    shown = (len(opt.state), sum(p in opt.state for i, p in enumerate(ddp.parameters())
+                                 if i in others))
+    set_optimizer_state_dict(reference, plain, copy.deepcopy(saved))
+    errors = [error_of(lambda: set_optimizer_state_dict(ddp, opt, copy.deepcopy(saved)))]
+    for tokens in data[1:]:
+        train(reference, plain, tokens)
+        errors.append(error_of(lambda tokens=tokens: train(ddp, opt, tokens)))
+        if errors[-1] is not None:
+            break
+    return {"errors": errors, "shown before": shown,
+            "held": (len(opt.state), len(opt.owned_parameters())),
+            "values": compare(values(reference), values(ddp))}
+
+
+def state_read_in_a_learnt_window(rank: int, world_size: int) -> dict[str, Any]:
+    """As :func:`state_read_by_the_loop` after ``learn_first_step(model)`` (the state is
+    watched while the first window is learnt: the reads are noted on every rank alike,
+    and the steps then taken at ``step()``), against the plain loop."""
+    reference, plain, ddp, opt = _pair()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the plain order's one warning
+        opt.learn_first_step(ddp)
+        for model, optimizer in ((reference, plain), (ddp, opt)):
+            for tokens in batches(rank, 3):
+                _loss(model, tokens).backward()
+                for group in optimizer.param_groups:
+                    for param in group["params"]:
+                        optimizer.state[param].get("step")
+                optimizer.step()
+                optimizer.zero_grad()
+    return {"held": (len(opt.optimizer.state), len(opt.owned_parameters())),
+            "values": compare(values(reference), values(ddp))}
+
+
+def layer_state_reset(rank: int, world_size: int) -> dict[str, Any]:
+    """The head's optimizer state reset mid-training on every rank (a re-initialised
+    layer): ``del opt.state[p]`` for each of its parameters, against the plain loop; and
+    ``opt.state[p]["exp_avg"]`` of each, which only the owner holds."""
+    reference, plain, ddp, opt = _pair()
+    data = batches(rank, 3)
+    _train(reference, plain, data[:1])
+    _train(ddp, opt, data[:1])
+    deleted = []  # first: a read on the ranks not owning p stored an entry (0.4.0)
+    for model, optimizer in ((reference, plain), (ddp, opt)):
+        for param in model.module.head.parameters():
+            deleted.append(error_of(lambda o=optimizer, p=param: o.state.__delitem__(p)))
+    _train(reference, plain, data[1:])
+    _train(ddp, opt, data[1:])
+    owned = set(map(id, opt.owned_parameters()))
+    reads = []
+    for param in ddp.module.head.parameters():
+        error = error_of(lambda param=param: opt.state[param]["exp_avg"])
+        caught = False
+        try:
+            opt.state[param]["exp_avg"]
+        except KeyError:  # what a missing entry raises, as before
+            caught = True
+        reads.append((id(param) in owned, error, caught or id(param) in owned))
+    return {"reads": reads, "deleted": deleted,
+            "values": compare(values(reference), values(ddp))}

@@ -78,3 +78,59 @@ def test_a_rank_owning_nothing_trains_gathers_and_loads_bitwise_also_through_tor
             assert result["torch get"]["type"] == "ConfigurationError", result["torch get"]
     assert not failures(results, "torch gathered")  # on the rank owning nothing
     assert not failures(results, "values")  # set_optimizer_state_dict on every rank
+
+
+def test_an_optimizer_built_with_state_loads_through_torch_s_api_where_a_rank_owns_nothing(
+        ) -> None:
+    results = _run(ranks_.born_with_state, 3)
+    assert sorted(r["owned"] for r in results) == [0, 1, 1], results
+    for rank, result in enumerate(results):
+        # was: ExchangeFailedError on the rank owning nothing after the 5 s timeout
+        assert result["loaded"] is None, (rank, result["loaded"], result["seconds"])
+    assert not failures(results, "gathered")
+    assert not failures(results, "values")
+
+
+@pytest.mark.parametrize("options", sorted(ranks_.FULL_OPTIONS))
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_torch_s_set_optimizer_state_dict_of_a_whole_dict_loads_each_rank_s_share(
+        world_size: int, options: str) -> None:
+    results = run_distributed(ranks_.full_state_dict_loads, world_size, args=(options,),
+                              timeout=300)
+    for rank, result in enumerate(results):
+        for case, got in result.items():
+            assert got["error"] is None, (rank, case, got["error"])
+            assert got["state"], (rank, case)  # each rank's share: the plain optimizer's
+            held, owned = got["held"]
+            assert held == owned, (rank, case, got["held"])
+            assert got["values"], (rank, case, got["values"])
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_torch_s_whole_dict_offloaded_to_rank_0_needs_a_gathering_there_and_is_plain_s(
+        world_size: int) -> None:
+    results = _run(ranks_.offloaded_whole_dict, world_size)
+    for rank, result in enumerate(results):
+        for case in ("without a gathering", "gathered elsewhere"):
+            # the same on every rank (was: refused on every rank but the gathering one)
+            error = result[case]
+            assert error is not None and error["type"] == "ConfigurationError", (
+                rank, case, error)
+            assert "consolidate_state_dict(to=0)" in error["message"], error
+    assert not failures(results, "same")  # rank 0: the plain dict; elsewhere {}
+    assert not failures(results, "groups")
+    assert not failures(results, "values")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_another_model_s_state_dict_is_refused_on_every_rank_before_it_loads(
+        world_size: int) -> None:
+    results = _run(ranks_.another_model_s_dict, world_size)
+    for rank, result in enumerate(results):
+        loaded, through_torch, trained = result["errors"]
+        for error in (loaded, through_torch):  # was: loaded, then only some ranks raised
+            assert error is not None and error["type"] == "ConfigurationError", (rank, error)
+            assert "Nothing was loaded" in error["message"], error
+        assert trained is None, (rank, trained)
+        assert result["unchanged"], rank
+    assert not failures(results, "values")

@@ -50,7 +50,8 @@ from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.core.direct_step import PASSING_PRE_HOOKS
 from overlapkit.overlap.core.window import FirstWindow, plain_order_warning
 
-__all__ = ["follow_step_hooks", "registered_step_hooks", "sharded_post_hook_refusal"]
+__all__ = ["follow_step_hooks", "registered_step_hooks", "sharded_post_hook_refusal",
+           "sharded_step_hook_refusal"]
 
 
 def registered_step_hooks(optimizer: torch.optim.Optimizer | None, *,
@@ -99,6 +100,22 @@ def sharded_post_hook_refusal(steps: Any) -> ConfigurationError | None:
         "stepped in this backward. Do the hook's work in the loop after "
         "optimizer.step() (every parameter holds its update then, on every rank), or "
         "remove the hook.")
+
+
+def sharded_step_hook_refusal(method: str) -> ConfigurationError:
+    """The refusal of ``register_step_pre_hook`` / ``register_step_post_hook`` (``method``)
+    on an optimizer with sharded state."""
+    return ConfigurationError(
+        f"{method} on a sharded optimizer: a plain optimizer runs step hooks once per "
+        "step on every rank, but this one steps inside backward, each rank its own "
+        "share, a few buckets at a time, so a hook would run a varying number of times "
+        "per step, only on the ranks owning a parameter in those buckets (measured: 3 "
+        "to 4 times in 3 steps, never on a rank owning nothing), and one that "
+        "communicates would hang. Nothing was registered. Do that work in the loop "
+        "after backward() or step() (every parameter holds its update then, on every "
+        "rank); a hook per partial step of this rank's share goes on "
+        "optimizer.optimizer (the real optimizer)."
+    )
 
 
 def follow_step_hooks(steps: Any) -> None:

@@ -11,7 +11,10 @@ while backward goes on. Split by the question each part answers:
 - :mod:`~overlapkit.overlap.sharded.exchange`: sending the updated parameters;
 - :mod:`~overlapkit.overlap.sharded.optimizer`: the ``torch.optim.Optimizer`` users get;
 - :mod:`~overlapkit.overlap.sharded.held_params`: its ``param_groups`` edited by hand;
-- :mod:`~overlapkit.overlap.sharded.state_dicts`: whole and per-rank state dicts.
+- :mod:`~overlapkit.overlap.sharded.share_state`: its ``state``, this rank's share;
+- :mod:`~overlapkit.overlap.sharded.state_dicts`: whole and per-rank state dicts;
+- :mod:`~overlapkit.overlap.sharded.torch_api`: what it answers torch's
+  ``get/set_optimizer_state_dict``.
 
 The engine, the bucket stepper, global clipping, the GradScaler rules and the loop
 conventions are ``overlap_ddp``'s own; ``overlapkit.checkpoint`` saves each rank's share

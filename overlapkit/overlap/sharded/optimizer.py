@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.errors import ConfigurationError, NotPicklableError, OverlapkitError
 from overlapkit.overlap.core.engine import OverlapEngine
+from overlapkit.overlap.core.step_hooks import sharded_step_hook_refusal
 from overlapkit.overlap.facade import OverlappedOptimizerFacade
 from overlapkit.overlap.rebuild import refuse_retired
 from overlapkit.overlap.resolved import ModelFacts
@@ -46,15 +47,27 @@ from overlapkit.overlap.sharded.ownership import (
     drop_state_outside_share,
     slots_of,
 )
+from overlapkit.overlap.sharded.share_state import ShareOfState
 from overlapkit.overlap.sharded.state_dicts import (
     gather_state_dict,
-    in_torch_s_initialising_step,
+    misfit_refusal,
+    not_gathered_refusal,
     plain_state_dict,
     sharded_state_dict,
     share_of,
+    stale_refusal,
     with_state,
 )
 from overlapkit.overlap.sharded.stepper import ShardedBucketStepper
+from overlapkit.overlap.sharded.torch_api import (
+    in_torch_s_initialising_step,
+    load_template,
+    offloaded_refusal,
+    offloaded_to,
+    torch_s_broadcast_load,
+    torch_s_load_template,
+    torch_s_offloaded_get,
+)
 
 __all__ = ["TECHNIQUE", "ShardedOverlapOptimizer"]
 
@@ -68,20 +81,6 @@ class _Consolidated:
 
     to: int
     generation: int
-
-
-def _step_hook_refusal(method: str) -> ConfigurationError:
-    return ConfigurationError(
-        f"{method} on a sharded optimizer: a plain optimizer runs step hooks once per "
-        "step on every rank, but this one steps inside backward, each rank its own "
-        "share, a few buckets at a time, so a hook would run a varying number of times "
-        "per step, only on the ranks owning a parameter in those buckets (measured: 3 "
-        "to 4 times in 3 steps, never on a rank owning nothing), and one that "
-        "communicates would hang. Nothing was registered. Do that work in the loop "
-        "after backward() or step() (every parameter holds its update then, on every "
-        "rank); a hook per partial step of this rank's share goes on "
-        "optimizer.optimizer (the real optimizer)."
-    )
 
 
 class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
@@ -103,6 +102,7 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         self._ownership = ownership
         self._policy = policy
         self._consolidated: _Consolidated | None = None
+        self._state = ShareOfState(engine.optimizer, lambda: stepper.exchange.ownership)
         # a backward refuses param groups changed by hand, before anything steps
         stepper.held_check = weakref.WeakMethod(self._held_refusal)
 
@@ -118,6 +118,17 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
     def policy(self) -> ShardingPolicy:
         """The sharding policy that assigned the parameters."""
         return self._policy
+
+    @property
+    def state(self) -> Any:
+        """This rank's share of the optimizer state, live: a read of another rank's
+        parameter gives an empty dict and stores nothing (:class:`~overlapkit.overlap.
+        sharded.share_state.ShareOfState`)."""
+        return self._state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        self._engine.optimizer.state = state.real if isinstance(state, ShareOfState) else state
 
     def owned_parameters(self) -> list[torch.Tensor]:
         """The parameters this rank steps and keeps the optimizer state of."""
@@ -196,12 +207,12 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         self._stepper.consolidated = None
 
     def register_step_pre_hook(self, hook: Any) -> Any:
-        """Refused: see :func:`_step_hook_refusal`."""
-        raise _step_hook_refusal("register_step_pre_hook")
+        """Refused: see :func:`~overlapkit.overlap.core.step_hooks.sharded_step_hook_refusal`."""
+        raise sharded_step_hook_refusal("register_step_pre_hook")
 
     def register_step_post_hook(self, hook: Any) -> Any:
-        """Refused: see :func:`_step_hook_refusal`."""
-        raise _step_hook_refusal("register_step_post_hook")
+        """Refused: see :func:`~overlapkit.overlap.core.step_hooks.sharded_step_hook_refusal`."""
+        raise sharded_step_hook_refusal("register_step_post_hook")
 
     # -- the Optimizer API --------------------------------------------------------
 
@@ -213,13 +224,17 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
 
         torch's initialising step (``get_optimizer_state_dict`` /
         ``set_optimizer_state_dict`` on a rank whose share holds no state) steps
-        nothing once the optimizer has stepped or loaded: the plain optimizer holds
-        state then and takes no such step, and a rank taking it alone would wait for
-        the others' exchange (:func:`~overlapkit.overlap.sharded.state_dicts.
-        in_torch_s_initialising_step`). Before that every rank takes it, as a plain
-        optimizer's."""
+        nothing once the optimizer has stepped or loaded, or when it was built with
+        state (Adagrad's ``sum``; a rank owning nothing took it alone before its first
+        step and waited for the others' exchange until the group's timeout): the plain
+        optimizer holds state then and takes no such step, and a rank taking it alone
+        would wait for the others' exchange (:func:`~overlapkit.overlap.sharded.
+        torch_api.in_torch_s_initialising_step`). Before that every rank takes it, as
+        a plain optimizer's."""
         refuse_retired(self._steps, "step()")
-        if closure is None and self._stepper.generation and in_torch_s_initialising_step():
+        stepper = self._stepper
+        if closure is None and (stepper.generation or stepper.born_with_state) \
+                and in_torch_s_initialising_step():
             return
         full = not self._stepper.stepped_since_step
         if full:  # (a stepping backward checked param_groups when it started)
@@ -259,7 +274,12 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         sharded one at any world size).
 
         At world size 1 it is read directly. Otherwise it is the one
-        :meth:`consolidate_state_dict` gathered on this rank since the last step.
+        :meth:`consolidate_state_dict` gathered on this rank since the last step; read
+        by torch's ``set_optimizer_state_dict(..., full_state_dict=True)``, this rank's
+        share (:func:`~overlapkit.overlap.sharded.torch_api.load_template`); by its
+        ``get_optimizer_state_dict`` with ``full_state_dict`` and ``cpu_offload``, the
+        gathered state on global rank 0 (which torch keeps) and the share elsewhere
+        (torch returns ``{}`` there).
 
         :raises ConfigurationError: at world size > 1, no current consolidated state
             dict on this rank (never gathered, gathered on another rank, or a step since).
@@ -268,25 +288,20 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         self._held_now()
         if self._ownership.world_size == 1:
             return self._engine.state_dict()
-        held = self._consolidated
-        rank = self._ownership.rank
+        if (given := torch_s_load_template()) is not None:
+            return load_template(self._engine.state_dict(), self._ownership, given)
+        held, rank = self._consolidated, self._ownership.rank
+        current = held is not None and held.generation == self._stepper.generation
+        if torch_s_offloaded_get():  # the whole state on global rank 0, {} elsewhere
+            to = offloaded_to(self._model.process_group)
+            if not current or held is None or held.to != to:
+                raise offloaded_refusal(to)
+            if rank != to:  # torch returns {} here, as for a plain optimizer
+                return self._engine.state_dict()
         if held is None or held.to != rank:
-            where = "" if held is None else f" (it was gathered on rank {held.to})"
-            raise ConfigurationError(
-                "the optimizer state is sharded across ranks, so state_dict() returns "
-                "the whole state once it has been gathered on this rank, and it has not "
-                f"been{where}. Call optimizer.consolidate_state_dict(to={rank}) on every "
-                f"rank first, then state_dict() on rank {rank}; or save with "
-                "overlapkit.checkpoint.save(path, model, optimizer) on every rank (no "
-                "gathering, loads at any world size); local_state_dict() is this "
-                "rank's share."
-            )
-        if held.generation != self._stepper.generation:
-            raise ConfigurationError(
-                "the state dict gathered by consolidate_state_dict() is stale: the "
-                "optimizer has stepped since. Call consolidate_state_dict() on every rank "
-                "again after the last step you want to save, then state_dict()."
-            )
+            raise not_gathered_refusal(None if held is None else held.to, rank)
+        if not current:
+            raise stale_refusal()
         # the current param groups (an LR scheduler may have stepped since the
         # gathering, as ZeroRedundancyOptimizer's state_dict() does) and the state
         # hooks: the real optimizer's state_dict(), its share's state replaced by the
@@ -311,9 +326,10 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         rank's share, or this rank's own :meth:`local_state_dict`.
 
         :raises ConfigurationError: a sharded state dict saved at another world size,
-            with another ownership, or by another rank; not a state dict; called
-            between a stepping backward and ``step()`` (as without sharding). Nothing is
-            changed then.
+            with another ownership, or by another rank; not a state dict; one a step
+            would fail after (:func:`~overlapkit.overlap.sharded.state_dicts.
+            misfit_refusal`); called between a stepping backward and ``step()`` (as
+            without sharding). Nothing is changed then.
         """
         if (refusal := self._steps.window_refusal("optimizer.load_state_dict()",
                                                   loading=True)) is not None:
@@ -321,6 +337,10 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         self.synchronize()
         self._held_now()
         share = share_of(state_dict, self._ownership)
+        whole = state_dict if "state" in state_dict else share  # (a local one: the share)
+        if not torch_s_broadcast_load() and (
+                misfit := misfit_refusal(self._engine.optimizer, whole)) is not None:
+            raise misfit
         self._engine.load_state_dict(share)
         self._stepper.advance()
         self._consolidated = None

@@ -17,7 +17,7 @@ rank's share to one DCP checkpoint and reads it back at any world size.
 
 from __future__ import annotations
 
-import sys
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,10 +28,12 @@ from overlapkit.errors import ConfigurationError
 from overlapkit.nodes.exit_safe import gather_object
 from overlapkit.nodes.failed_collective import collective_failure
 from overlapkit.overlap.sharded.ownership import Ownership
+from overlapkit.overlap.sharded.torch_api import TEMPLATE_DEVICE_KEY
 
 __all__ = ["SHARDED_STATE_KEY", "SHARDING_KEY", "check_sharded_state_dict",
-           "gather_state_dict", "in_torch_s_initialising_step", "plain_state_dict",
-           "share_of", "sharded_state_dict", "with_state"]
+           "gather_state_dict", "misfit_refusal", "not_gathered_refusal",
+           "plain_state_dict", "share_of", "sharded_state_dict", "stale_refusal",
+           "with_state"]
 
 #: where a sharded state dict keeps its share of the state (not "state": a plain
 #: optimizer's ``load_state_dict`` then fails at once instead of loading a share silently)
@@ -84,34 +86,106 @@ def with_state(optimizer: torch.optim.Optimizer, state: dict[int, Any]) -> dict[
     return out
 
 
-def in_torch_s_initialising_step() -> bool:
-    """Whether the optimizer's ``step()`` is being called by torch's
-    ``torch.distributed.checkpoint.state_dict`` to create the optimizer state before
-    reading or loading it (``_init_optim_state``: zero gradients, ``lr`` 0, one step,
-    on a rank whose ``optimizer.state`` is empty).
+def not_gathered_refusal(gathered_on: int | None, rank: int) -> ConfigurationError:
+    """``state_dict()`` at more than one rank without the whole state gathered on this
+    rank (``gathered_on``: where it was, or None)."""
+    where = "" if gathered_on is None else f" (it was gathered on rank {gathered_on})"
+    return ConfigurationError(
+        "the optimizer state is sharded across ranks, so state_dict() returns the whole "
+        "state once it has been gathered on this rank, and it has not "
+        f"been{where}. Call optimizer.consolidate_state_dict(to={rank}) on every rank "
+        f"first, then state_dict() on rank {rank}; or save with "
+        "overlapkit.checkpoint.save(path, model, optimizer) on every rank (no gathering, "
+        "loads at any world size); local_state_dict() is this rank's share.")
 
-    Each rank decides alone whether to take that step, from its own ``state``, which
-    with sharded state holds its share only: a rank owning nothing (or only parameters
-    without state) took it while the others did not, and its parameter exchange waited
-    for them until the group's timeout (``ExchangeFailedError``, every later call
-    refused). Looked up by the caller's code (a few frames up: torch may wrap
-    ``step``), so an ordinary ``step()`` is never mistaken for it."""
+
+def stale_refusal() -> ConfigurationError:
+    """``state_dict()`` after a step since the gathering."""
+    return ConfigurationError(
+        "the state dict gathered by consolidate_state_dict() is stale: the optimizer has "
+        "stepped since. Call consolidate_state_dict() on every rank again after the last "
+        "step you want to save, then state_dict().")
+
+
+def _on_meta(value: Any) -> Any:
+    """``value`` with every tensor replaced by a meta twin (same shape and dtype, no
+    memory), but scalars (a ``step`` count, which the step reads back as a number)
+    copied; load templates' device entries left out."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone() if value.dim() == 0 else torch.empty_like(
+            value, device="meta")
+    if isinstance(value, Mapping):
+        return {key: _on_meta(item) for key, item in value.items()
+                if key != TEMPLATE_DEVICE_KEY}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_meta(item) for item in value)
+    return value
+
+
+def _scalars_back(twin: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
+    """Put ``state_dict``'s scalar state (NAdam's ``mu_product``) back into ``twin``
+    as given: its load moved them onto the meta device with the parameters, where the
+    step cannot read them back as numbers (the real load keeps them where the real
+    parameters are)."""
+    saved = [key for group in state_dict["param_groups"] for key in group["params"]]
+    params = [param for group in twin.param_groups for param in group["params"]]
+    for key, param in zip(saved, params, strict=False):
+        for name, value in state_dict["state"].get(key, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() == 0:
+                twin.state[param][name] = value.detach().clone()
+
+
+def _twin_of(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A new optimizer of ``optimizer``'s class and param groups over meta twins of its
+    parameters, each that requires grad holding a zero gradient."""
+    groups = []
+    for group in optimizer.param_groups:
+        twins = []
+        for param in group["params"]:
+            twin = torch.empty_like(param, device="meta")
+            if param.requires_grad:
+                twin.requires_grad_(True)
+                twin.grad = torch.zeros_like(twin)
+            twins.append(twin)
+        groups.append({**group, "params": twins})
+    optim_cls: Any = type(optimizer)
+    return optim_cls(groups)
+
+
+def misfit_refusal(optimizer: torch.optim.Optimizer,
+                   state_dict: Mapping[str, Any]) -> ConfigurationError | None:
+    """The refusal of loading ``state_dict`` (the whole one, on every rank alike) when a
+    step after it would raise, else None: tried on a twin of ``optimizer`` over meta
+    tensors (no memory, nothing computed, torch's step hooks left out), after a step
+    of a fresh twin shows that the optimizer steps on meta tensors at all.
+
+    A plain optimizer loads a state dict that does not fit its parameters (another
+    model's: state of another shape, a param group without a setting) and raises at
+    its first step, on every rank. A sharded one steps each parameter on its owner
+    only: only those ranks raised, at the end of backward, and the others went on
+    training (measured: 2 gloo ranks, AdamW, torch's ``RuntimeError`` "The size of
+    tensor a (7) must match the size of tensor b (24)" on rank 0, nothing on rank 1)."""
+    step = inspect.unwrap(type(optimizer).step)  # without torch's step hooks
     try:
-        from torch.distributed.checkpoint import state_dict as torch_state_dict
-    except ImportError:  # pragma: no cover - torch without torch.distributed
-        return False
-    init = getattr(torch_state_dict, "_init_optim_state", None)
-    code = getattr(init, "__code__", None)
-    if code is None:
-        return False
-    frame = sys._getframe(1)
-    for _ in range(6):
-        frame = frame.f_back  # type: ignore[assignment]
-        if frame is None:
-            return False
-        if frame.f_code is code:
-            return True
-    return False
+        with torch.no_grad():
+            step(_twin_of(optimizer))
+        loaded = _twin_of(optimizer)
+        loaded.load_state_dict(_on_meta(dict(state_dict)))
+        _scalars_back(loaded, state_dict)
+    except Exception:  # not decidable on meta tensors; or torch's own load error follows
+        return None
+    try:
+        with torch.no_grad():
+            step(loaded)
+    except Exception as error:
+        return ConfigurationError(
+            "this state dict does not fit the optimizer's parameters: a step after loading "
+            f"it raises {type(error).__name__}: {error} (tried on the meta device, on every "
+            "rank). A plain optimizer would load it and raise at its first step; here each "
+            "parameter steps on its owning rank only, so only some ranks would raise and "
+            "the others go on. Nothing was loaded. Load a state dict saved for these "
+            "parameters and param groups (the same model and optimizer).")
+    return None
 
 
 def gather_state_dict(local: dict[str, Any], ownership: Ownership, group: Any,

@@ -58,6 +58,9 @@ class ShardedBucketStepper(BucketStepper):
     #: counts the steps taken (stepping backwards, full steps, loads): a consolidated
     #: state dict is of one generation
     generation: int = 0
+    #: the real optimizer held state as soon as it was built (Adagrad's ``sum``): the
+    #: plain one never takes torch's initialising step then, nor does this one
+    born_with_state: bool = False
     #: the whole state gathered by ``consolidate_state_dict`` (the optimizer's record),
     #: released as soon as it is stale: it is the size of the whole optimizer state
     consolidated: Any = None
