@@ -86,8 +86,10 @@ def test_the_state_watched_in_the_window_reads_as_the_dict_and_is_given_back() -
 def test_a_state_read_between_backward_and_step_is_warned_of_once() -> None:
     # it holds this step's update already (0.4.0: silently)
     module, opt = stepped_once()
-    with pytest.warns(StateReadInWindowWarning, match="holds this step's update already"):
-        opt.state[module[0].weight]["exp_avg"].norm()
+    with pytest.warns(StateReadInWindowWarning,
+                      match="holds this step's update already") as caught:
+        dict(opt.state.items())  # through collections.abc's mixin
+    assert caught[0].filename == __file__  # the loop's line
     opt.step()
     opt.zero_grad()
     module(rank_batches(0, 3)[2]).square().mean().backward()
