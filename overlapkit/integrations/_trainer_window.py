@@ -50,6 +50,10 @@ def plain_order_warning(technique: str, users: list[str], from_step: int | None)
              "move gradient edits and second backwards out of training_step",
              "give a custom optimizer through optimizers=(optimizer, None) instead of a "
              "create_optimizer override"]
+    if any("JITCheckpointCallback." in user for user in users):
+        hints.insert(0, "leave enable_jit_checkpoint off (its JITCheckpointCallback saves a "
+                        "checkpoint between backward and step when the job is told to stop, "
+                        "so on_pre_optimizer_step must see the plain step's state)")
     if UNSYNCED_MICRO_BATCH in users:
         hints.append("give each epoch a number of batches that gradient_accumulation_steps "
                      "divides (a dataset with a length, dataloader_drop_last)")

@@ -107,6 +107,28 @@ def test_two_ranks_with_max_grad_norm_0_the_plain_grad_norm_is_logged(
         assert same, differences
 
 
+def test_jit_checkpointing_turns_the_overlap_off_with_a_warning_naming_its_flag(
+        tmp_path: Any) -> None:
+    # transformers' JITCheckpointCallback saves in on_pre_optimizer_step (on SIGTERM): the
+    # plain order is right; the warning pointed at overlapkit_reads_no_gradients instead
+    import warnings
+
+    from hf_models import Tokens, gpt2, quiet
+    from trainer_runs import arguments
+
+    from overlapkit.integrations.transformers import OverlapTrainer
+
+    quiet()
+    trainer = OverlapTrainer(model=gpt2(), args=arguments(
+        str(tmp_path), max_steps=2, enable_jit_checkpoint=True), train_dataset=Tokens("gpt2"))
+    assert trainer.window_users() == ["the callback JITCheckpointCallback.on_pre_optimizer_step"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    said = [str(w.message) for w in caught if "without overlap" in str(w.message)]
+    assert len(said) == 1 and "leave enable_jit_checkpoint off" in said[0], said
+
+
 def test_a_subclass_declaring_it_reads_no_gradients_keeps_the_overlap(tmp_path: Any) -> None:
     from hf_models import Tokens, gpt2, quiet
     from trainer_runs import arguments
