@@ -151,8 +151,7 @@ class FirstWindow:
         write to one parameter's entry (:mod:`~overlapkit.overlap.core.state_marks`);
         ``warn_reads``: the technique, to warn of a read (a loop known to call
         ``step()``)."""
-        if self.optimizer is not None:
-            self.release_state()
+        if self.optimizer is not None:  # once per marks: the last ones released first
             self.state_writes = StateWrites(self.optimizer, warn_reads)
 
     def release_state(self) -> None:
