@@ -172,6 +172,17 @@ def test_a_loop_told_to_learn_its_first_step_keeps_gradient_noise_bitwise_with_o
 
 
 @pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+def test_an_ema_updated_in_a_learned_first_window_keeps_the_plain_order_bitwise(
+        two_ranks: list[dict[str, Any]], technique: str) -> None:
+    # AveragedModel.update_parameters between backward and step() (tests/test_window_params.py)
+    for rank_results in two_ranks:
+        found = rank_results[f"{technique} learned ema"]
+        assert found["bitwise plain"], found
+        assert len(found["warnings"]) == 1, found["warnings"]
+        assert "the values of module.0.weight" in found["warnings"][0]
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
 def test_a_second_backward_through_a_kept_graph_is_refused_before_it_reaches_a_parameter(
         two_ranks: list[dict[str, Any]], technique: str) -> None:
     # 0.4.0: autograd's RuntimeError ("modified by an inplace operation") from inside it

@@ -7,7 +7,7 @@ start from what the loop left there: a moment scaled in place
 (``opt.state[p]["exp_avg"].mul_(0.5)``), a value replaced, the entry cleared
 (``opt.state[p].clear()``), replaced or deleted, the state reset. That step cannot be
 taken again, so such a write is refused at that ``step()``
-(:func:`~overlapkit.overlap.core.window.refuse_changed_gradients`), as a parameter
+(:func:`~overlapkit.overlap.core.late_changes.refuse_changed_gradients`), as a parameter
 changed in place is. Reading the state is not a write (``opt.state[p]`` of a parameter
 without state creates an empty entry: only entries that held state are compared).
 

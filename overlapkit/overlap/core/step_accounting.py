@@ -266,6 +266,7 @@ class StepAccount:
         backward of the deferred window (and refuses one before anything steps)."""
         if self.first_window is not None:
             self.first_window.backwards += 1
+            self.first_window.backward_starts()
         return self.backward_gate() if self.backward_gate is not None else None
 
     def deferred_backward_ended(self, params: Iterable[torch.Tensor]) -> None:
@@ -275,6 +276,7 @@ class StepAccount:
             self.first_window.mark(params)
             self.first_window.mark_settings()
             self.first_window.watch_state()
+            self.first_window.watch_params(params)
 
     def starting_backward(self) -> OverlapkitError | None:
         """What a stepper calls when a backward starts: :meth:`backward_starts`, or

@@ -27,7 +27,8 @@ from typing import Any, Protocol
 import torch
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["WatchedState", "is_watched", "quiet_reads", "unwatch_grad", "watch_grad"]
+__all__ = ["METADATA_METHODS", "VALUE_PROPERTIES", "WatchedState", "is_watched", "quiet",
+           "quiet_reads", "unwatch_grad", "watch_grad"]
 
 
 class _Window(Protocol):
@@ -38,13 +39,19 @@ class _Window(Protocol):
     def note_read(self, name: str) -> None: ...
 
 
-#: property reads of a gradient that read no values (``.shape``, ``.dtype``, ...)
-_VALUE_PROPERTIES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
-#: methods of a gradient that read no values
-_METADATA = frozenset({"size", "dim", "numel", "stride", "element_size", "is_contiguous",
-                       "is_floating_point", "is_complex", "data_ptr", "storage_offset",
-                       "__len__", "__hash__", "ndimension", "nelement", "get_device"})
+#: the properties of a tensor whose read reads its values (not ``.shape``, ``.dtype``, ...)
+VALUE_PROPERTIES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
+#: methods of a tensor that read no values
+METADATA_METHODS = frozenset({"size", "dim", "numel", "stride", "element_size",
+                              "is_contiguous", "is_floating_point", "is_complex", "data_ptr",
+                              "storage_offset", "__len__", "__hash__", "ndimension",
+                              "nelement", "get_device"})
 _QUIET = threading.local()
+
+
+def quiet() -> bool:
+    """Whether overlapkit's own reads are running (:func:`quiet_reads`)."""
+    return bool(getattr(_QUIET, "on", False))
 
 
 @contextmanager
@@ -62,8 +69,8 @@ def quiet_reads() -> Iterator[None]:
 def _reads_values(func: Any) -> bool:
     name = getattr(func, "__name__", "")
     if name == "__get__":  # a property: Tensor.shape.__get__, ...
-        return getattr(getattr(func, "__self__", None), "__name__", "") in _VALUE_PROPERTIES
-    return name not in _METADATA
+        return getattr(getattr(func, "__self__", None), "__name__", "") in VALUE_PROPERTIES
+    return name not in METADATA_METHODS
 
 
 class _WatchesReads:
@@ -77,7 +84,7 @@ class _WatchesReads:
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if not getattr(_QUIET, "on", False) and _reads_values(func):
+        if not quiet() and _reads_values(func):
             for arg in tree_flatten((args, kwargs))[0]:
                 if isinstance(arg, _WatchesReads):
                     arg._window.note_read(arg._name)
@@ -142,7 +149,7 @@ class WatchedState(MutableMapping[Any, Any]):
         self.state, self.window = state, window
 
     def _note(self) -> MutableMapping[Any, Any]:
-        if not getattr(_QUIET, "on", False):
+        if not quiet():
             self.window.state_read = True
         return self.state
 

@@ -33,7 +33,8 @@ the plain run, bitwise. Any other loop steps during backward from its second ste
 
 In a loop no integration sets up, the step is taken during backward from the first,
 so what the loop does in the window that the plain ``step()`` would have used is
-refused at that ``step()`` (:func:`refuse_changed_gradients`), from the first step on:
+refused at that ``step()``
+(:mod:`~overlapkit.overlap.core.late_changes`), from the first step on:
 a gradient changed or set, a parameter changed in place, a param-group setting changed
 (a warm-up, ``lr_scheduler.step()`` called first), a param group added, the state reset
 or one parameter's entry written (:mod:`~overlapkit.overlap.core.state_marks`).
@@ -53,6 +54,7 @@ import torch
 from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.core.group_settings import changed_settings, settings
 from overlapkit.overlap.core.state_marks import StateWrites
+from overlapkit.overlap.core.watched_params import unwatch_params, watch_params
 from overlapkit.overlap.core.watched_reads import (
     WatchedState,
     is_watched,
@@ -61,9 +63,8 @@ from overlapkit.overlap.core.watched_reads import (
     watch_grad,
 )
 
-__all__ = ["LEARN", "FirstWindow", "accept_unchanged_rewrites", "end_first_window",
-           "plain_order_warning", "zeros_warning",
-           "quiet_reads", "refuse_changed_gradients", "state"]
+__all__ = ["LEARN", "FirstWindow", "end_first_window", "plain_order_warning", "quiet_reads",
+           "shown_names", "state", "zeros_warning"]
 
 #: what a hand-written loop that works in the window calls to have it honoured
 LEARN = ("optimizer.learn_first_step(model) (the first step is then taken at "
@@ -77,7 +78,7 @@ def state(param: torch.Tensor) -> tuple[int, int]:
     return (0, 0) if grad is None else (id(grad), grad._version)
 
 
-def _shown(names: list[str]) -> str:
+def shown_names(names: list[str]) -> str:
     return ", ".join(names[:3]) + (" and others" if len(names) > 3 else "")
 
 
@@ -127,6 +128,9 @@ class FirstWindow:
     learned: bool = False
     #: the optimizer's ``state`` watched after a stepping backward (:meth:`mark_state`)
     state_writes: StateWrites | None = None
+    #: ``id(param)`` of the parameters whose values the loop read since the last
+    #: backward (:mod:`~overlapkit.overlap.core.watched_params`), in order
+    params_read: list[int] = attrs.field(factory=list)
 
     def mark(self, params: Iterable[torch.Tensor]) -> None:
         """Record the gradients of ``params`` as they are now (end of a backward, or
@@ -193,10 +197,27 @@ class FirstWindow:
         if name not in self.read:
             self.read.append(name)
 
+    def watch_params(self, params: Iterable[torch.Tensor]) -> None:
+        """Note the loop's reads of the values of ``params`` (the backward that ended
+        would have stepped them) until :meth:`unwatch` or :meth:`backward_starts`."""
+        if not self.plain_order:
+            watch_params(params, self)
+
+    def note_param_read(self, param: torch.Tensor) -> None:
+        if id(param) not in self.params_read:
+            self.params_read.append(id(param))
+
+    def backward_starts(self) -> None:
+        """A backward of this step starts: what the loop read since the last one (that
+        micro-batch's forward) saw the same values as the plain loop's."""
+        unwatch_params(self)
+        self.params_read = []
+
     def unwatch(self, params: Iterable[torch.Tensor]) -> None:
         """Put the plain gradients and state back (before the step reads them); stop
         watching."""
         self.watching = None
+        unwatch_params(self)
         state = None if self.optimizer is None else self.optimizer.state
         if isinstance(state, WatchedState):
             self.optimizer.state = state.state
@@ -283,14 +304,14 @@ def end_first_window(steps: Any, names: Mapping[int, str], params: list[torch.Te
                         "(gradient accumulation outside accelerator.accumulate)")
         edited = window.edited(dict(names), params)
         if edited:
-            used.append(f"the gradients of {_shown(edited)} were changed")
+            used.append(f"the gradients of {shown_names(edited)} were changed")
         changed = window.changed_settings()
         if changed:
-            used.append(f"the optimizer's settings ({_shown(changed)}) were changed "
+            used.append(f"the optimizer's settings ({shown_names(changed)}) were changed "
                         "(the plain step takes the new values)")
         moved = window.moved(dict(names), params)
         if moved:
-            used.append(f"the values of {_shown(moved)} were changed in place")
+            used.append(f"the values of {shown_names(moved)} were changed in place")
         if window.discarded:
             used.append("zero_grad() discarded the gradients of a backward without a step "
                         "(a second optimizer's loss reaching these parameters)")
@@ -305,9 +326,15 @@ def end_first_window(steps: Any, names: Mapping[int, str], params: list[torch.Te
             used.append(f"the optimizer's state was read (from the second step on it "
                         f"would hold that step's update already: {technique} steps "
                         "during backward)")
+        if window.params_read:
+            values = shown_names([names.get(key, "a parameter") for key in window.params_read])
+            used.append(f"the values of {values} were read (an EMA, a copy, a log: from "
+                        "the second step on they would hold that step's update already: "
+                        f"{technique} steps during backward; read them after "
+                        "optimizer.step() to keep the overlap)")
         read = [name for name in window.read if name not in edited]
         if read:
-            shown = _shown(read)
+            shown = shown_names(read)
             freed = ("frees them once stepped" if technique == "optimizer_in_backward"
                      else "clips them during backward")
             used.append(f"the gradients of {shown} were read (from the second step on "
@@ -326,67 +353,3 @@ def end_first_window(steps: Any, names: Mapping[int, str], params: list[torch.Te
         steps.deferred()
         steps.calls_step = True
     return clipped
-
-
-def refuse_changed_gradients(marks: FirstWindow, names: Mapping[int, str],
-                             params: list[torch.Tensor], technique: str) -> None:
-    """:raises ConfigurationError: the loop changed (or set) a gradient after the
-    backward that stepped it, before this ``step()``: the change missed that step."""
-    learn = "." if marks.learned else f", or keep the loop and call {LEARN} once before it."
-    changed = marks.changed_settings() + marks.state_reset()
-    if changed:
-        raise ConfigurationError(
-            f"the optimizer's settings ({_shown(changed)}) were changed between backward() and "
-            f"optimizer.step(), after {technique} had already stepped the parameters with "
-            "the values before the change during backward, so the change missed this "
-            "step (a hand-written warm-up, or lr_scheduler.step() called before "
-            "optimizer.step()). The parameters have taken it: restart from the last "
-            "checkpoint after fixing the loop. Change the learning rate and the other "
-            "settings before backward() (an LR scheduler stepped after optimizer.step() "
-            f"does){learn}"
-        )
-    written = marks.state_written(names)
-    if written:
-        raise ConfigurationError(
-            f"the optimizer's state of {_shown(written)} was written between backward() "
-            "and optimizer.step() (a moment scaled in place, an entry cleared, replaced "
-            f"or deleted), after {technique} had already stepped them during backward "
-            "with the state before the write, where the plain step starts from the "
-            "written state. The parameters have taken it: restart from the last "
-            "checkpoint after fixing the loop. Write the optimizer's state after "
-            f"optimizer.step(){learn}")
-    moved = marks.moved(dict(names), params)
-    if moved:
-        raise ConfigurationError(
-            f"the values of {_shown(moved)} were changed in place between backward() and "
-            f"optimizer.step() (a clamp, a projection), after {technique} had already "
-            "stepped them during backward, where the plain step starts from the changed "
-            "values. The parameters have taken it: restart from the last checkpoint "
-            f"after fixing the loop. Change parameters after optimizer.step(){learn}")
-    edited = marks.edited(dict(names), params)
-    if not edited:
-        return
-    shown = _shown(edited)
-    raise ConfigurationError(
-        f"the gradients of {shown} were changed between backward() and "
-        f"optimizer.step(), after {technique} had already stepped the parameters "
-        "with them during backward, so the change missed this step. The parameters "
-        "have taken it: restart from the last checkpoint after fixing the loop. To "
-        "change gradients, change them before they are reduced (a gradient hook on "
-        f"the parameter, a DDP comm hook){learn}"
-    )
-
-
-def accept_unchanged_rewrites(steps: Any, params: Iterable[torch.Tensor],
-                              versions: Mapping[int, int]) -> None:
-    """``params`` that overlapkit rewrote in place with their own values (a checkpoint's
-    save: torch's ``get_state_dict`` creates state with a zero step), ``versions``: ``id``
-    -> their version before. Not a change of the loop's: the marks move past those
-    writes only."""
-    for marks in (steps.stepped_marks, steps.first_window):
-        if marks is None:
-            continue
-        for param in params:
-            before = versions.get(id(param))
-            if before is not None and marks.versions.get(id(param)) == before:
-                marks.versions[id(param)] = param._version
