@@ -3,7 +3,8 @@ copy of the model, a logged weight norm) in a loop that learns its first step
 (``learn_first_step``, as Accelerate's ``prepare`` does): the plain loop reads the last
 step's values there, a step taken during backward would have them hold this step's.
 Seen in the first window: every step stays at ``step()``, bitwise the plain loop, one
-warning; a loop that reads them elsewhere keeps the overlap.
+warning; a loop that reads them elsewhere keeps the overlap. A loop that does not learn
+its first step is warned of such a read once (``ParameterReadInWindowWarning``).
 (``overlapkit/overlap/core/watched_params.py``; ``overlap_ddp`` on 2 ranks:
 ``tests/window_ranks.py``.)"""
 
@@ -20,6 +21,7 @@ from helpers import compare, rank_batches, values
 from torch import nn
 
 import overlapkit
+from overlapkit.overlap.core.watched_params import ParameterReadInWindowWarning
 
 
 def _module() -> nn.Module:
@@ -109,3 +111,43 @@ def test_a_loop_reading_no_parameter_values_in_the_window_keeps_the_overlap() ->
             opt.step()
             opt.zero_grad()
             _weight_norms(module, {})  # after step(): the same values in both loops
+
+
+def _unlearnt(in_window: Callable[[nn.Module], None]) -> list[warnings.WarningMessage]:
+    """Four steps of a loop that does not learn its first step (it steps during backward
+    from the first), ``in_window(module)`` between backward and ``step()``."""
+    module = _module()
+    opt = overlapkit.optimizer_in_backward(module, torch.optim.AdamW, lr=1e-2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in rank_batches(0, 4):
+            module(batch).square().mean().backward()
+            in_window(module)
+            opt.step()
+            opt.zero_grad()
+            _weight_norms(module, {})  # after step(): not in the window
+    assert all(type(p) is nn.Parameter for p in module.parameters())
+    return list(caught)
+
+
+def test_parameters_read_after_a_stepping_backward_are_warned_of_once() -> None:
+    # before: not detected, the EMA one step ahead of the plain loop's, silently
+    average = torch.optim.swa_utils.AveragedModel(_module())
+    caught = _unlearnt(average.update_parameters)
+    assert [w.category for w in caught] == [ParameterReadInWindowWarning], caught
+    assert "parameters read between backward() and optimizer.step()" in str(caught[0].message)
+    assert caught[0].filename == __file__  # the loop's line, past torch's swa_utils
+
+
+def test_copies_taken_in_the_window_are_plain_parameters() -> None:
+    copies: list[nn.Module] = []
+    caught = _unlearnt(lambda module: copies.append(copy.deepcopy(module)))
+    assert len(caught) == 1
+    assert all(type(p) is nn.Parameter for c in copies for p in c.parameters())
+
+
+def test_a_loop_reading_parameters_only_after_step_is_not_warned() -> None:
+    def no_values(module: nn.Module) -> None:
+        _log_after_the_step_only(module, {})
+        assert all(p.grad is None for p in module.parameters())  # .grad: not a value read
+    assert _unlearnt(no_values) == []

@@ -31,7 +31,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from overlapkit.errors import ConfigurationError
-from overlapkit.overlap.core.watched_params import unwatch_params, watch_params
+from overlapkit.overlap.core.watched_params import (
+    unwatch_params,
+    watch_params,
+    watched_class,
+)
 
 __all__ = ["AFTER_STEP_HOOKS", "GRADIENT_HOOKS", "SKIPPED_BACKWARD", "WRAPPED_CLOSURE",
            "WRITING_HOOKS", "GradientWrites", "OptimizerChanges", "by_hand_warning",
@@ -296,13 +300,15 @@ class GradientWrites:
         # a write through .data bumps no version counter: the values are compared too
         copies = [(name, grad, grad.detach().clone()) for name, _, grad, _ in before
                   if grad is not None]
-        reads = _ParameterReads()
-        if probing:  # nothing stepped yet: a read of the parameters is the plain one
-            watch_params([p for _, p in self.named_params], reads)
+        reads, params = _ParameterReads(), [p for _, p in self.named_params]
+        watched = watched_class() if probing else None
+        if watched is not None:  # nothing stepped yet: a read of them is the plain one
+            watch_params(params, watched, reads)
         try:
             yield
         finally:
-            unwatch_params(reads)
+            if watched is not None:
+                unwatch_params(params, watched)
         if reads.params:
             names = {id(p): name for name, p in self.named_params}
             read = [names[key] for key in reads.params]

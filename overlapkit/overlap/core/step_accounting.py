@@ -306,6 +306,8 @@ class StepAccount:
             marks.mark_settings()
             self.release_state()
             marks.mark_state(self.technique if self.calls_step else None)
+            if self.calls_step:
+                marks.watch_reads(params, self.technique, self.settings_of or self)
             self.stepped_marks = marks
 
     def release_state(self) -> None:

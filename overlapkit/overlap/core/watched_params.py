@@ -13,8 +13,9 @@ reads the values of one notes it in the window
 the plain order.
 
 A watched parameter is the same object: its class is switched to a watched subclass of
-``torch.nn.Parameter`` for that time, and back (no instance attribute is added, so a
-copy or a pickle of it taken meanwhile is a plain parameter). Only plain
+``torch.nn.Parameter`` (one per watcher, which holds the window) for that time, and back
+(no instance attribute is added, so a copy or a pickle of it taken meanwhile is a plain
+parameter). Only plain
 ``torch.nn.Parameter`` objects are watched (not FSDP2's ``DTensor`` parameters). What
 reads no values (``.grad``, ``.shape``, ``requires_grad``, ``_version``, registering a
 hook) is not a read; overlapkit's own work runs under
@@ -24,15 +25,23 @@ hook) is not a read; overlapkit's own work runs under
 from __future__ import annotations
 
 import copy
+import warnings
+import weakref
 from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
 from torch.utils._pytree import tree_flatten
 
-from overlapkit.overlap.core.watched_reads import METADATA_METHODS, VALUE_PROPERTIES, quiet
+from overlapkit.overlap.core.watched_reads import (
+    METADATA_METHODS,
+    VALUE_PROPERTIES,
+    loop_stacklevel,
+    quiet,
+)
 
-__all__ = ["unwatch_params", "watch_params"]
+__all__ = ["ParameterReadInWindowWarning", "ParameterReads", "unwatch_params",
+           "watch_params", "watched_class"]
 
 
 class _Window(Protocol):
@@ -41,8 +50,6 @@ class _Window(Protocol):
     def note_param_read(self, param: torch.Tensor) -> None: ...
 
 
-#: ``id(param)`` -> the parameter and the window its reads are noted in, while watched
-_WATCHED: dict[int, tuple[torch.Tensor, _Window]] = {}
 #: methods of a parameter that read no values: bookkeeping a loop or a framework does
 #: between backward and ``step()``
 _BOOKKEEPING = METADATA_METHODS | {"register_hook", "register_post_accumulate_grad_hook",
@@ -59,7 +66,10 @@ def _reads_values(func: Any) -> bool:
 
 
 class _WatchedParameter(torch.nn.Parameter):
-    """A parameter of the first window (the same object, its class switched)."""
+    """A parameter of a window (the same object, its class switched to a subclass of
+    this one per watcher, :func:`watched_class`, whose ``_window`` the reads go to)."""
+
+    _window: _Window | None = None
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
@@ -67,37 +77,102 @@ class _WatchedParameter(torch.nn.Parameter):
         kwargs = kwargs or {}
         if not quiet() and _reads_values(func):
             for arg in tree_flatten((args, kwargs))[0]:
-                watched = _WATCHED.get(id(arg)) if isinstance(arg, _WatchedParameter) else None
-                if watched is not None and watched[0] is arg:
-                    watched[1].note_param_read(arg)
+                window = type(arg)._window if isinstance(arg, _WatchedParameter) else None
+                if window is not None:
+                    window.note_param_read(arg)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         """A plain parameter (``copy.deepcopy(model)`` in the window: an EMA's copy), the
-        read noted (``.data`` is read on the way)."""
+        read noted."""
+        watched = type(self)
+        if watched._window is not None and not quiet():
+            watched._window.note_param_read(self)  # which may stop watching it
+        if type(self) is not watched:
+            return copy.deepcopy(self, memo)
         self.__class__ = torch.nn.Parameter  # type: ignore[assignment]
         try:
             return copy.deepcopy(self, memo)
         finally:
-            self.__class__ = _WatchedParameter
+            self.__class__ = watched
 
 
-def watch_params(params: Iterable[torch.Tensor], window: _Window) -> None:
+def watched_class() -> type[_WatchedParameter]:
+    """A class of watched parameters, for one watcher (an optimizer's, a window's): what
+    :func:`watch_params` switches parameters to (made once per watcher: about 9 µs)."""
+    return type("_WatchedParameter", (_WatchedParameter,), {})
+
+
+def watch_params(params: Iterable[torch.Tensor], watched: type[_WatchedParameter],
+                 window: _Window) -> None:
     """Note reads of the values of ``params`` (those that are plain parameters) in
-    ``window`` until :func:`unwatch_params`."""
+    ``window`` until :func:`unwatch_params`: their class switched to ``watched``."""
+    watched._window = window
     for param in params:
         if type(param) is torch.nn.Parameter:
-            param.__class__ = _WatchedParameter
-        if type(param) is _WatchedParameter:
-            _WATCHED[id(param)] = (param, window)
+            param.__class__ = watched
 
 
-def unwatch_params(window: _Window) -> None:
-    """Give the parameters watched for ``window`` back their plain class (before the
-    step, or as the next backward starts)."""
-    for key, (param, watching) in list(_WATCHED.items()):
-        if watching is window:
-            del _WATCHED[key]
-            if type(param) is _WatchedParameter:
-                param.__class__ = torch.nn.Parameter  # type: ignore[assignment]
+def unwatch_params(params: Iterable[torch.Tensor], watched: type[_WatchedParameter]) -> None:
+    """Give ``params`` watched as ``watched`` back their plain class (before the step, or
+    as the next backward starts); reads of a parameter left so go nowhere."""
+    watched._window = None
+    for param in params:
+        if type(param) is watched:
+            param.__class__ = torch.nn.Parameter  # type: ignore[assignment]
+
+
+class ParameterReadInWindowWarning(UserWarning):
+    """The loop read the parameters between a stepping backward and ``step()``: they
+    hold this step's update already, the plain loop's the last step's."""
+
+
+#: the optimizers (or step accounts) whose loop was warned, once each
+_WARNED: weakref.WeakSet[Any] = weakref.WeakSet()
+#: ``owner`` -> its class of watched parameters (:class:`ParameterReads`)
+_CLASSES: weakref.WeakKeyDictionary[Any, type[_WatchedParameter]] = (
+    weakref.WeakKeyDictionary())
+
+
+def parameter_read_warning(technique: str) -> str:
+    return (
+        f"{technique} took this step during backward, so the parameters read between "
+        "backward() and optimizer.step() hold this step's update already (the plain "
+        "loop's hold the last step's: an EMA updated there, a copy or a logged norm are "
+        "one step ahead of the plain loop's). Read them after optimizer.step() or before "
+        "backward(), or call optimizer.learn_first_step(model) once before the loop (a "
+        "loop reading them at its first step then takes every step at optimizer.step(), "
+        "bitwise the plain loop). A change there is refused at optimizer.step(). Shown "
+        "once.")
+
+
+class ParameterReads:
+    """The parameters a backward stepped, from its end to ``step()`` (or the next
+    backward, a ``zero_grad()``), in a loop known to call ``step()``: the loop's first
+    read of their values there is warned of (:class:`ParameterReadInWindowWarning`),
+    once per ``owner`` (the optimizer), and nothing is watched for it after that.
+    Watching costs two class switches per parameter and step (about 0.15 µs for both on
+    the 2-core test machine), and nothing to an operation that does not touch a
+    parameter."""
+
+    def __init__(self, params: list[torch.Tensor], technique: str, owner: Any) -> None:
+        self.technique, self.owner, self.params = technique, owner, params
+        self.watched: type[_WatchedParameter] | None = None
+        if owner not in _WARNED:
+            self.watched = _CLASSES.get(owner)
+            if self.watched is None:
+                self.watched = _CLASSES[owner] = watched_class()
+            watch_params(params, self.watched, self)
+
+    def note_param_read(self, param: torch.Tensor) -> None:
+        self.release()
+        if self.owner not in _WARNED:
+            _WARNED.add(self.owner)
+            warnings.warn(parameter_read_warning(self.technique),
+                          ParameterReadInWindowWarning, stacklevel=loop_stacklevel())
+
+    def release(self) -> None:
+        """Give the parameters back their plain class (``step()``, the next backward)."""
+        if self.watched is not None and self.watched._window is self:
+            unwatch_params(self.params, self.watched)

@@ -19,16 +19,19 @@ overlapkit's own reads (the loop's clip answered, the step) run under
 from __future__ import annotations
 
 import copy
+import os
+import sys
 import threading
 from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["METADATA_METHODS", "VALUE_PROPERTIES", "WatchedState", "is_watched", "quiet",
-           "quiet_reads", "unwatch_grad", "watch_grad"]
+__all__ = ["METADATA_METHODS", "VALUE_PROPERTIES", "WatchedState", "is_watched",
+           "loop_stacklevel", "quiet", "quiet_reads", "unwatch_grad", "watch_grad"]
 
 
 class _Window(Protocol):
@@ -47,6 +50,21 @@ METADATA_METHODS = frozenset({"size", "dim", "numel", "stride", "element_size",
                               "storage_offset", "__len__", "__hash__", "ndimension",
                               "nelement", "get_device"})
 _QUIET = threading.local()
+#: where overlapkit's and torch's modules are (their frames are not the loop's)
+_NOT_THE_LOOP = (str(Path(__file__).resolve().parents[2]) + os.sep,
+                 str(Path(torch.__file__).resolve().parent) + os.sep)
+
+
+def loop_stacklevel() -> int:
+    """The ``stacklevel`` that has a warning raised by the caller of this function point
+    at the loop's line that read (``opt.state[p]``, ``ema.update_parameters(model)``):
+    past overlapkit's and torch's frames and ``collections.abc``'s mixins
+    (``opt.state.items()``)."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and (frame.f_code.co_filename.startswith(_NOT_THE_LOOP)
+                                        or "_collections_abc" in frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def quiet() -> bool:

@@ -54,7 +54,12 @@ import torch
 from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.core.group_settings import changed_settings, settings
 from overlapkit.overlap.core.state_marks import StateWrites
-from overlapkit.overlap.core.watched_params import unwatch_params, watch_params
+from overlapkit.overlap.core.watched_params import (
+    ParameterReads,
+    unwatch_params,
+    watch_params,
+    watched_class,
+)
 from overlapkit.overlap.core.watched_reads import (
     WatchedState,
     is_watched,
@@ -128,9 +133,14 @@ class FirstWindow:
     learned: bool = False
     #: the optimizer's ``state`` watched after a stepping backward (:meth:`mark_state`)
     state_writes: StateWrites | None = None
+    #: the parameters watched after a stepping backward (:meth:`mark_state`)
+    param_reads: ParameterReads | None = None
     #: ``id(param)`` of the parameters whose values the loop read since the last
     #: backward (:mod:`~overlapkit.overlap.core.watched_params`), in order
     params_read: list[int] = attrs.field(factory=list)
+    #: the parameters watched for those reads, and their watched class
+    params_watched: list[torch.Tensor] = attrs.field(factory=list)
+    params_class: type | None = None
 
     def mark(self, params: Iterable[torch.Tensor]) -> None:
         """Record the gradients of ``params`` as they are now (end of a backward, or
@@ -158,11 +168,19 @@ class FirstWindow:
         if self.optimizer is not None:  # once per marks: the last ones released first
             self.state_writes = StateWrites(self.optimizer, warn_reads)
 
+    def watch_reads(self, params: list[torch.Tensor], technique: str,
+                    owner: Any) -> None:
+        """Warn of the loop's first read of the values of ``params`` (stepped by the
+        backward that ended: :class:`ParameterReads`) until :meth:`release_state`."""
+        self.param_reads = ParameterReads(params, technique, owner)
+
     def release_state(self) -> None:
-        """Stop watching the state (``step()``, the next backward); what was noted
-        stays for :meth:`state_reset` and :meth:`state_written`."""
+        """Stop watching the state and the parameters (``step()``, the next backward);
+        what was noted stays for :meth:`state_reset` and :meth:`state_written`."""
         if self.state_writes is not None:
             self.state_writes.release()
+        if self.param_reads is not None:
+            self.param_reads.release()
 
     def state_written(self, names: Mapping[int, str]) -> list[str]:
         """The names of the parameters whose state entry the loop wrote since
@@ -201,7 +219,10 @@ class FirstWindow:
         """Note the loop's reads of the values of ``params`` (the backward that ended
         would have stepped them) until :meth:`unwatch` or :meth:`backward_starts`."""
         if not self.plain_order:
-            watch_params(params, self)
+            if self.params_class is None:
+                self.params_class = watched_class()
+            self.params_watched = list(params)
+            watch_params(self.params_watched, self.params_class, self)
 
     def note_param_read(self, param: torch.Tensor) -> None:
         if id(param) not in self.params_read:
@@ -210,14 +231,19 @@ class FirstWindow:
     def backward_starts(self) -> None:
         """A backward of this step starts: what the loop read since the last one (that
         micro-batch's forward) saw the same values as the plain loop's."""
-        unwatch_params(self)
+        self.unwatch_params()
         self.params_read = []
+
+    def unwatch_params(self) -> None:
+        if self.params_class is not None:
+            unwatch_params(self.params_watched, self.params_class)
+        self.params_watched = []
 
     def unwatch(self, params: Iterable[torch.Tensor]) -> None:
         """Put the plain gradients and state back (before the step reads them); stop
         watching."""
         self.watching = None
-        unwatch_params(self)
+        self.unwatch_params()
         state = None if self.optimizer is None else self.optimizer.state
         if isinstance(state, WatchedState):
             self.optimizer.state = state.state
