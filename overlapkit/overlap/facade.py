@@ -22,11 +22,12 @@ from overlapkit.errors import ConfigurationError, NotPicklableError, OverlapkitE
 from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.overlap.backward_steps import BackwardSteps
 from overlapkit.overlap.core.engine import OverlapEngine
+from overlapkit.overlap.core.first_step import end_first_window, zeros_warning
 from overlapkit.overlap.core.kept_graph import second_backward_refusal
 from overlapkit.overlap.core.late_changes import accept_unchanged_rewrites as accept_rewrites
 from overlapkit.overlap.core.late_changes import refuse_changed_gradients
 from overlapkit.overlap.core.step_accounting import zeros_refusal
-from overlapkit.overlap.core.window import FirstWindow, end_first_window, zeros_warning
+from overlapkit.overlap.core.window import FirstWindow
 from overlapkit.overlap.rebuild import refuse_retired, release_steps
 from overlapkit.overlap.rules.amp_scaler import (
     guard_param_groups,

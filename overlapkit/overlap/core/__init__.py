@@ -11,7 +11,8 @@ backward a hook runs in (:mod:`~overlapkit.overlap.core.backward_scope`), where 
 run on an accelerator (:mod:`~overlapkit.overlap.core.side_stream`), and the loop
 around the optimizer: one step per iteration
 (:mod:`~overlapkit.overlap.core.step_accounting`), the window between backward and
-step (:mod:`~overlapkit.overlap.core.window`, the param groups' settings a step reads:
+step (:mod:`~overlapkit.overlap.core.window`, the end of a learnt first step:
+:mod:`~overlapkit.overlap.core.first_step`, the param groups' settings a step reads:
 :mod:`~overlapkit.overlap.core.group_settings`, the loop's reads noticed:
 :mod:`~overlapkit.overlap.core.watched_reads`, of the parameters:
 :mod:`~overlapkit.overlap.core.watched_params`, its writes to the optimizer's state:
