@@ -58,9 +58,11 @@ class ShardedBucketStepper(BucketStepper):
     #: counts the steps taken (stepping backwards, full steps, loads): a consolidated
     #: state dict is of one generation
     generation: int = 0
-    #: the real optimizer held state as soon as it was built (Adagrad's ``sum``): the
-    #: plain one never takes torch's initialising step then, nor does this one
-    born_with_state: bool = False
+    #: whether the plain optimizer would hold state now (it was built with some, as
+    #: Adagrad's ``sum``; it stepped; it loaded a dict with state): it takes no
+    #: initialising step of torch's then, nor does this one (a rank's share alone
+    #: cannot tell). Loading a dict without state empties it, as the plain one's
+    plain_holds_state: bool = False
     #: the whole state gathered by ``consolidate_state_dict`` (the optimizer's record),
     #: released as soon as it is stale: it is the size of the whole optimizer state
     consolidated: Any = None
@@ -69,11 +71,13 @@ class ShardedBucketStepper(BucketStepper):
     #: stepper in C++, where a cycle back to the model is never collected)
     held_check: Callable[[], Callable[[], OverlapkitError | None] | None] | None = None
 
-    def advance(self) -> None:
-        """A step was taken (or state loaded): a new generation, and the gathered state
-        dict, stale now, is released."""
+    def advance(self, *, holds_state: bool = True) -> None:
+        """A step was taken (or state loaded: ``holds_state``, whether the whole dict
+        held any): a new generation, and the gathered state dict, stale now, is
+        released."""
         self.generation += 1
         self.consolidated = None
+        self.plain_holds_state = holds_state
 
     def attach(self, exchange: ParameterExchange) -> None:
         """Give the stepper its exchange (at set-up)."""
