@@ -2,8 +2,8 @@
 process group, at 3 gloo ranks (one run): the state changed after
 ``consolidate_state_dict()`` is refused at ``state_dict()``, ranks naming different
 ``to`` are refused at once on every rank, torch's ``get_optimizer_state_dict`` after a
-state dict without state is loaded initialises the state as the plain optimizer's, and
-two sharded optimizers on overlapping subgroups are set up and train bitwise."""
+state dict without state is loaded initialises the state as the plain optimizer's, load
+pre-hooks see the whole dict, and two sharded optimizers on overlapping subgroups are set up and train bitwise."""
 
 from __future__ import annotations
 
@@ -45,6 +45,13 @@ def test_torch_s_get_after_loading_a_dict_without_state_initialises_it_as_plain(
             "ConfigurationError", (rank, result["stale"])
     assert not failures(results, "get")
     assert not failures(results, "values")
+
+
+def test_load_pre_hooks_see_the_whole_dict_once_as_a_plain_optimizer_s(
+        results: list[dict]) -> None:
+    for rank, result in enumerate(results):
+        assert result["seen"] == ([9], [9]), (rank, result["seen"])
+    assert not failures(results, "hooked")
 
 
 def test_two_sharded_optimizers_on_overlapping_subgroups(results: list[dict]) -> None:

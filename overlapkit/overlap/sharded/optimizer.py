@@ -39,6 +39,7 @@ from overlapkit.overlap.setup import (
     materialise_params,
 )
 from overlapkit.overlap.sharded.held_params import flat_params, reordered
+from overlapkit.overlap.sharded.misfit import misfit_refusal
 from overlapkit.overlap.sharded.ownership import (
     Ownership,
     ShardingPolicy,
@@ -51,7 +52,7 @@ from overlapkit.overlap.sharded.state_dicts import (
     Gathered,
     changed_refusal,
     gather_state_dict,
-    misfit_refusal,
+    load_pre_hooked,
     not_gathered_refusal,
     plain_state_dict,
     sharded_state_dict,
@@ -324,7 +325,7 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
 
         :raises ConfigurationError: a sharded state dict saved at another world size,
             with another ownership, or by another rank; not a state dict; one a step
-            would fail after (:func:`~overlapkit.overlap.sharded.state_dicts.
+            would fail after (:func:`~overlapkit.overlap.sharded.misfit.
             misfit_refusal`); called between a stepping backward and ``step()`` (as
             without sharding). Nothing is changed then.
         """
@@ -333,12 +334,15 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
             raise ConfigurationError(f"{refusal} Nothing was loaded.")
         self.synchronize()
         self._held_now()
+        state_dict, hooks_run = load_pre_hooked(self._engine.optimizer, state_dict,
+                                                share=torch_s_broadcast_load())
         share = share_of(state_dict, self._ownership)
         whole = state_dict if "state" in state_dict else share  # (a local one: the share)
         if not torch_s_broadcast_load() and (
                 misfit := misfit_refusal(self._engine.optimizer, whole)) is not None:
             raise misfit
-        self._engine.load_state_dict(share)
+        with hooks_run:
+            self._engine.load_state_dict(share)
         # a whole dict without state empties the plain optimizer's (torch's
         # initialising step then steps it on every rank); a share alone cannot tell
         self._stepper.advance(holds_state="state" not in state_dict or torch_s_broadcast_load()
