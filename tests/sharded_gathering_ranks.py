@@ -9,6 +9,7 @@ Each part returns what differed (a :class:`~helpers.Comparison`) or what was rai
 from __future__ import annotations
 
 import copy
+import datetime
 import time
 from typing import Any
 
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlapkit
+from overlapkit.distributed import free_port
 
 OFFLOADED = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -161,8 +163,30 @@ def load_pre_hooks_see_the_whole(rank: int) -> dict[str, Any]:
     return {"seen": (plain_seen, seen), "hooked": compare(values(reference), values(ddp))}
 
 
+def used_after_destroy(rank: int, world_size: int) -> dict[str, Any]:
+    """``destroy_process_group()`` and ``init_process_group`` again, then the old DDP
+    model and optimizer used (0.4.0: torch's bare ``ValueError`` from inside the comm
+    hook, each rank having stepped its share of the bucket): backward and
+    ``consolidate_state_dict()`` refused with a ``ConfigurationError``, nothing
+    stepped."""
+    _, _, ddp, opt = _pair()
+    data = batches(rank, 2)
+    _train(ddp, opt, data[:1])
+    port = [free_port() if rank == 0 else None]
+    dist.broadcast_object_list(port, src=0)
+    dist.destroy_process_group()
+    store = dist.TCPStore("127.0.0.1", port[0], world_size, rank == 0,
+                          timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    before = values(ddp)
+    backward = error_of(lambda: _loss(ddp, data[1]).backward())
+    return {"destroyed: backward": backward, "destroyed: nothing stepped":
+            compare(before, values(ddp)),
+            "destroyed: consolidate": error_of(opt.consolidate_state_dict)}
+
+
 def gathering(rank: int, world_size: int) -> dict[str, Any]:
-    """Every part above, in one run of 3 ranks."""
+    """Every part above, in one run of 3 ranks (the default group made again last)."""
     return {**changed_after_gathering(rank), **different_destinations(rank),
             **empty_dict_then_torch_s_get(rank), **load_pre_hooks_see_the_whole(rank),
-            **two_subgroups(rank)}
+            **two_subgroups(rank), **used_after_destroy(rank, world_size)}

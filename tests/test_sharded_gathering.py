@@ -3,7 +3,8 @@ process group, at 3 gloo ranks (one run): the state changed after
 ``consolidate_state_dict()`` is refused at ``state_dict()``, ranks naming different
 ``to`` are refused at once on every rank, torch's ``get_optimizer_state_dict`` after a
 state dict without state is loaded initialises the state as the plain optimizer's, load
-pre-hooks see the whole dict, and two sharded optimizers on overlapping subgroups are set up and train bitwise."""
+pre-hooks see the whole dict, two sharded optimizers on overlapping subgroups are set up
+and train bitwise, and the optimizer is refused once its process group is destroyed."""
 
 from __future__ import annotations
 
@@ -56,3 +57,13 @@ def test_load_pre_hooks_see_the_whole_dict_once_as_a_plain_optimizer_s(
 
 def test_two_sharded_optimizers_on_overlapping_subgroups(results: list[dict]) -> None:
     assert not failures(results, "subgroups")
+
+
+def test_the_optimizer_used_after_its_process_group_was_destroyed_is_refused(
+        results: list[dict]) -> None:
+    for rank, result in enumerate(results):
+        for name in ("destroyed: backward", "destroyed: consolidate"):
+            error = result[name]
+            assert error is not None and error["type"] == "ConfigurationError", (rank, error)
+            assert "destroy_process_group" in error["message"], error
+    assert not failures(results, "destroyed: nothing stepped")

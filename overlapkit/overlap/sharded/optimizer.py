@@ -104,8 +104,7 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
 
     @property
     def ownership(self) -> Ownership:
-        """Which rank owns each parameter (:class:`~overlapkit.overlap.sharded.ownership.
-        Ownership`)."""
+        """Which rank owns each parameter (an :class:`Ownership`)."""
         return self._ownership
 
     @property
@@ -129,8 +128,7 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         return self._ownership.mine()
 
     def local_state_params(self) -> set[int]:
-        """``id`` of the parameters whose optimizer state this rank keeps: its share
-        (what ``overlapkit.checkpoint`` saves from and loads into on this rank)."""
+        """``id`` of the parameters of this rank's share (``overlapkit.checkpoint``)."""
         return {id(p) for p in self._ownership.mine()}
 
     def last_buckets(self) -> list[list[torch.Tensor]]:
@@ -230,6 +228,7 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
             return
         full = not self._stepper.stepped_since_step
         if full:  # (a stepping backward checked param_groups when it started)
+            stepper.raise_if_destroyed("step()")
             self.synchronize()
             self._held_now()
         super().step(closure)
@@ -252,6 +251,7 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
                 f"consolidate_state_dict(to=...) takes a rank from 0 to {world_size - 1} "
                 f"(the DDP model's process group), got {to!r}."
             )
+        self._stepper.raise_if_destroyed("consolidate_state_dict()")
         self.synchronize()
         self._held_now()
         with self._engine.lock:
@@ -354,6 +354,7 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         ranks, balanced against what each rank owns already. Call it on every rank (the
         ranks check that they agree: a collective)."""
         refuse_retired(self._steps, "add_param_group()")
+        self._stepper.raise_if_destroyed("add_param_group()")
         (group,) = materialise_params([param_group])
         self._held_now()
         facts = self._facts.now()
