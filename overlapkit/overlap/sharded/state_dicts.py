@@ -28,6 +28,7 @@ import torch.distributed as dist
 from overlapkit.errors import ConfigurationError
 from overlapkit.nodes.exit_safe import DestinationsDifferError, gather_object
 from overlapkit.nodes.failed_collective import collective_failure
+from overlapkit.overlap.core.watched_reads import quiet_reads
 from overlapkit.overlap.sharded.ownership import Ownership
 
 __all__ = ["SHARDED_STATE_KEY", "SHARDING_KEY", "Gathered", "check_sharded_state_dict",
@@ -160,11 +161,12 @@ def share_fingerprint(optimizer: torch.optim.Optimizer, ownership: Ownership
     communication."""
     out: list[tuple[int, str, Any]] = []
     state = optimizer.state
-    for index in sorted(ownership.my_indices()):
-        entry = state.get(ownership.params[index])
-        for key, value in (entry or {}).items():
-            out.append((index, key, (id(value), value._version)
-                        if isinstance(value, torch.Tensor) else value))
+    with quiet_reads():  # overlapkit's read, not the loop's (the first window's watch)
+        for index in sorted(ownership.my_indices()):
+            entry = state.get(ownership.params[index])
+            for key, value in (entry or {}).items():
+                out.append((index, key, (id(value), value._version)
+                            if isinstance(value, torch.Tensor) else value))
     return out
 
 
