@@ -260,7 +260,7 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         gathered = gather_state_dict(local, self._ownership, self._model.process_group, to)
         self._stepper.consolidated = None if gathered is None else gathered["state"]
         self._consolidated = Gathered(to, self._stepper.generation,
-                                           None if gathered is None else share)
+                                      None if gathered is None else share)
 
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer's state dict, in the plain optimizer's format (it loads
