@@ -43,6 +43,7 @@ waits for it before the next forward, as for the steps themselves.
 
 from __future__ import annotations
 
+import uuid
 from collections import deque
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
@@ -361,8 +362,32 @@ def exchange_group(group: Any, world_size: int) -> Any:
     known = _GROUPS.get(key)
     if known is not None:
         return known
-    made = dist.new_group(ranks=list(ranks), timeout=timeout,
-                          use_local_synchronization=True,
-                          group_desc="overlapkit_parameter_exchange")
+    made = _new_local_group(group, list(ranks), timeout)
     _GROUPS[key] = made
     return made
+
+
+def _new_local_group(group: Any, ranks: list[int], timeout: timedelta | None) -> Any:
+    """``dist.new_group(ranks, use_local_synchronization=True)`` under a name the
+    members agree on (group rank 0's token, broadcast over ``group``).
+
+    torch names such a group by its ranks and the number of process groups the calling
+    process holds, which differs between members once one of them was outside an
+    earlier group: the members then waited for each other under different names until
+    the default group's timeout (measured: two sharded optimizers on ``new_group([0,
+    1])`` and ``new_group([1, 2])`` at 3 gloo ranks, or one after any ``new_group``
+    leaving one of its ranks out; torch 2.13)."""
+    from overlapkit.nodes.exit_safe import broadcast_text
+
+    token = broadcast_text(uuid.uuid4().hex if dist.get_rank(group) == 0 else None,
+                           src=dist.get_global_rank(group, 0), group=group)
+    c10d = dist.distributed_c10d
+    hashed = getattr(c10d, "_hash_ranks_to_str", None)
+    if hashed is not None:  # (torch's private naming; else its own name is used)
+        c10d._hash_ranks_to_str = lambda ranks: f"overlapkit_exchange_{token}"
+    try:
+        return dist.new_group(ranks=ranks, timeout=timeout, use_local_synchronization=True,
+                              group_desc="overlapkit_parameter_exchange")
+    finally:
+        if hashed is not None:
+            c10d._hash_ranks_to_str = hashed
