@@ -182,6 +182,16 @@ def test_an_ema_updated_in_a_learned_first_window_keeps_the_plain_order_bitwise(
         assert "the values of module.0.weight" in found["warnings"][0]
 
 
+def test_sharded_parameters_read_in_the_window_are_warned_of_the_exchange_is_not(
+        two_ranks: list[dict[str, Any]]) -> None:
+    # the exchange landing the other ranks' updates after backward once read as the
+    # loop's read on rank 0 (a false ParameterReadInWindowWarning)
+    for rank_results in two_ranks:
+        found = rank_results["sharded reads"]
+        assert found[False] == [], found
+        assert found[True] == ["ParameterReadInWindowWarning"], found
+
+
 @pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
 def test_a_second_backward_through_a_kept_graph_is_refused_before_it_reaches_a_parameter(
         two_ranks: list[dict[str, Any]], technique: str) -> None:

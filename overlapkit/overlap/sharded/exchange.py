@@ -58,6 +58,7 @@ from overlapkit.errors import ExchangeFailedError
 from overlapkit.nodes.failed_collective import collective_failure, group_timeout
 from overlapkit.nodes.lost_ranks import watch
 from overlapkit.overlap.core.side_stream import SideStream
+from overlapkit.overlap.core.watched_reads import quiet_reads
 from overlapkit.overlap.sharded.ownership import Ownership
 
 __all__ = ["DIRECT_BYTES", "ExchangeFailedError", "ParameterExchange", "Traffic", "Transfer",
@@ -311,7 +312,8 @@ class ParameterExchange:
             if received is None:
                 return
             offset = 0
-            with torch.no_grad():
+            # overlapkit's write, not the loop's read of a watched parameter
+            with torch.no_grad(), quiet_reads():
                 for param in item.transfer.params:
                     count = param.numel()
                     param.copy_(received.narrow(0, offset, count).view(param.shape))
