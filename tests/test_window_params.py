@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import compare, rank_batches, values
+from helpers import compare, learned_loop, rank_batches, values
 from torch import nn
 
 import overlapkit
@@ -33,21 +33,19 @@ def _train(overlap: bool, in_window: Callable[[nn.Module, dict[str, Any]], None]
            steps: int = 4) -> tuple[list[torch.Tensor], dict[str, Any], list[str]]:
     """``steps`` steps of AdamW, ``in_window(module, kept)`` between backward and
     ``step()``; the model's values, what ``in_window`` kept, the warnings."""
-    module, kept = _module(), {}
-    if overlap:
-        opt: Any = overlapkit.optimizer_in_backward(module, torch.optim.AdamW, lr=1e-2)
-        opt.learn_first_step(module)
-    else:
-        opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for batch in rank_batches(0, steps):
-            module(batch).square().mean().backward()
-            in_window(module, kept)
-            opt.step()
-            opt.zero_grad()
-    assert all(type(p) is nn.Parameter for p in module.parameters())  # given back
-    return values(module), kept, [str(w.message) for w in caught]
+    kept: dict[str, Any] = {}
+    modules: list[nn.Module] = []
+
+    def iteration(module: nn.Module, opt: Any, i: int, batch: torch.Tensor) -> None:
+        modules[:] = [module]
+        module(batch).square().mean().backward()
+        in_window(module, kept)
+        opt.step()
+        opt.zero_grad()
+
+    found, said = learned_loop(overlap, iteration, steps)
+    assert all(type(p) is nn.Parameter for p in modules[0].parameters())  # given back
+    return found, kept, said
 
 
 def _ema(module: nn.Module, kept: dict[str, Any]) -> None:

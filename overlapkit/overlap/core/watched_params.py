@@ -31,13 +31,13 @@ from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from overlapkit.overlap.core.watched_reads import (
     METADATA_METHODS,
     VALUE_PROPERTIES,
     loop_stacklevel,
     quiet,
+    run_noting,
 )
 
 __all__ = ["ParameterReadInWindowWarning", "ParameterReads", "unwatch_params",
@@ -65,6 +65,12 @@ def _reads_values(func: Any) -> bool:
     return name not in _BOOKKEEPING
 
 
+def _note_read(arg: Any) -> None:
+    window = type(arg)._window if isinstance(arg, _WatchedParameter) else None
+    if window is not None:
+        window.note_param_read(arg)
+
+
 class _WatchedParameter(torch.nn.Parameter):
     """A parameter of a window (the same object, its class switched to a subclass of
     this one per watcher, :func:`watched_class`, whose ``_window`` the reads go to)."""
@@ -74,14 +80,7 @@ class _WatchedParameter(torch.nn.Parameter):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if not quiet() and _reads_values(func):
-            for arg in tree_flatten((args, kwargs))[0]:
-                window = type(arg)._window if isinstance(arg, _WatchedParameter) else None
-                if window is not None:
-                    window.note_param_read(arg)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        return run_noting(func, args, kwargs, _reads_values, _note_read)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         """A plain parameter (``copy.deepcopy(model)`` in the window: an EMA's copy), the

@@ -22,7 +22,7 @@ import copy
 import os
 import sys
 import threading
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,7 +31,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["METADATA_METHODS", "VALUE_PROPERTIES", "WatchedState", "is_watched",
-           "loop_stacklevel", "quiet", "quiet_reads", "unwatch_grad", "watch_grad"]
+           "loop_stacklevel", "quiet", "quiet_reads", "run_noting", "unwatch_grad",
+           "watch_grad"]
 
 
 class _Window(Protocol):
@@ -101,13 +102,26 @@ class _WatchesReads:
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if not quiet() and _reads_values(func):
-            for arg in tree_flatten((args, kwargs))[0]:
-                if isinstance(arg, _WatchesReads):
-                    arg._window.note_read(arg._name)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        return run_noting(func, args, kwargs, _reads_values, _note_grad_read)
+
+
+def _note_grad_read(arg: Any) -> None:
+    if isinstance(arg, _WatchesReads):
+        arg._window.note_read(arg._name)
+
+
+def run_noting(func: Any, args: Any, kwargs: Any, reads_values: Callable[[Any], bool],
+               note: Callable[[Any], None]) -> Any:
+    """Run the torch operation ``func`` as a watched tensor's ``__torch_function__``:
+    unless overlapkit's own reads are running (:func:`quiet_reads`), ``note`` each of its
+    arguments first when ``reads_values(func)``; the operation itself runs on the plain
+    tensors' implementation."""
+    kwargs = kwargs or {}
+    if not quiet() and reads_values(func):
+        for arg in tree_flatten((args, kwargs))[0]:
+            note(arg)
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
 
 
 class _WatchedGrad(_WatchesReads, torch.Tensor):
