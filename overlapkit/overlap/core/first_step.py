@@ -157,8 +157,11 @@ def follow_kept_gradients(steps: Any) -> None:
     warnings.warn(plain_order_warning(
         steps.technique, "no zero_grad() came between optimizer.step() and the next "
         "backward, which adds its gradients to the last step's (kept by the plain loop, "
-        f"freed by {steps.technique} once stepped)") + " Or call optimizer.zero_grad() "
-        "after optimizer.step().", UserWarning, stacklevel=4)
+        f"freed by {steps.technique} once stepped): a loop that never zeroes them, or "
+        "another loss reaching these parameters (a GAN's generator loss reaching the "
+        "discriminator)") + " Or call optimizer.zero_grad() after optimizer.step() (and "
+        "keep other losses from these parameters: requires_grad_(False) on them).",
+        UserWarning, stacklevel=4)
 
 
 def zeros_refusal(technique: str) -> ConfigurationError:

@@ -146,18 +146,19 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def gans(techniques: tuple[str, ...]) -> dict[str, Any]:
-    """Per technique: the generator-first GAN (bitwise the plain one, its warnings) and
-    the error of the discriminator-first one."""
+    """Per technique and order (generator first, discriminator first): whether the GAN
+    is bitwise the plain one with no error, its warnings, its error."""
     from helpers import compare
 
-    plain = gan(None, generator_first=True)
-    out = {}
-    for technique in techniques:
-        ours = gan(technique, generator_first=True)
-        out[technique] = {
-            "generator first": (bool(compare(plain["params"], ours["params"]))
-                                and ours["error"] is None, ours["warnings"]),
-            "discriminator first": gan(technique, generator_first=False)["error"]}
+    out: dict[str, Any] = {}
+    for generator_first, order in ((True, "generator first"),
+                                   (False, "discriminator first")):
+        plain = gan(None, generator_first=generator_first)
+        for technique in techniques:
+            ours = gan(technique, generator_first=generator_first)
+            out.setdefault(technique, {})[order] = (
+                bool(compare(plain["params"], ours["params"])) and ours["error"] is None,
+                ours["warnings"], ours["error"])
     return out
 
 
