@@ -223,6 +223,9 @@ class StepAccount:
         #: (:mod:`~overlapkit.overlap.core.step_hooks`), warned once
         self.plain_for_step_hooks = False
         self.warned_step_hooks = False
+        #: ``step()`` was called; the refusal of the next for an override of ``step()``
+        self.step_seen = False  # (:mod:`.step_hooks`)
+        self.step_override: ConfigurationError | None = None
         #: what :meth:`backward_starts` changed, for :meth:`backward_stepped_nothing`
         self._before_backward: tuple[bool, bool, bool, list[torch.Tensor] | None] = (
             False, False, False, None)
@@ -331,7 +334,7 @@ class StepAccount:
         :raises ConfigurationError: it ends a window of several stepping backwards
             (:func:`accumulation_error`).
         """
-        window, self.window = self.window, 0
+        window, self.window, self.step_seen = self.window, 0, True
         self.freed_norm_read = False
         stepped, self.stepped_since_step = self.stepped_since_step, False
         zeroed, self.zeroed_after_stepping = self.zeroed_after_stepping, False
@@ -339,6 +342,8 @@ class StepAccount:
             self.calls_step = self.steps_after_backward = True
         if window > 1:
             raise accumulation_error(self.technique, self.accumulate, window)
+        if stepped and self.step_override is not None:
+            raise self.step_override
         if stepped and zeroed:  # the first step: zero_grad() did not know the loop yet
             raise discarded_step_error(self.technique)
         if not stepped and self.freed and all(p.grad is None for p in self.freed):

@@ -1,0 +1,75 @@
+"""Where users customise the optimizer overlapkit steps (plain module, 1 process; DDP, 2
+gloo ranks; rank code: optimizer_overrides_ranks.py).
+
+A subclass of ``AdamW`` overriding ``step()``: the engine ran the override once per part
+stepped during backward, on part of the parameters (before: a counting override
+counted 9 in 3 steps; noise added after the update 0.0095 off the plain loop after 4
+steps, with ``learn_first_step`` too, silently).
+Now, in a loop that learnt its first step, every step is taken at ``step()`` in the
+plain order, bitwise, the override called once per step, one warning; a loop that did
+not learn it is refused at its first ``step()``, naming ``learn_first_step``; a
+backward-only loop runs it per part, as documented.
+
+The adopted ``AdamW`` stepped directly (a reference kept to it): before, a second step
+of the kept gradients under ``overlap_ddp`` (AdamW 0.081 off after 4 steps, silently);
+now refused before it steps, and a plain optimizer again after ``release()``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from optimizer_overrides_ranks import SETTINGS, STEPS, run
+
+from overlapkit.distributed import run_distributed
+
+CASES = [(setting, technique) for setting, (_, techniques) in SETTINGS.items()
+         for technique in techniques]
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[Any, Any]]:
+    return run_distributed(run, 2, timeout=300)
+
+
+def _each(ranks: list[dict[Any, Any]], setting: str) -> list[dict[Any, Any]]:
+    return ranks if setting == "DDP" else ranks[:1]
+
+
+@pytest.mark.parametrize(("setting", "technique"), CASES)
+def test_a_step_override_runs_once_per_step_in_the_plain_order_once_learnt(
+        ranks: list[dict[Any, Any]], setting: str, technique: str) -> None:
+    for results in _each(ranks, setting):
+        found = results[setting, technique, "learnt"]
+        assert found["error"] is None and found["bitwise"], found
+        assert found["calls"] == (STEPS, STEPS), found
+        assert len(found["warnings"]) == 1, found["warnings"]
+        assert "Noisy.step() overrides Adam.step()" in found["warnings"][0]
+
+
+@pytest.mark.parametrize(("setting", "technique"), CASES)
+def test_a_step_override_in_a_loop_not_learnt_is_refused_at_its_first_step(
+        ranks: list[dict[Any, Any]], setting: str, technique: str) -> None:
+    for results in _each(ranks, setting):
+        error = results[setting, technique, "not learnt"]["error"]
+        assert error is not None and error["overlapkit"], error
+        assert "Noisy.step() overrides" in error["message"]
+        assert "learn_first_step" in error["message"]
+
+
+def test_a_backward_only_loop_runs_the_override_per_part(
+        ranks: list[dict[Any, Any]]) -> None:
+    found = ranks[0]["backward only"]
+    assert found["error"] is None and found["calls"] >= STEPS, found
+
+
+@pytest.mark.parametrize(("setting", "technique"), CASES)
+def test_the_adopted_optimizers_own_step_is_refused_before_it_steps(
+        ranks: list[dict[Any, Any]], setting: str, technique: str) -> None:
+    for results in _each(ranks, setting):
+        found = results[setting, technique, "adopted step()"]
+        error = found["error"]
+        assert error is not None and error["overlapkit"], error
+        assert f"not on the optimizer {technique} returned" in error["message"]
+        assert found["unchanged"], found["unchanged"]
+        assert found["after release"] is None, found["after release"]
