@@ -1,7 +1,8 @@
 """The rank side of tests/test_optimizer_overrides.py: loops whose optimizer the user
 customised where overlapkit calls it. A subclass of ``AdamW`` overriding ``step()`` (it
 counts its calls and adds seeded noise after the update), and the adopted ``AdamW``
-stepped through a reference kept to it instead of the overlapped optimizer. Each on a
+stepped, or given parameters (``add_param_group``), through a reference kept to it
+instead of the overlapped optimizer. Each on a
 plain module (``optimizer_in_backward``) and on DDP (both techniques), against the
 plain loop."""
 
@@ -90,6 +91,27 @@ def _adopted_step(rank: int, technique: str, ddp: bool) -> dict[str, Any]:
             "after release": error_of(optimizer.step)}
 
 
+def _added_behind(rank: int, technique: str, ddp: bool) -> dict[str, Any]:
+    """A step, then the adopted AdamW's own ``add_param_group`` of the parameters it did
+    not hold: the next backward is refused, nothing stepped in it."""
+    model = _model(ddp)
+    module = model.module if ddp else model
+    layers = list(module)
+    optimizer = torch.optim.AdamW(layers[0].parameters(), lr=1e-2)
+    opt = getattr(overlapkit, technique)(model, optimizer)
+    batches = rank_batches(rank, 2, (8, 32))
+    model(batches[0]).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    optimizer.add_param_group({"params": [p for layer in layers[1:]
+                                          for p in layer.parameters()]})
+    before = values(module)
+    error = error_of(lambda: model(batches[1]).pow(2).mean().backward())
+    unchanged = compare(before, values(module))
+    opt.release()
+    return {"error": error, "unchanged": unchanged}
+
+
 SETTINGS = {"plain module": (False, ("optimizer_in_backward",)),
             "DDP": (True, ("overlap_ddp", "optimizer_in_backward"))}
 
@@ -107,6 +129,7 @@ def run(rank: int, world_size: int) -> dict[Any, Any]:
                     "error": learnt["error"], "warnings": learnt["warnings"]}
                 out[setting, technique, "not learnt"] = _train(rank, technique, ddp)
                 out[setting, technique, "adopted step()"] = _adopted_step(rank, technique, ddp)
+                out[setting, technique, "added behind"] = _added_behind(rank, technique, ddp)
     if rank == 0:
         out["backward only"] = _train(rank, "optimizer_in_backward", False, steps=False)
     return out

@@ -12,7 +12,10 @@ backward-only loop runs it per part, as documented.
 
 The adopted ``AdamW`` stepped directly (a reference kept to it): before, a second step
 of the kept gradients under ``overlap_ddp`` (AdamW 0.081 off after 4 steps, silently);
-now refused before it steps, and a plain optimizer again after ``release()``."""
+now refused before it steps, and a plain optimizer again after ``release()``. Its own
+``add_param_group`` (unfreezing a layer): the parameters were never stepped during
+backward (0.038 off after 6 steps, silently); now the next backward is refused, nothing
+stepped in it."""
 
 from __future__ import annotations
 
@@ -73,3 +76,14 @@ def test_the_adopted_optimizers_own_step_is_refused_before_it_steps(
         assert f"not on the optimizer {technique} returned" in error["message"]
         assert found["unchanged"], found["unchanged"]
         assert found["after release"] is None, found["after release"]
+
+
+@pytest.mark.parametrize(("setting", "technique"), CASES)
+def test_parameters_added_to_the_adopted_optimizer_itself_are_refused_at_the_next_backward(
+        ranks: list[dict[Any, Any]], setting: str, technique: str) -> None:
+    for results in _each(ranks, setting):
+        found = results[setting, technique, "added behind"]
+        error = found["error"]
+        assert error is not None and error["overlapkit"], error
+        assert "its own add_param_group()" in error["message"]
+        assert found["unchanged"], found["unchanged"]

@@ -47,6 +47,7 @@ import torch
 
 from overlapkit.errors import ConfigurationError, OverlapkitError
 from overlapkit.overlap.core.foreign_loop import foreign_trainer_refusal
+from overlapkit.overlap.core.groups_behind import groups_changed_refusal
 from overlapkit.overlap.core.step_hooks import follow_step_hooks, sharded_post_hook_refusal
 from overlapkit.overlap.core.window import FirstWindow
 
@@ -282,12 +283,11 @@ class StepAccount:
     def starting_backward(self) -> OverlapkitError | None:
         """What a stepper calls when a backward starts: :meth:`backward_starts`, or
         :meth:`deferred_backward_starts` while steps are deferred — after deferring
-        this backward's steps while a step hook is registered
-        (:func:`~overlapkit.overlap.core.step_hooks.follow_step_hooks`), or refusing it
-        (a global post-hook with sharded state,
-        :func:`~overlapkit.overlap.core.step_hooks.sharded_post_hook_refusal`)."""
+        this backward's steps while a step hook is registered (:mod:`.step_hooks`), or
+        refusing it (a global post-hook with sharded state, :mod:`.step_hooks`;
+        parameters added to the real optimizer behind the facade, :mod:`.groups_behind`)."""
         self.release_state()
-        refusal = sharded_post_hook_refusal(self)
+        refusal = sharded_post_hook_refusal(self) or groups_changed_refusal(self)
         if refusal is not None:
             return refusal
         follow_step_hooks(self)
