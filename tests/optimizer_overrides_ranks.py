@@ -112,6 +112,28 @@ def _added_behind(rank: int, technique: str, ddp: bool) -> dict[str, Any]:
     return {"error": error, "unchanged": unchanged}
 
 
+def _sharded(rank: int, plain: list[torch.Tensor]) -> dict[str, Any]:
+    """``overlap_ddp(..., shard_optimizer_state=True)`` of a Noisy optimizer: refused at
+    set-up (each rank would run the override on its share); else trained, compared."""
+    model = _model(True)
+    optimizer = Noisy(model.parameters(), lr=1e-2)
+    made: list[Any] = []
+    error = error_of(lambda: made.append(overlapkit.overlap_ddp(
+        model, optimizer, shard_optimizer_state=True)))
+    if error is not None:
+        return {"error": error, "bitwise": None}
+    opt = made[0]
+    opt.learn_first_step(model.module)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for x in rank_batches(rank, STEPS, (8, 32)):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    opt.release()
+    return {"error": None, "bitwise": compare(plain, values(model.module))}
+
+
 SETTINGS = {"plain module": (False, ("optimizer_in_backward",)),
             "DDP": (True, ("overlap_ddp", "optimizer_in_backward"))}
 
@@ -130,6 +152,8 @@ def run(rank: int, world_size: int) -> dict[Any, Any]:
                 out[setting, technique, "not learnt"] = _train(rank, technique, ddp)
                 out[setting, technique, "adopted step()"] = _adopted_step(rank, technique, ddp)
                 out[setting, technique, "added behind"] = _added_behind(rank, technique, ddp)
+        if ddp:
+            out["sharded"] = _sharded(rank, plain["values"])
     if rank == 0:
         out["backward only"] = _train(rank, "optimizer_in_backward", False, steps=False)
     return out

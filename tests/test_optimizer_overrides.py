@@ -87,3 +87,12 @@ def test_parameters_added_to_the_adopted_optimizer_itself_are_refused_at_the_nex
         assert error is not None and error["overlapkit"], error
         assert "its own add_param_group()" in error["message"]
         assert found["unchanged"], found["unchanged"]
+
+
+def test_a_step_override_with_sharded_state_is_refused_at_set_up(
+        ranks: list[dict[Any, Any]]) -> None:
+    """Each rank ran it on its share, per part (before: 0.015 off after 4 steps, silently)."""
+    for results in ranks:
+        error = results["sharded"]["error"]
+        assert error is not None and error["type"] == "UnsupportedOptimizerError", error
+        assert "Noisy.step() overrides" in error["message"]

@@ -66,17 +66,19 @@ __all__ = ["follow_step_hooks", "override_refusal", "override_warning", "registe
            "sharded_post_hook_refusal", "sharded_step_hook_refusal", "step_override"]
 
 
-def step_override(optimizer: torch.optim.Optimizer | None) -> str | None:
+def step_override(optimizer: torch.optim.Optimizer | type | None) -> str | None:
     """``"Noisy.step() overrides Adam.step()"`` where the class of ``optimizer`` overrides
     the ``step()`` of a concrete optimizer class it derives from, outside torch (a user's
     subclass of ``AdamW``); None for torch's own classes and for an optimizer defining
     the only ``step()`` of its line (a third-party optimizer, stepped part by part as
     any). torch's hook wrapper (``Optimizer._patch_step_function``, set on each class
-    instantiated) is seen through; a ``step`` set on the instance is not an override."""
+    instantiated) is seen through; a ``step`` set on the instance is not an override.
+    ``optimizer`` may be the class itself."""
     if optimizer is None:
         return None
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
     found: list[tuple[type, Any]] = []  # (class, its step unwrapped), distinct steps
-    for klass in type(optimizer).__mro__:
+    for klass in cls.__mro__:
         if klass in (torch.optim.Optimizer, object) or "step" not in vars(klass):
             continue
         function = inspect.unwrap(vars(klass)["step"])
