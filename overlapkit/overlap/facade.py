@@ -24,6 +24,7 @@ from overlapkit.overlap.backward_steps import BackwardSteps
 from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.overlap.core.kept_graph import second_backward_refusal
 from overlapkit.overlap.core.step_accounting import zeros_refusal
+from overlapkit.overlap.core.step_hooks import step_called
 from overlapkit.overlap.core.window import (
     FirstWindow,
     end_first_window,
@@ -296,6 +297,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
             steps, names, self._engine.parameters(), self._technique))
         try:
             stepped = steps.step_called()
+            step_called(steps, stepped)  # an override of step() run per part: refused
         except ConfigurationError:
             for name in ("found_inf", "grad_scale"):  # as GradScaler.step would
                 self.__dict__.pop(name, None)

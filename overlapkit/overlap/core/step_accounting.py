@@ -47,8 +47,7 @@ import torch
 
 from overlapkit.errors import ConfigurationError, OverlapkitError
 from overlapkit.overlap.core.foreign_loop import foreign_trainer_refusal
-from overlapkit.overlap.core.groups_behind import groups_changed_refusal
-from overlapkit.overlap.core.step_hooks import follow_step_hooks, sharded_post_hook_refusal
+from overlapkit.overlap.core.step_hooks import backward_refusal, follow_step_hooks
 from overlapkit.overlap.core.window import FirstWindow
 
 if TYPE_CHECKING:
@@ -224,9 +223,6 @@ class StepAccount:
         #: (:mod:`~overlapkit.overlap.core.step_hooks`), warned once
         self.plain_for_step_hooks = False
         self.warned_step_hooks = False
-        #: ``step()`` was called; the refusal of the next for an override of ``step()``
-        self.step_seen = False  # (:mod:`.step_hooks`)
-        self.step_override: ConfigurationError | None = None
         #: what :meth:`backward_starts` changed, for :meth:`backward_stepped_nothing`
         self._before_backward: tuple[bool, bool, bool, list[torch.Tensor] | None] = (
             False, False, False, None)
@@ -283,11 +279,12 @@ class StepAccount:
     def starting_backward(self) -> OverlapkitError | None:
         """What a stepper calls when a backward starts: :meth:`backward_starts`, or
         :meth:`deferred_backward_starts` while steps are deferred — after deferring
-        this backward's steps while a step hook is registered (:mod:`.step_hooks`), or
-        refusing it (a global post-hook with sharded state, :mod:`.step_hooks`;
-        parameters added to the real optimizer behind the facade, :mod:`.groups_behind`)."""
+        this backward's steps while a step hook is registered
+        (:func:`~overlapkit.overlap.core.step_hooks.follow_step_hooks`), or refusing it
+        (a global post-hook with sharded state, parameters added behind the facade:
+        :func:`~overlapkit.overlap.core.step_hooks.backward_refusal`)."""
         self.release_state()
-        refusal = sharded_post_hook_refusal(self) or groups_changed_refusal(self)
+        refusal = backward_refusal(self)
         if refusal is not None:
             return refusal
         follow_step_hooks(self)
@@ -334,7 +331,7 @@ class StepAccount:
         :raises ConfigurationError: it ends a window of several stepping backwards
             (:func:`accumulation_error`).
         """
-        window, self.window, self.step_seen = self.window, 0, True
+        window, self.window = self.window, 0
         self.freed_norm_read = False
         stepped, self.stepped_since_step = self.stepped_since_step, False
         zeroed, self.zeroed_after_stepping = self.zeroed_after_stepping, False
@@ -342,8 +339,6 @@ class StepAccount:
             self.calls_step = self.steps_after_backward = True
         if window > 1:
             raise accumulation_error(self.technique, self.accumulate, window)
-        if stepped and self.step_override is not None:
-            raise self.step_override
         if stepped and zeroed:  # the first step: zero_grad() did not know the loop yet
             raise discarded_step_error(self.technique)
         if not stepped and self.freed and all(p.grad is None for p in self.freed):

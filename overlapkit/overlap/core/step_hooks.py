@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -60,10 +61,41 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.core.direct_step import PASSING_PRE_HOOKS
+from overlapkit.overlap.core.groups_behind import groups_changed_refusal
 from overlapkit.overlap.core.window import FirstWindow, plain_order_warning
 
-__all__ = ["follow_step_hooks", "override_refusal", "override_warning", "registered_step_hooks",
-           "sharded_post_hook_refusal", "sharded_step_hook_refusal", "step_override"]
+__all__ = ["backward_refusal", "follow_step_hooks", "override_refusal", "override_warning",
+           "registered_step_hooks", "sharded_post_hook_refusal", "sharded_step_hook_refusal",
+           "step_called", "step_override"]
+
+#: the step accounts whose loop has called ``step()``: an override is then honoured as a
+#: hook is (:func:`follow_step_hooks`)
+_STEP_SEEN: weakref.WeakSet[Any] = weakref.WeakSet()
+#: step account -> the refusal of its next ``step()``: its first backward, in a loop not
+#: known yet to call ``step()``, ran an override per part (:func:`override_refusal`)
+_OVERRIDE_REFUSALS: weakref.WeakKeyDictionary[Any, ConfigurationError] = (
+    weakref.WeakKeyDictionary())
+
+
+def step_called(steps: Any, stepped: bool) -> None:
+    """The overlapped optimizer's ``step()``, once its step accounting has counted it
+    (``stepped``: a backward stepped since the last one): the loop calls ``step()``.
+
+    :raises ConfigurationError: :func:`override_refusal`, where that backward ran the
+        optimizer's override of ``step()`` per part.
+    """
+    _STEP_SEEN.add(steps)
+    refusal = _OVERRIDE_REFUSALS.get(steps)
+    if stepped and refusal is not None:
+        raise refusal
+
+
+def backward_refusal(steps: Any) -> ConfigurationError | None:
+    """The refusal of a backward that would step, as it starts (nothing stepped in it):
+    :func:`sharded_post_hook_refusal`, or parameters added to the real optimizer behind
+    the overlapped one (:func:`~overlapkit.overlap.core.groups_behind.groups_changed_refusal`);
+    else None."""
+    return sharded_post_hook_refusal(steps) or groups_changed_refusal(steps)
 
 
 def step_override(optimizer: torch.optim.Optimizer | type | None) -> str | None:
@@ -71,8 +103,8 @@ def step_override(optimizer: torch.optim.Optimizer | type | None) -> str | None:
     the ``step()`` of a concrete optimizer class it derives from, outside torch (a user's
     subclass of ``AdamW``); None for torch's own classes and for an optimizer defining
     the only ``step()`` of its line (a third-party optimizer, stepped part by part as
-    any). torch's hook wrapper (``Optimizer._patch_step_function``, set on each class
-    instantiated) is seen through; a ``step`` set on the instance is not an override.
+    any). torch's hook wrapper (``hooked``, set on the class of each optimizer built)
+    is seen through; a ``step`` set on the instance is not an override.
     ``optimizer`` may be the class itself."""
     if optimizer is None:
         return None
@@ -163,11 +195,11 @@ def follow_step_hooks(steps: Any) -> None:
     where = registered_step_hooks(steps.settings_of, own=steps.step_hooks_are_the_loops)
     override = step_override(steps.settings_of) if steps.step_hooks_are_the_loops else None
     if where is None and override is not None:
-        if steps.step_seen:  # a loop that calls step(): honoured as a hook is
+        if steps in _STEP_SEEN:  # a loop that calls step(): honoured as a hook is
             where = override
         elif not (steps.deferring or steps.first_window is not None or steps.has_stepped):
             # not known yet to call step(): its step() is refused
-            steps.step_override = override_refusal(steps.technique, override)
+            _OVERRIDE_REFUSALS[steps] = override_refusal(steps.technique, override)
     if steps.plain_for_step_hooks:
         if where is None:  # removed: overlapped again from this backward
             steps.plain_for_step_hooks = False
