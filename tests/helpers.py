@@ -9,6 +9,7 @@ the tensors that differed with their largest absolute difference.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from typing import Any
 import attrs
 import torch
 from torch import nn
+
+import overlapkit
 
 
 @attrs.frozen
@@ -210,3 +213,22 @@ def stepped_once(params: Any = None) -> tuple[nn.Module, Any]:
     opt.zero_grad()
     module(second).square().mean().backward()
     return module, opt
+
+
+def learned_loop(overlap: bool, iteration: Callable[[nn.Module, Any, int, torch.Tensor], None],
+             steps: int) -> tuple[list[torch.Tensor], list[str]]:
+    """``steps`` iterations of AdamW (``iteration(module, opt, i, batch)`` each), plainly
+    or under ``optimizer_in_backward`` told to ``learn_first_step``: the values, the
+    warnings."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    if overlap:
+        opt: Any = overlapkit.optimizer_in_backward(module, torch.optim.AdamW, lr=1e-2)
+        opt.learn_first_step(module)
+    else:
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, batch in enumerate(rank_batches(0, steps)):
+            iteration(module, opt, i, batch)
+    return values(module), [str(w.message) for w in caught]

@@ -181,9 +181,12 @@ def _backward_twice(rank: int, technique: str) -> dict[str, Any]:
     return {"error": error, "unchanged by it": compare(before, after)}
 
 
-def _noisy_loop(rank: int, technique: str | None) -> tuple[list[torch.Tensor], list[str]]:
+def _noisy_loop(rank: int, technique: str | None,
+                ema: bool = False) -> tuple[list[torch.Tensor], list[str]]:
     """Three steps adding gradient noise between backward and step() (Accelerate's
-    guide does), the overlapped optimizer told to learn the loop at its first step."""
+    guide does), or updating an EMA of the parameters there (``ema``: its values
+    returned after the model's), the overlapped optimizer told to learn the loop at its
+    first step."""
     ddp = _model()
     if technique is None:
         opt: Any = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
@@ -191,15 +194,36 @@ def _noisy_loop(rank: int, technique: str | None) -> tuple[list[torch.Tensor], l
         opt = getattr(overlapkit, technique)(ddp, torch.optim.AdamW, lr=1e-2)
         opt.learn_first_step(ddp)
     noise = torch.Generator().manual_seed(7)
+    average = torch.optim.swa_utils.AveragedModel(ddp.module)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for batch in rank_batches(rank, 3):
             ddp(batch).square().mean().backward()
-            for param in ddp.parameters():
-                param.grad.add_(torch.randn(param.shape, generator=noise), alpha=1e-3)
+            if ema:
+                average.update_parameters(ddp.module)
+            else:
+                for param in ddp.parameters():
+                    param.grad.add_(torch.randn(param.shape, generator=noise), alpha=1e-3)
             opt.step()
             opt.zero_grad()
-    return values(ddp), [str(w.message) for w in caught]
+    return values(ddp) + (values(average) if ema else []), [str(w.message) for w in caught]
+
+
+def _sharded_reads(rank: int, ema: bool) -> list[str]:
+    """The warnings of four sharded steps, an EMA updated between backward and step()
+    or not (the exchange writes the parameters after a backward: not the loop's read)."""
+    ddp = _model()
+    opt = overlapkit.overlap_ddp(ddp, torch.optim.AdamW, lr=1e-2, shard_optimizer_state=True)
+    average = torch.optim.swa_utils.AveragedModel(ddp.module)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in rank_batches(rank, 4):
+            ddp(batch).square().mean().backward()
+            if ema:
+                average.update_parameters(ddp.module)
+            opt.step()
+            opt.zero_grad()
+    return [type(w.message).__name__ for w in caught]
 
 
 def run(rank: int, world_size: int) -> dict[str, Any]:
@@ -220,4 +244,10 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
         ours, said = _noisy_loop(rank, technique)
         found[f"{technique} learned"] = {"bitwise plain": compare(expected, ours),
                                          "warnings": said}
+    found["sharded reads"] = {ema: _sharded_reads(rank, ema) for ema in (False, True)}
+    expected, _ = _noisy_loop(rank, None, ema=True)
+    for technique in TECHNIQUES:  # 0.4.0: the EMA and model 0.0067 off after 3 steps, silently
+        ours, said = _noisy_loop(rank, technique, ema=True)
+        found[f"{technique} learned ema"] = {"bitwise plain": compare(expected, ours),
+                                             "warnings": said}
     return found

@@ -31,6 +31,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from overlapkit.errors import ConfigurationError
+from overlapkit.overlap.core.watched_params import (
+    unwatch_params,
+    watch_params,
+    watched_class,
+)
 
 __all__ = ["AFTER_STEP_HOOKS", "GRADIENT_HOOKS", "SKIPPED_BACKWARD", "WRAPPED_CLOSURE",
            "WRITING_HOOKS", "GradientWrites", "OptimizerChanges", "by_hand_warning",
@@ -295,7 +300,28 @@ class GradientWrites:
         # a write through .data bumps no version counter: the values are compared too
         copies = [(name, grad, grad.detach().clone()) for name, _, grad, _ in before
                   if grad is not None]
-        yield
+        reads, params = _ParameterReads(), [p for _, p in self.named_params]
+        watched = watched_class() if probing else None
+        if watched is not None:  # nothing stepped yet: a read of them is the plain one
+            watch_params(params, watched, reads)
+        try:
+            yield
+        finally:
+            if watched is not None:
+                unwatch_params(params, watched)
+        if reads.params:
+            names = {id(p): name for name, p in self.named_params}
+            read = [names[key] for key in reads.params]
+            raise ConfigurationError(
+                f"{' or '.join(owners)} read the values of {read[0]!r}"
+                f"{f' (and {len(read) - 1} more)' if len(read) > 1 else ''} before the "
+                "optimizer step, though hooks_read_only_grads=True said the hooks only "
+                f"read gradients: from the second step on {self.technique} steps during "
+                "backward, before this hook runs, so it would read that step's update "
+                "already, where the plain run's hook reads the values before it. Nothing "
+                "was stepped (the first optimizer step checks for this before it steps). "
+                "Leave hooks_read_only_grads out (the fit is then stepped in the plain "
+                "order), or read the parameters after the step (on_train_batch_end).")
         changed = [name for name, p, grad, version in before
                    if p.grad is not grad or (grad is not None and grad._version != version)]
         changed = changed or _differ(copies)
@@ -314,6 +340,18 @@ class GradientWrites:
                 "stepped in the plain order, the change honoured), or change gradients "
                 "before they are reduced and stepped (a hook on the parameter, the loss)."
             )
+
+
+class _ParameterReads:
+    """The parameters a hook read in the probe step
+    (:mod:`~overlapkit.overlap.core.watched_params`)."""
+
+    def __init__(self) -> None:
+        self.params: list[int] = []
+
+    def note_param_read(self, param: torch.Tensor) -> None:
+        if id(param) not in self.params:
+            self.params.append(id(param))
 
 
 def _differ(kept: list[tuple[str, torch.Tensor, torch.Tensor]]) -> list[str]:

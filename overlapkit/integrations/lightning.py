@@ -215,7 +215,8 @@ class OverlapDDPStrategy(_StepsInBackward, pl.strategies.DDPStrategy):
         the plain step and may read the parameters or the optimizer state before it, or
         change ``.grad``. ``True``: they only read ``.grad`` (gradient-norm logging),
         which ``overlap_ddp`` keeps as the plain run's; keep the overlap (a change of
-        ``.grad`` there is then refused).
+        ``.grad`` there, or a read of the parameters' values, is then refused at the
+        first optimizer step, before anything steps).
     :param ddp_options: :class:`~lightning.pytorch.strategies.DDPStrategy`'s own
         arguments (``find_unused_parameters``, ``static_graph``, ``timeout``,
         ``start_method``, ...), but those that put a comm hook of their own on the

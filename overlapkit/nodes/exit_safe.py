@@ -47,7 +47,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["EXIT_SECONDS", "RELEASE_SECONDS", "Hold", "broadcast_text", "gather_object",
+__all__ = ["EXIT_SECONDS", "RELEASE_SECONDS", "DestinationsDifferError", "Hold",
+           "broadcast_text", "gather_object",
            "parked", "references", "release_parked", "wait_until_released"]
 
 #: how long :meth:`Hold.release` waits for the worker threads before parking the hold:
@@ -232,12 +233,29 @@ def _broadcast_text(text: str | None, src: int, group: Any, device: torch.device
     return bytes(payload.tolist()).decode("utf-8")
 
 
+class DestinationsDifferError(ValueError):
+    """:func:`gather_object` called with different ``dst`` on different ranks, raised on
+    every rank before anything is gathered. ``destinations``: each rank's ``dst`` (a
+    global rank), in group order."""
+
+    def __init__(self, destinations: list[int]) -> None:
+        super().__init__(f"gather_object(dst=...) got different destinations on the "
+                         f"ranks of the group: {destinations} (global ranks, in group "
+                         "order)")
+        self.destinations = destinations
+
+
 def gather_object(obj: Any, dst: int = 0, group: Any = None) -> list[Any] | None:
     """Every rank's ``obj`` of ``group``, in group order, on global rank ``dst``; None
     elsewhere. What ``dist.gather_object(obj, gathered, dst, group)`` leaves in
     ``gathered``: the same pickling, on the device it would use, with gloo's threads
     kept from the GIL (:class:`Hold`; torch's own gives gloo views, which cannot be
-    held)."""
+    held).
+
+    :raises DestinationsDifferError: on every rank, the ranks named different ``dst``
+        (learnt from the sizes every rank sends first: torch's own waited until the
+        group's timeout, each rank for the gather it named).
+    """
     import torch.distributed as dist
 
     if dist._rank_not_in_group(group):
@@ -254,11 +272,14 @@ def _gather_bytes(data: bytes, dst: int, group: Any, device: torch.device
     import torch.distributed as dist
 
     ranks = dist.get_world_size(group)
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(ranks)]
+    size = torch.tensor([len(data), dst], dtype=torch.int64, device=device)
+    sizes = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(ranks)]
     with Hold([size, *sizes], group):
         dist.all_gather(sizes, size, group=group)
-    lengths = [int(each.item()) for each in sizes]
+    lengths = [int(each[0].item()) for each in sizes]
+    destinations = [int(each[1].item()) for each in sizes]
+    if len(set(destinations)) > 1:  # gloo would pair the gathers wrongly, or hang
+        raise DestinationsDifferError(destinations)
     payload = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
     if data:
         payload[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)

@@ -22,16 +22,13 @@ from overlapkit.errors import ConfigurationError, NotPicklableError, OverlapkitE
 from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.overlap.backward_steps import BackwardSteps
 from overlapkit.overlap.core.engine import OverlapEngine
+from overlapkit.overlap.core.first_step import end_first_window, zeros_warning
 from overlapkit.overlap.core.kept_graph import second_backward_refusal
+from overlapkit.overlap.core.late_changes import accept_unchanged_rewrites as accept_rewrites
+from overlapkit.overlap.core.late_changes import refuse_changed_gradients
 from overlapkit.overlap.core.step_accounting import zeros_refusal
 from overlapkit.overlap.core.step_hooks import step_called
-from overlapkit.overlap.core.window import (
-    FirstWindow,
-    end_first_window,
-    refuse_changed_gradients,
-    zeros_warning,
-)
-from overlapkit.overlap.core.window import accept_unchanged_rewrites as accept_rewrites
+from overlapkit.overlap.core.window import FirstWindow
 from overlapkit.overlap.rebuild import refuse_retired, release_steps
 from overlapkit.overlap.rules.amp_scaler import (
     guard_param_groups,
@@ -280,6 +277,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
             ``no_step()``, :mod:`overlapkit.overlap.core.step_accounting`).
         """
         refuse_retired(self._steps, "step()")
+        self._steps.release_state()  # the loop's reads and writes watched until now
         if closure is not None:
             raise ConfigurationError(
                 f"{self._technique} steps during backward, so step() takes no closure; "

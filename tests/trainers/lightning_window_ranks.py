@@ -85,6 +85,14 @@ class ScalesThroughData(Callback):
                 p.grad.data.mul_(0.5)
 
 
+class LogsWeightNorms(Callback):
+    """Logs the parameters' norms before the step: a read of their values, not of
+    ``.grad`` (the plain run's: before the step; stepped during backward: after it)."""
+
+    def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+        module.log("weight norm", torch.stack([p.norm() for p in module.parameters()]).sum())
+
+
 class WrapsTheClosure(Logged):
     """An ``optimizer_step`` that hands ``optimizer.step()`` a closure of its own from the
     third step on: after Lightning's closure (its backward) it records the parameters'
@@ -243,10 +251,11 @@ WARNED = {"on_after_backward halves .grad, a callback's reads the parameters and
 PLAIN_CASE = {"ModelCheckpoint(save_last=True), fit(ckpt_path='last')": _uninterrupted}
 
 
-def _refused_through_data(ws: int, root: Path) -> dict[str, Any]:
+def _refused_through_data(ws: int, root: Path,
+                          callback: Callback | None = None) -> dict[str, Any]:
     module = Regression()
     run = trainer(strategy("overlap_ddp, hooks read only grads"), ws, root, max_steps=3,
-                  callbacks=[ScalesThroughData()])
+                  callbacks=[callback or ScalesThroughData()])
     error = error_of(lambda: run.fit(module, data()))
     return {"error": error, "unchanged": compare(values(Regression()), values(module))}
 
@@ -303,6 +312,9 @@ def run(rank: int, world_size: int, root: str) -> dict[str, Any]:
             out[f"{label} | {case} | warnings"] = [
                 str(w.message) for w in caught if "in the plain order" in str(w.message)]
     out["refused through .data"] = _refused_through_data(world_size, base / "data")
+    # 0.4.0: from the second step on the norms were the stepped parameters', silently
+    out["refused reading the parameters"] = _refused_through_data(
+        world_size, base / "norms", LogsWeightNorms())
     if world_size == 1:
         out["a skipped batch ends a window"] = _skipped(base / "skipped")
     return out

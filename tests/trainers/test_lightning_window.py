@@ -9,7 +9,8 @@ plain order from that step, one warning), a ``save_last`` checkpoint resumed wit
 callback, SequentialLR and ReduceLROnPlateau, and ``validate`` / ``test`` / ``predict``
 between two fits of one module. A gradient changed through ``.data`` (no version counter
 bumped) under ``hooks_read_only_grads=True`` is refused before anything steps (it was
-silently 0.0093 off). Rank code: lightning_window_ranks.py."""
+silently 0.0093 off), as are the parameters read there (weight norms logged). Rank code:
+lightning_window_ranks.py."""
 
 from __future__ import annotations
 
@@ -56,6 +57,19 @@ def test_a_gradient_changed_through_data_under_hooks_read_only_grads_is_refused(
         error = result["error"]
         assert error is not None and error["overlapkit"], error
         assert "ScalesThroughData.on_after_backward changed the gradient" in error["message"]
+        assert result["unchanged"], result["unchanged"]
+
+
+def test_parameters_read_by_a_hook_under_hooks_read_only_grads_are_refused(
+        results: tuple[int, list[dict[str, Any]]]) -> None:
+    """A callback logging weight norms in on_before_optimizer_step reads no gradient."""
+    _, ranks = results
+    for rank_results in ranks:
+        result = rank_results["refused reading the parameters"]
+        error = result["error"]
+        assert error is not None and error["overlapkit"], error
+        assert "LogsWeightNorms.on_before_optimizer_step read the values of" in (
+            error["message"])
         assert result["unchanged"], result["unchanged"]
 
 

@@ -11,10 +11,13 @@ backward a hook runs in (:mod:`~overlapkit.overlap.core.backward_scope`), where 
 run on an accelerator (:mod:`~overlapkit.overlap.core.side_stream`), and the loop
 around the optimizer: one step per iteration
 (:mod:`~overlapkit.overlap.core.step_accounting`), the window between backward and
-step (:mod:`~overlapkit.overlap.core.window`, the param groups' settings a step reads:
+step (:mod:`~overlapkit.overlap.core.window`, the end of a learnt first step:
+:mod:`~overlapkit.overlap.core.first_step`, the param groups' settings a step reads:
 :mod:`~overlapkit.overlap.core.group_settings`, the loop's reads noticed:
-:mod:`~overlapkit.overlap.core.watched_reads`, its writes to the optimizer's state:
-:mod:`~overlapkit.overlap.core.state_marks`), a second backward through a kept graph
+:mod:`~overlapkit.overlap.core.watched_reads`, of the parameters:
+:mod:`~overlapkit.overlap.core.watched_params`, its writes to the optimizer's state:
+:mod:`~overlapkit.overlap.core.state_marks`, what changed after a stepping backward:
+:mod:`~overlapkit.overlap.core.late_changes`), a second backward through a kept graph
 (:mod:`~overlapkit.overlap.core.kept_graph`), a trainer's own loop
 (:mod:`~overlapkit.overlap.core.foreign_loop`), the hooks put on the user's model,
 copied with it as no-ops (:mod:`~overlapkit.overlap.core.own_hooks`), the step hooks

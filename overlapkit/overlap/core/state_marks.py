@@ -7,7 +7,7 @@ start from what the loop left there: a moment scaled in place
 (``opt.state[p]["exp_avg"].mul_(0.5)``), a value replaced, the entry cleared
 (``opt.state[p].clear()``), replaced or deleted, the state reset. That step cannot be
 taken again, so such a write is refused at that ``step()``
-(:func:`~overlapkit.overlap.core.window.refuse_changed_gradients`), as a parameter
+(:func:`~overlapkit.overlap.core.late_changes.refuse_changed_gradients`), as a parameter
 changed in place is. Reading the state is not a write (``opt.state[p]`` of a parameter
 without state creates an empty entry: only entries that held state are compared).
 
@@ -24,18 +24,15 @@ before that backward.
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 import weakref
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
-from overlapkit.overlap.core.watched_reads import WatchedState
+from overlapkit.overlap.core.watched_reads import WatchedState, loop_stacklevel
 
 __all__ = ["StateMarks", "StateReadInWindowWarning", "StateWrites", "mark_entries",
            "state_read_warning", "written_entries"]
@@ -109,8 +106,6 @@ class StateReadInWindowWarning(UserWarning):
     it holds this step's update already, the plain loop's the last step's."""
 
 
-#: where overlapkit's modules are (their frames are not the loop's)
-_PACKAGE = str(Path(__file__).resolve().parents[2]) + os.sep
 #: the optimizers whose loop was warned (once each)
 _WARNED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
@@ -124,17 +119,6 @@ def state_read_warning(technique: str) -> str:
         "loop (a loop reading it at its first step then takes every step at "
         "optimizer.step(), bitwise the plain loop). A write there is refused at "
         "optimizer.step(). Shown once.")
-
-
-def _loop_frame() -> int:
-    """The ``stacklevel`` of the loop's line that reached the state, from the caller of
-    this function: past overlapkit's frames and ``collections.abc``'s mixins
-    (``opt.state.items()``)."""
-    frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and (frame.f_code.co_filename.startswith(_PACKAGE)
-                                        or "_collections_abc" in frame.f_code.co_filename):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 class StateWrites:
@@ -171,7 +155,7 @@ class StateWrites:
             if self.technique is not None and self.optimizer not in _WARNED:
                 _WARNED.add(self.optimizer)
                 warnings.warn(state_read_warning(self.technique), StateReadInWindowWarning,
-                              stacklevel=_loop_frame())
+                              stacklevel=loop_stacklevel())
 
     def note_read(self, name: str) -> None:
         """A gradient read: not this watch's."""

@@ -30,22 +30,22 @@ known only from what it calls, so :class:`StepAccount` learns it:
 
 A ``step()`` or ``zero_grad()`` that does not follow a stepping backward (set-up code
 creating optimizer state, a first ``zero_grad()`` before the loop) says nothing about
-the loop. A ``zero_grad()`` after several stepping backwards (with no ``step()``) is a
-backward-only loop clearing gradients now and then, and is accepted — unless the loop
-has called ``step()`` right after a stepping backward before: it then discards
-gradients the step was already taken with (a GAN's generator loss reaching the
-discriminator, a step skipped on a bad loss), and raises
-:func:`discarded_step_error` (the step is taken: never silently).
+the loop. A ``zero_grad()`` after several stepping backwards (no ``step()``) is a
+backward-only loop clearing gradients now and then, accepted — unless the loop has
+called ``step()`` right after a stepping backward before: it then discards gradients
+the step was taken with (a GAN's generator loss reaching the discriminator, a step
+skipped on a bad loss): :func:`discarded_step_error` (the step is taken: never silently).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from overlapkit.errors import ConfigurationError, OverlapkitError
+from overlapkit.overlap.core.first_step import follow_kept_gradients
 from overlapkit.overlap.core.foreign_loop import foreign_trainer_refusal
 from overlapkit.overlap.core.step_hooks import backward_refusal, follow_step_hooks
 from overlapkit.overlap.core.window import FirstWindow
@@ -142,14 +142,11 @@ def step_again_error(technique: str) -> ConfigurationError:
 def zeros_refusal(technique: str) -> ConfigurationError:
     """``zero_grad(set_to_none=False)`` after a backward that stepped and freed the
     gradients: the plain loop holds a zero gradient for each parameter from then on,
-    which the plain ``step()`` steps even when a backward does not reach the parameter
-    (Adam moves it on its moments, weight decay shrinks it), and which the loop may
-    read or add to before backward. Here the gradients are None (freed), and a
-    parameter no backward reaches is not stepped: silently another run. Zeros given
-    back would keep every gradient's memory through the forward, the memory the
-    technique saves, and still need that step; so refused, before anything changes
-    (every step so far was the plain one: the plain loop had no gradient to zero before
-    its first backward)."""
+    which its ``step()`` steps even where a backward does not reach the parameter (Adam
+    moves it on its moments, weight decay shrinks it). Here they are None (freed): a
+    parameter no backward reaches is not stepped. Zeros given back would keep the memory
+    the technique saves, and still need that step; so refused, before anything changes
+    (every step so far was the plain one: it had no gradient to zero before)."""
     return ConfigurationError(
         f"zero_grad(set_to_none=False) after a backward that {technique} stepped: it "
         "frees each gradient once stepped, where the plain loop keeps a zero gradient "
@@ -174,6 +171,8 @@ class StepAccount:
     #: where the overlapped optimizer refuses them (sharded state): one on the real
     #: optimizer is then a hook per part stepped, by choice
     step_hooks_are_the_loops = True
+    #: what the step() ending a learnt first window kept (:func:`follow_kept_gradients`)
+    kept_by_learning: list[tuple[torch.Tensor, Callable[[], Any]]] | None = None
 
     def __init__(self, technique: str, accumulate: str) -> None:
         self.technique = technique
@@ -266,6 +265,7 @@ class StepAccount:
         backward of the deferred window (and refuses one before anything steps)."""
         if self.first_window is not None:
             self.first_window.backwards += 1
+            self.first_window.backward_starts()
         return self.backward_gate() if self.backward_gate is not None else None
 
     def deferred_backward_ended(self, params: Iterable[torch.Tensor]) -> None:
@@ -275,6 +275,7 @@ class StepAccount:
             self.first_window.mark(params)
             self.first_window.mark_settings()
             self.first_window.watch_state()
+            self.first_window.watch_params(params)
 
     def starting_backward(self) -> OverlapkitError | None:
         """What a stepper calls when a backward starts: :meth:`backward_starts`, or
@@ -288,6 +289,7 @@ class StepAccount:
         if refusal is not None:
             return refusal
         follow_step_hooks(self)
+        follow_kept_gradients(self)
         return self.deferred_backward_starts() if self.deferring else self.backward_starts()
 
     def stepped_backward_ended(self, engine: OverlapEngine, freed: bool) -> None:
@@ -304,6 +306,8 @@ class StepAccount:
             marks.mark_settings()
             self.release_state()
             marks.mark_state(self.technique if self.calls_step else None)
+            if self.calls_step:
+                marks.watch_reads(params, self.technique, self.settings_of or self)
             self.stepped_marks = marks
 
     def release_state(self) -> None:
@@ -388,7 +392,7 @@ class StepAccount:
             raise discarded_step_error(self.technique)
         if window and freed_norm_read:
             raise skipped_on_freed_norm_error(self.technique)
-        self.freed = None
+        self.freed = self.kept_by_learning = None
         if self.stepped_since_step:
             self.zeroed_after_stepping = True
         if window == 1:

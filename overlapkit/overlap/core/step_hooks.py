@@ -61,8 +61,9 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.core.direct_step import PASSING_PRE_HOOKS
+from overlapkit.overlap.core.first_step import plain_order_warning
 from overlapkit.overlap.core.groups_behind import groups_changed_refusal
-from overlapkit.overlap.core.window import FirstWindow, plain_order_warning
+from overlapkit.overlap.core.window import FirstWindow
 
 __all__ = ["backward_refusal", "follow_step_hooks", "override_refusal", "override_warning",
            "registered_step_hooks", "sharded_post_hook_refusal", "sharded_step_hook_refusal",

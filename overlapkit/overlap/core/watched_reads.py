@@ -19,15 +19,20 @@ overlapkit's own reads (the loop's clip answered, the step) run under
 from __future__ import annotations
 
 import copy
+import os
+import sys
 import threading
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["WatchedState", "is_watched", "quiet_reads", "unwatch_grad", "watch_grad"]
+__all__ = ["METADATA_METHODS", "VALUE_PROPERTIES", "WatchedState", "is_watched",
+           "loop_stacklevel", "quiet", "quiet_reads", "run_noting", "unwatch_grad",
+           "watch_grad"]
 
 
 class _Window(Protocol):
@@ -38,13 +43,34 @@ class _Window(Protocol):
     def note_read(self, name: str) -> None: ...
 
 
-#: property reads of a gradient that read no values (``.shape``, ``.dtype``, ...)
-_VALUE_PROPERTIES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
-#: methods of a gradient that read no values
-_METADATA = frozenset({"size", "dim", "numel", "stride", "element_size", "is_contiguous",
-                       "is_floating_point", "is_complex", "data_ptr", "storage_offset",
-                       "__len__", "__hash__", "ndimension", "nelement", "get_device"})
+#: the properties of a tensor whose read reads its values (not ``.shape``, ``.dtype``, ...)
+VALUE_PROPERTIES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
+#: methods of a tensor that read no values
+METADATA_METHODS = frozenset({"size", "dim", "numel", "stride", "element_size",
+                              "is_contiguous", "is_floating_point", "is_complex", "data_ptr",
+                              "storage_offset", "__len__", "__hash__", "ndimension",
+                              "nelement", "get_device"})
 _QUIET = threading.local()
+#: where overlapkit's and torch's modules are (their frames are not the loop's)
+_NOT_THE_LOOP = (str(Path(__file__).resolve().parents[2]) + os.sep,
+                 str(Path(torch.__file__).resolve().parent) + os.sep)
+
+
+def loop_stacklevel() -> int:
+    """The ``stacklevel`` that has a warning raised by the caller of this function point
+    at the loop's line that read (``opt.state[p]``, ``ema.update_parameters(model)``):
+    past overlapkit's and torch's frames and ``collections.abc``'s mixins
+    (``opt.state.items()``)."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and (frame.f_code.co_filename.startswith(_NOT_THE_LOOP)
+                                        or "_collections_abc" in frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def quiet() -> bool:
+    """Whether overlapkit's own reads are running (:func:`quiet_reads`)."""
+    return bool(getattr(_QUIET, "on", False))
 
 
 @contextmanager
@@ -62,8 +88,8 @@ def quiet_reads() -> Iterator[None]:
 def _reads_values(func: Any) -> bool:
     name = getattr(func, "__name__", "")
     if name == "__get__":  # a property: Tensor.shape.__get__, ...
-        return getattr(getattr(func, "__self__", None), "__name__", "") in _VALUE_PROPERTIES
-    return name not in _METADATA
+        return getattr(getattr(func, "__self__", None), "__name__", "") in VALUE_PROPERTIES
+    return name not in METADATA_METHODS
 
 
 class _WatchesReads:
@@ -76,13 +102,26 @@ class _WatchesReads:
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if not getattr(_QUIET, "on", False) and _reads_values(func):
-            for arg in tree_flatten((args, kwargs))[0]:
-                if isinstance(arg, _WatchesReads):
-                    arg._window.note_read(arg._name)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        return run_noting(func, args, kwargs, _reads_values, _note_grad_read)
+
+
+def _note_grad_read(arg: Any) -> None:
+    if isinstance(arg, _WatchesReads):
+        arg._window.note_read(arg._name)
+
+
+def run_noting(func: Any, args: Any, kwargs: Any, reads_values: Callable[[Any], bool],
+               note: Callable[[Any], None]) -> Any:
+    """Run the torch operation ``func`` as a watched tensor's ``__torch_function__``:
+    unless overlapkit's own reads are running (:func:`quiet_reads`), ``note`` each of its
+    arguments first when ``reads_values(func)``; the operation itself runs on the plain
+    tensors' implementation."""
+    kwargs = kwargs or {}
+    if not quiet() and reads_values(func):
+        for arg in tree_flatten((args, kwargs))[0]:
+            note(arg)
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
 
 
 class _WatchedGrad(_WatchesReads, torch.Tensor):
@@ -142,7 +181,7 @@ class WatchedState(MutableMapping[Any, Any]):
         self.state, self.window = state, window
 
     def _note(self) -> MutableMapping[Any, Any]:
-        if not getattr(_QUIET, "on", False):
+        if not quiet():
             self.window.state_read = True
         return self.state
 

@@ -33,7 +33,8 @@ the plain run, bitwise. Any other loop steps during backward from its second ste
 
 In a loop no integration sets up, the step is taken during backward from the first,
 so what the loop does in the window that the plain ``step()`` would have used is
-refused at that ``step()`` (:func:`refuse_changed_gradients`), from the first step on:
+refused at that ``step()``
+(:mod:`~overlapkit.overlap.core.late_changes`), from the first step on:
 a gradient changed or set, a parameter changed in place, a param-group setting changed
 (a warm-up, ``lr_scheduler.step()`` called first), a param group added, the state reset
 or one parameter's entry written (:mod:`~overlapkit.overlap.core.state_marks`).
@@ -43,16 +44,20 @@ The parameters have taken the step by then: the message says so, and names
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
 import torch
 
-from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.core.group_settings import changed_settings, settings
 from overlapkit.overlap.core.state_marks import StateWrites
+from overlapkit.overlap.core.watched_params import (
+    ParameterReads,
+    unwatch_params,
+    watch_params,
+    watched_class,
+)
 from overlapkit.overlap.core.watched_reads import (
     WatchedState,
     is_watched,
@@ -61,9 +66,7 @@ from overlapkit.overlap.core.watched_reads import (
     watch_grad,
 )
 
-__all__ = ["LEARN", "FirstWindow", "accept_unchanged_rewrites", "end_first_window",
-           "plain_order_warning", "zeros_warning",
-           "quiet_reads", "refuse_changed_gradients", "state"]
+__all__ = ["LEARN", "FirstWindow", "quiet_reads", "shown_names", "state"]
 
 #: what a hand-written loop that works in the window calls to have it honoured
 LEARN = ("optimizer.learn_first_step(model) (the first step is then taken at "
@@ -77,7 +80,7 @@ def state(param: torch.Tensor) -> tuple[int, int]:
     return (0, 0) if grad is None else (id(grad), grad._version)
 
 
-def _shown(names: list[str]) -> str:
+def shown_names(names: list[str]) -> str:
     return ", ".join(names[:3]) + (" and others" if len(names) > 3 else "")
 
 
@@ -127,6 +130,14 @@ class FirstWindow:
     learned: bool = False
     #: the optimizer's ``state`` watched after a stepping backward (:meth:`mark_state`)
     state_writes: StateWrites | None = None
+    #: the parameters watched after a stepping backward (:meth:`mark_state`)
+    param_reads: ParameterReads | None = None
+    #: ``id(param)`` of the parameters whose values the loop read since the last
+    #: backward (:mod:`~overlapkit.overlap.core.watched_params`), in order
+    params_read: list[int] = attrs.field(factory=list)
+    #: the parameters watched for those reads, and their watched class
+    params_watched: list[torch.Tensor] = attrs.field(factory=list)
+    params_class: type | None = None
 
     def mark(self, params: Iterable[torch.Tensor]) -> None:
         """Record the gradients of ``params`` as they are now (end of a backward, or
@@ -154,11 +165,19 @@ class FirstWindow:
         if self.optimizer is not None:  # once per marks: the last ones released first
             self.state_writes = StateWrites(self.optimizer, warn_reads)
 
+    def watch_reads(self, params: list[torch.Tensor], technique: str,
+                    owner: Any) -> None:
+        """Warn of the loop's first read of the values of ``params`` (stepped by the
+        backward that ended: :class:`ParameterReads`) until :meth:`release_state`."""
+        self.param_reads = ParameterReads(params, technique, owner)
+
     def release_state(self) -> None:
-        """Stop watching the state (``step()``, the next backward); what was noted
-        stays for :meth:`state_reset` and :meth:`state_written`."""
+        """Stop watching the state and the parameters (``step()``, the next backward);
+        what was noted stays for :meth:`state_reset` and :meth:`state_written`."""
         if self.state_writes is not None:
             self.state_writes.release()
+        if self.param_reads is not None:
+            self.param_reads.release()
 
     def state_written(self, names: Mapping[int, str]) -> list[str]:
         """The names of the parameters whose state entry the loop wrote since
@@ -193,10 +212,35 @@ class FirstWindow:
         if name not in self.read:
             self.read.append(name)
 
+    def watch_params(self, params: Iterable[torch.Tensor]) -> None:
+        """Note the loop's reads of the values of ``params`` (the backward that ended
+        would have stepped them) until :meth:`unwatch` or :meth:`backward_starts`."""
+        if not self.plain_order:
+            if self.params_class is None:
+                self.params_class = watched_class()
+            self.params_watched = list(params)
+            watch_params(self.params_watched, self.params_class, self)
+
+    def note_param_read(self, param: torch.Tensor) -> None:
+        if id(param) not in self.params_read:
+            self.params_read.append(id(param))
+
+    def backward_starts(self) -> None:
+        """A backward of this step starts: what the loop read since the last one (that
+        micro-batch's forward) saw the same values as the plain loop's."""
+        self.unwatch_params()
+        self.params_read = []
+
+    def unwatch_params(self) -> None:
+        if self.params_class is not None:
+            unwatch_params(self.params_watched, self.params_class)
+        self.params_watched = []
+
     def unwatch(self, params: Iterable[torch.Tensor]) -> None:
         """Put the plain gradients and state back (before the step reads them); stop
         watching."""
         self.watching = None
+        self.unwatch_params()
         state = None if self.optimizer is None else self.optimizer.state
         if isinstance(state, WatchedState):
             self.optimizer.state = state.state
@@ -227,166 +271,3 @@ class FirstWindow:
         self.backwards, self.marks, self.clipped, self.settings = 0, {}, False, None
         self.versions = {}
         self.clipped_to_norm = False
-
-
-def plain_order_warning(technique: str, used: str) -> str:
-    """The one warning of a loop that uses the window: what it did, how to keep the
-    overlap."""
-    return (
-        f"{technique} takes every step of this loop at optimizer.step(), in the plain "
-        f"order, without overlap: {used} between backward and optimizer.step(), a window "
-        "that stepping during backward removes. The run is the plain loop's, bitwise. To "
-        "keep the overlap: accumulate gradients inside accelerator.accumulate(model) (or "
-        "the model's no_sync()), and change gradients before they are reduced (a DDP "
-        "comm hook, a gradient hook on the parameter) instead of between backward and "
-        "step()."
-    )
-
-
-def zeros_warning(technique: str) -> str:
-    """``zero_grad(set_to_none=False)`` in a loop that learnt its first step
-    (``learn_first_step``), before any backward has freed a gradient: honoured by taking
-    every later step at ``step()`` in the plain order, the gradients kept (and zeroed) as
-    the plain loop keeps them, where
-    :func:`~overlapkit.overlap.core.step_accounting.zeros_refusal` would stop the run at
-    the next ``zero_grad`` (Accelerate: after two steps, the sixth probe)."""
-    return (f"{technique} takes every step of this loop from now on at optimizer.step(), in "
-            "the plain order, without overlap: zero_grad(set_to_none=False) keeps a zero "
-            "gradient for every parameter, which it would free once stepped. The run is the "
-            "plain loop's, bitwise. To keep the overlap: call zero_grad() (set_to_none=True, "
-            "torch's default).")
-
-
-def end_first_window(steps: Any, names: Mapping[int, str], params: list[torch.Tensor],
-                     technique: str) -> bool:
-    """At ``step()`` while the facade's ``learn_first_step`` defers: decide whether the
-    loop keeps the plain order (warned once), and whether it clipped the kept gradients
-    itself (the full step then does not clip again); returns the latter.
-
-    :param steps: the facade's :class:`~overlapkit.overlap.backward_steps.BackwardSteps`.
-    """
-    window = steps.first_window
-    assert window is not None
-    clipped = window.clipped
-    if window.loop_clips is not None and not window.plain_order and not window.clipped_to_norm:
-        raise ConfigurationError(
-            f"{technique} was set up with clip_grad_norm={window.loop_clips:g} (the loop's "
-            "clip), but the loop called no clip_grad_norm_ with it between its backward and "
-            "this first optimizer.step(): the plain loop's step is then not clipped, and "
-            f"{technique} would clip every step during backward. Nothing has stepped yet. "
-            "Clip before optimizer.step() (accelerator.clip_grad_norm_(model.parameters(), "
-            f"{window.loop_clips:g})), or pass clip_grad_norm=None if the loop does not clip.")
-    if not window.plain_order:
-        used = []
-        if window.backwards > 1:
-            used.append(f"{window.backwards} backwards ran before one optimizer.step() "
-                        "(gradient accumulation outside accelerator.accumulate)")
-        edited = window.edited(dict(names), params)
-        if edited:
-            used.append(f"the gradients of {_shown(edited)} were changed")
-        changed = window.changed_settings()
-        if changed:
-            used.append(f"the optimizer's settings ({_shown(changed)}) were changed "
-                        "(the plain step takes the new values)")
-        moved = window.moved(dict(names), params)
-        if moved:
-            used.append(f"the values of {_shown(moved)} were changed in place")
-        if window.discarded:
-            used.append("zero_grad() discarded the gradients of a backward without a step "
-                        "(a second optimizer's loss reaching these parameters)")
-        if window.clipped_again:
-            used.append("clip_grad_norm_ was called again after the loop's clip (the "
-                        "plain one returns the clipped gradients' norm)")
-        if window.clipped_part:
-            used.append(f"clip_grad_norm_ left out {window.clipped_part} of the "
-                        "optimizer's parameters (its clip during backward would take "
-                        "the norm over all of them)")
-        if window.state_read:
-            used.append(f"the optimizer's state was read (from the second step on it "
-                        f"would hold that step's update already: {technique} steps "
-                        "during backward)")
-        read = [name for name in window.read if name not in edited]
-        if read:
-            shown = _shown(read)
-            freed = ("frees them once stepped" if technique == "optimizer_in_backward"
-                     else "clips them during backward")
-            used.append(f"the gradients of {shown} were read (from the second step on "
-                        f"they would not be the plain loop's: {technique} {freed})")
-        if used:
-            window.plain_order = True
-            warnings.warn(plain_order_warning(technique, "; ".join(used)),
-                          UserWarning, stacklevel=4)
-    window.unwatch(params)  # after edited(), which compares the watched gradients
-    if window.plain_order:
-        window.reset()
-    else:  # from now on every step is taken during backward
-        steps.first_window = None
-        steps.learned = True
-        steps.deferring = False
-        steps.deferred()
-        steps.calls_step = True
-    return clipped
-
-
-def refuse_changed_gradients(marks: FirstWindow, names: Mapping[int, str],
-                             params: list[torch.Tensor], technique: str) -> None:
-    """:raises ConfigurationError: the loop changed (or set) a gradient after the
-    backward that stepped it, before this ``step()``: the change missed that step."""
-    learn = "." if marks.learned else f", or keep the loop and call {LEARN} once before it."
-    changed = marks.changed_settings() + marks.state_reset()
-    if changed:
-        raise ConfigurationError(
-            f"the optimizer's settings ({_shown(changed)}) were changed between backward() and "
-            f"optimizer.step(), after {technique} had already stepped the parameters with "
-            "the values before the change during backward, so the change missed this "
-            "step (a hand-written warm-up, or lr_scheduler.step() called before "
-            "optimizer.step()). The parameters have taken it: restart from the last "
-            "checkpoint after fixing the loop. Change the learning rate and the other "
-            "settings before backward() (an LR scheduler stepped after optimizer.step() "
-            f"does){learn}"
-        )
-    written = marks.state_written(names)
-    if written:
-        raise ConfigurationError(
-            f"the optimizer's state of {_shown(written)} was written between backward() "
-            "and optimizer.step() (a moment scaled in place, an entry cleared, replaced "
-            f"or deleted), after {technique} had already stepped them during backward "
-            "with the state before the write, where the plain step starts from the "
-            "written state. The parameters have taken it: restart from the last "
-            "checkpoint after fixing the loop. Write the optimizer's state after "
-            f"optimizer.step(){learn}")
-    moved = marks.moved(dict(names), params)
-    if moved:
-        raise ConfigurationError(
-            f"the values of {_shown(moved)} were changed in place between backward() and "
-            f"optimizer.step() (a clamp, a projection), after {technique} had already "
-            "stepped them during backward, where the plain step starts from the changed "
-            "values. The parameters have taken it: restart from the last checkpoint "
-            f"after fixing the loop. Change parameters after optimizer.step(){learn}")
-    edited = marks.edited(dict(names), params)
-    if not edited:
-        return
-    shown = _shown(edited)
-    raise ConfigurationError(
-        f"the gradients of {shown} were changed between backward() and "
-        f"optimizer.step(), after {technique} had already stepped the parameters "
-        "with them during backward, so the change missed this step. The parameters "
-        "have taken it: restart from the last checkpoint after fixing the loop. To "
-        "change gradients, change them before they are reduced (a gradient hook on "
-        f"the parameter, a DDP comm hook){learn}"
-    )
-
-
-def accept_unchanged_rewrites(steps: Any, params: Iterable[torch.Tensor],
-                              versions: Mapping[int, int]) -> None:
-    """``params`` that overlapkit rewrote in place with their own values (a checkpoint's
-    save: torch's ``get_state_dict`` creates state with a zero step), ``versions``: ``id``
-    -> their version before. Not a change of the loop's: the marks move past those
-    writes only."""
-    for marks in (steps.stepped_marks, steps.first_window):
-        if marks is None:
-            continue
-        for param in params:
-            before = versions.get(id(param))
-            if before is not None and marks.versions.get(id(param)) == before:
-                marks.versions[id(param)] = param._version

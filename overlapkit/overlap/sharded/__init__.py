@@ -13,6 +13,7 @@ while backward goes on. Split by the question each part answers:
 - :mod:`~overlapkit.overlap.sharded.held_params`: its ``param_groups`` edited by hand;
 - :mod:`~overlapkit.overlap.sharded.share_state`: its ``state``, this rank's share;
 - :mod:`~overlapkit.overlap.sharded.state_dicts`: whole and per-rank state dicts;
+- :mod:`~overlapkit.overlap.sharded.misfit`: whether a state dict fits, before loading;
 - :mod:`~overlapkit.overlap.sharded.torch_api`: what it answers torch's
   ``get/set_optimizer_state_dict``.
 

@@ -43,6 +43,7 @@ waits for it before the next forward, as for the steps themselves.
 
 from __future__ import annotations
 
+import uuid
 from collections import deque
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
@@ -57,6 +58,7 @@ from overlapkit.errors import ExchangeFailedError
 from overlapkit.nodes.failed_collective import collective_failure, group_timeout
 from overlapkit.nodes.lost_ranks import watch
 from overlapkit.overlap.core.side_stream import SideStream
+from overlapkit.overlap.core.watched_reads import quiet_reads
 from overlapkit.overlap.sharded.ownership import Ownership
 
 __all__ = ["DIRECT_BYTES", "ExchangeFailedError", "ParameterExchange", "Traffic", "Transfer",
@@ -310,7 +312,8 @@ class ParameterExchange:
             if received is None:
                 return
             offset = 0
-            with torch.no_grad():
+            # overlapkit's write, not the loop's read of a watched parameter
+            with torch.no_grad(), quiet_reads():
                 for param in item.transfer.params:
                     count = param.numel()
                     param.copy_(received.narrow(0, offset, count).view(param.shape))
@@ -361,8 +364,32 @@ def exchange_group(group: Any, world_size: int) -> Any:
     known = _GROUPS.get(key)
     if known is not None:
         return known
-    made = dist.new_group(ranks=list(ranks), timeout=timeout,
-                          use_local_synchronization=True,
-                          group_desc="overlapkit_parameter_exchange")
+    made = _new_local_group(group, list(ranks), timeout)
     _GROUPS[key] = made
     return made
+
+
+def _new_local_group(group: Any, ranks: list[int], timeout: timedelta | None) -> Any:
+    """``dist.new_group(ranks, use_local_synchronization=True)`` under a name the
+    members agree on (group rank 0's token, broadcast over ``group``).
+
+    torch names such a group by its ranks and the number of process groups the calling
+    process holds, which differs between members once one of them was outside an
+    earlier group: the members then waited for each other under different names until
+    the default group's timeout (measured: two sharded optimizers on ``new_group([0,
+    1])`` and ``new_group([1, 2])`` at 3 gloo ranks, or one after any ``new_group``
+    leaving one of its ranks out; torch 2.13)."""
+    from overlapkit.nodes.exit_safe import broadcast_text
+
+    token = broadcast_text(uuid.uuid4().hex if dist.get_rank(group) == 0 else None,
+                           src=dist.get_global_rank(group, 0), group=group)
+    c10d = dist.distributed_c10d
+    hashed = getattr(c10d, "_hash_ranks_to_str", None)
+    if hashed is not None:  # (torch's private naming; else its own name is used)
+        c10d._hash_ranks_to_str = lambda ranks: f"overlapkit_exchange_{token}"
+    try:
+        return dist.new_group(ranks=ranks, timeout=timeout, use_local_synchronization=True,
+                              group_desc="overlapkit_parameter_exchange")
+    finally:
+        if hashed is not None:
+            c10d._hash_ranks_to_str = hashed

@@ -22,7 +22,6 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
-import attrs
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
@@ -40,6 +39,7 @@ from overlapkit.overlap.setup import (
     materialise_params,
 )
 from overlapkit.overlap.sharded.held_params import flat_params, reordered
+from overlapkit.overlap.sharded.misfit import misfit_refusal
 from overlapkit.overlap.sharded.ownership import (
     Ownership,
     ShardingPolicy,
@@ -49,11 +49,14 @@ from overlapkit.overlap.sharded.ownership import (
 )
 from overlapkit.overlap.sharded.share_state import ShareOfState
 from overlapkit.overlap.sharded.state_dicts import (
+    Gathered,
+    changed_refusal,
     gather_state_dict,
-    misfit_refusal,
+    load_pre_hooked,
     not_gathered_refusal,
     plain_state_dict,
     sharded_state_dict,
+    share_fingerprint,
     share_of,
     stale_refusal,
     with_state,
@@ -74,15 +77,6 @@ __all__ = ["TECHNIQUE", "ShardedOverlapOptimizer"]
 TECHNIQUE = "overlap_ddp"
 
 
-@attrs.frozen
-class _Consolidated:
-    """Where and when the whole state was last gathered; the state itself is the
-    stepper's ``consolidated`` (released at the next step)."""
-
-    to: int
-    generation: int
-
-
 class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
     """A ``torch.optim.Optimizer`` stepping during backward, one DDP bucket at a time,
     each rank stepping (and keeping the state of) only the parameters it owns.
@@ -101,7 +95,7 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         self._model = model.model
         self._ownership = ownership
         self._policy = policy
-        self._consolidated: _Consolidated | None = None
+        self._consolidated: Gathered | None = None
         self._state = ShareOfState(engine.optimizer, lambda: stepper.exchange.ownership)
         # a backward refuses param groups changed by hand, before anything steps
         stepper.held_check = weakref.WeakMethod(self._held_refusal)
@@ -110,8 +104,7 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
 
     @property
     def ownership(self) -> Ownership:
-        """Which rank owns each parameter (:class:`~overlapkit.overlap.sharded.ownership.
-        Ownership`)."""
+        """Which rank owns each parameter (an :class:`Ownership`)."""
         return self._ownership
 
     @property
@@ -135,8 +128,7 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         return self._ownership.mine()
 
     def local_state_params(self) -> set[int]:
-        """``id`` of the parameters whose optimizer state this rank keeps: its share
-        (what ``overlapkit.checkpoint`` saves from and loads into on this rank)."""
+        """``id`` of the parameters of this rank's share (``overlapkit.checkpoint``)."""
         return {id(p) for p in self._ownership.mine()}
 
     def last_buckets(self) -> list[list[torch.Tensor]]:
@@ -224,20 +216,19 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
 
         torch's initialising step (``get_optimizer_state_dict`` /
         ``set_optimizer_state_dict`` on a rank whose share holds no state) steps
-        nothing once the optimizer has stepped or loaded, or when it was built with
-        state (Adagrad's ``sum``; a rank owning nothing took it alone before its first
-        step and waited for the others' exchange until the group's timeout): the plain
-        optimizer holds state then and takes no such step, and a rank taking it alone
-        would wait for the others' exchange (:func:`~overlapkit.overlap.sharded.
-        torch_api.in_torch_s_initialising_step`). Before that every rank takes it, as
-        a plain optimizer's."""
+        nothing where the plain optimizer holds state and takes none (it stepped, was
+        built with state as Adagrad, or loaded a dict with state): a rank taking it
+        alone would wait for the others' exchange (:func:`~overlapkit.overlap.sharded.
+        torch_api.in_torch_s_initialising_step`). Else every rank takes it, as a plain
+        optimizer's (also after loading a dict without state: 0.4.0 skipped it there,
+        and Adam's ``step`` counts then trailed the plain ones by one)."""
         refuse_retired(self._steps, "step()")
         stepper = self._stepper
-        if closure is None and (stepper.generation or stepper.born_with_state) \
-                and in_torch_s_initialising_step():
+        if closure is None and stepper.plain_holds_state and in_torch_s_initialising_step():
             return
         full = not self._stepper.stepped_since_step
         if full:  # (a stepping backward checked param_groups when it started)
+            stepper.raise_if_destroyed("step()")
             self.synchronize()
             self._held_now()
         super().step(closure)
@@ -260,13 +251,16 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
                 f"consolidate_state_dict(to=...) takes a rank from 0 to {world_size - 1} "
                 f"(the DDP model's process group), got {to!r}."
             )
+        self._stepper.raise_if_destroyed("consolidate_state_dict()")
         self.synchronize()
         self._held_now()
         with self._engine.lock:
             local = plain_state_dict(self._engine.optimizer)
+            share = share_fingerprint(self._engine.optimizer, self._ownership)
         gathered = gather_state_dict(local, self._ownership, self._model.process_group, to)
         self._stepper.consolidated = None if gathered is None else gathered["state"]
-        self._consolidated = _Consolidated(to, self._stepper.generation)
+        self._consolidated = Gathered(to, self._stepper.generation,
+                                      None if gathered is None else share)
 
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer's state dict, in the plain optimizer's format (it loads
@@ -302,6 +296,10 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
             raise not_gathered_refusal(None if held is None else held.to, rank)
         if not current:
             raise stale_refusal()
+        if held.share is not None and (changed := changed_refusal(
+                held.share, share_fingerprint(self._engine.optimizer, self._ownership),
+                self._ownership, self._facts.names)) is not None:
+            raise changed
         # the current param groups (an LR scheduler may have stepped since the
         # gathering, as ZeroRedundancyOptimizer's state_dict() does) and the state
         # hooks: the real optimizer's state_dict(), its share's state replaced by the
@@ -327,7 +325,7 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
 
         :raises ConfigurationError: a sharded state dict saved at another world size,
             with another ownership, or by another rank; not a state dict; one a step
-            would fail after (:func:`~overlapkit.overlap.sharded.state_dicts.
+            would fail after (:func:`~overlapkit.overlap.sharded.misfit.
             misfit_refusal`); called between a stepping backward and ``step()`` (as
             without sharding). Nothing is changed then.
         """
@@ -336,13 +334,19 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
             raise ConfigurationError(f"{refusal} Nothing was loaded.")
         self.synchronize()
         self._held_now()
+        state_dict, hooks_run = load_pre_hooked(self._engine.optimizer, state_dict,
+                                                share=torch_s_broadcast_load())
         share = share_of(state_dict, self._ownership)
         whole = state_dict if "state" in state_dict else share  # (a local one: the share)
         if not torch_s_broadcast_load() and (
                 misfit := misfit_refusal(self._engine.optimizer, whole)) is not None:
             raise misfit
-        self._engine.load_state_dict(share)
-        self._stepper.advance()
+        with hooks_run:
+            self._engine.load_state_dict(share)
+        # a whole dict without state empties the plain optimizer's (torch's
+        # initialising step then steps it on every rank); a share alone cannot tell
+        self._stepper.advance(holds_state="state" not in state_dict or torch_s_broadcast_load()
+                              or bool(state_dict["state"]))
         self._consolidated = None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -350,6 +354,7 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         ranks, balanced against what each rank owns already. Call it on every rank (the
         ranks check that they agree: a collective)."""
         refuse_retired(self._steps, "add_param_group()")
+        self._stepper.raise_if_destroyed("add_param_group()")
         (group,) = materialise_params([param_group])
         self._held_now()
         facts = self._facts.now()

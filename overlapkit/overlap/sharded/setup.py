@@ -245,7 +245,7 @@ def shard_on_ddp(setup: ResolvedSetup) -> ShardedOverlapOptimizer:
         raise AssertionError("the optimizer holds its parameters in another order")
     ownership = Ownership(held, owners, rank, world_size)
     engine.step_only(ownership.mine())
-    stepper.born_with_state = bool(engine.optimizer.state)  # before the others' is dropped
+    stepper.plain_holds_state = bool(engine.optimizer.state)  # before the others' is dropped
     drop_state_outside_share(engine.optimizer, ownership)
     stepper.attach(ParameterExchange(
         ownership, {id(p) for p in held if id(p) in setup.model.reduced},

@@ -27,7 +27,7 @@ from overlapkit.overlap.ddp.bucket_stepper import BucketStepper
 from overlapkit.overlap.ddp.bucket_steps import PendingBucket
 from overlapkit.overlap.sharded.exchange import ParameterExchange
 
-__all__ = ["ShardedBucketStepper", "join_refusal"]
+__all__ = ["ShardedBucketStepper", "destroyed_group_refusal", "join_refusal"]
 
 
 def join_refusal() -> ConfigurationError:
@@ -39,6 +39,21 @@ def join_refusal() -> ConfigurationError:
         "number of batches (drop the last uneven ones, e.g. DistributedSampler("
         "drop_last=True)), or use overlap_ddp without shard_optimizer_state."
     )
+
+
+def destroyed_group_refusal(what: str) -> ConfigurationError:
+    """``what`` after the process groups the sharded optimizer was built on were
+    destroyed (``dist.destroy_process_group()``, then maybe ``init_process_group``
+    again): the exchange's broadcast raised torch's bare ``ValueError`` ("not initialized
+    in the world group map") from inside the comm hook, after this rank had stepped its
+    share of the bucket (measured: 2 gloo ranks; DDP's own allreduce still ran)."""
+    return ConfigurationError(
+        f"{what}: the process groups this sharded optimizer exchanges on were destroyed "
+        "(dist.destroy_process_group()) since it was built. A DDP model and its "
+        "optimizer are bound to their process group: after init_process_group, wrap the "
+        "module in a new DDP model and call overlap_ddp again (loading the state saved "
+        "before: overlapkit.checkpoint, or the optimizer's state dicts). Nothing was "
+        "stepped.")
 
 
 class ShardedBucketStepper(BucketStepper):
@@ -58,9 +73,11 @@ class ShardedBucketStepper(BucketStepper):
     #: counts the steps taken (stepping backwards, full steps, loads): a consolidated
     #: state dict is of one generation
     generation: int = 0
-    #: the real optimizer held state as soon as it was built (Adagrad's ``sum``): the
-    #: plain one never takes torch's initialising step then, nor does this one
-    born_with_state: bool = False
+    #: whether the plain optimizer would hold state now (it was built with some, as
+    #: Adagrad's ``sum``; it stepped; it loaded a dict with state): it takes no
+    #: initialising step of torch's then, nor does this one (a rank's share alone
+    #: cannot tell). Loading a dict without state empties it, as the plain one's
+    plain_holds_state: bool = False
     #: the whole state gathered by ``consolidate_state_dict`` (the optimizer's record),
     #: released as soon as it is stale: it is the size of the whole optimizer state
     consolidated: Any = None
@@ -69,11 +86,13 @@ class ShardedBucketStepper(BucketStepper):
     #: stepper in C++, where a cycle back to the model is never collected)
     held_check: Callable[[], Callable[[], OverlapkitError | None] | None] | None = None
 
-    def advance(self) -> None:
-        """A step was taken (or state loaded): a new generation, and the gathered state
-        dict, stale now, is released."""
+    def advance(self, *, holds_state: bool = True) -> None:
+        """A step was taken (or state loaded: ``holds_state``, whether the whole dict
+        held any): a new generation, and the gathered state dict, stale now, is
+        released."""
         self.generation += 1
         self.consolidated = None
+        self.plain_holds_state = holds_state
 
     def attach(self, exchange: ParameterExchange) -> None:
         """Give the stepper its exchange (at set-up)."""
@@ -86,7 +105,23 @@ class ShardedBucketStepper(BucketStepper):
         self.exchange.poll()  # updates that have arrived land between autograd nodes
         return super().run(bucket)
 
+    def refuse_destroyed_group(self, what: str) -> OverlapkitError | None:
+        """The refusal of ``what`` once the exchange's process group was destroyed
+        (:func:`destroyed_group_refusal`), else None."""
+        group = self.exchange.group
+        if group is None or group in dist.distributed_c10d._world.pg_map:
+            return None
+        self.exchange.active = False  # nothing to send on: a refused backward sends nothing
+        return destroyed_group_refusal(what)
+
+    def raise_if_destroyed(self, what: str) -> None:
+        """:raises ConfigurationError: :meth:`refuse_destroyed_group`'s refusal."""
+        if (gone := self.refuse_destroyed_group(what)) is not None:
+            raise gone
+
     def backward_starts(self) -> OverlapkitError | None:
+        if (gone := self.refuse_destroyed_group("a backward")) is not None:
+            return gone
         check = self.held_check() if self.held_check is not None else None
         changed = check() if check is not None else None
         if changed is not None:

@@ -174,7 +174,9 @@ def offloaded_refusal(to: int | None) -> ConfigurationError:
         how = (f"call optimizer.consolidate_state_dict(to={to}) on every rank first, after "
                "the last step to save (torch keeps the whole state on global rank 0, "
                f"rank {to} of the DDP model's process group, and {{}} on the others, as "
-               "for a plain optimizer)")
+               "for a plain optimizer; an optimizer without state is first stepped once "
+               "by torch, with lr 0, which makes an earlier gathering stale: gather "
+               "again then)")
     return ConfigurationError(
         "torch's get_optimizer_state_dict(..., options=StateDictOptions("
         "full_state_dict=True, cpu_offload=True)) of a sharded optimizer: each rank holds "

@@ -1,0 +1,177 @@
+"""Noticing the loop's reads of the parameters in the first window (an EMA's
+``update_parameters``, a copy of the model, a logged weight norm).
+
+A plain loop that reads the parameters between ``backward()`` and ``step()`` reads the
+last step's values; from its second step on, a technique that steps during backward
+would have it read this step's, silently. While
+:meth:`~overlapkit.overlap.facade.OverlappedOptimizerFacade.learn_first_step` defers the
+first step, the parameters the optimizer steps are watched from the end of each backward
+until ``step()`` (or the next backward: a read between two backwards of one step, the
+next micro-batch's forward, sees the same values either way): a torch operation that
+reads the values of one notes it in the window
+(:class:`~overlapkit.overlap.core.window.FirstWindow`), which then keeps every step in
+the plain order.
+
+A watched parameter is the same object: its class is switched to a watched subclass of
+``torch.nn.Parameter`` (one per watcher, which holds the window) for that time, and back
+(no instance attribute is added, so a copy or a pickle of it taken meanwhile is a plain
+parameter). Only plain
+``torch.nn.Parameter`` objects are watched (not FSDP2's ``DTensor`` parameters). What
+reads no values (``.grad``, ``.shape``, ``requires_grad``, ``_version``, registering a
+hook) is not a read; overlapkit's own work runs under
+:func:`~overlapkit.overlap.core.watched_reads.quiet_reads`.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+import weakref
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+import torch
+
+from overlapkit.overlap.core.watched_reads import (
+    METADATA_METHODS,
+    VALUE_PROPERTIES,
+    loop_stacklevel,
+    quiet,
+    run_noting,
+)
+
+__all__ = ["ParameterReadInWindowWarning", "ParameterReads", "unwatch_params",
+           "watch_params", "watched_class"]
+
+
+class _Window(Protocol):
+    """What a watched parameter reports to (the first window)."""
+
+    def note_param_read(self, param: torch.Tensor) -> None: ...
+
+
+#: methods of a parameter that read no values: bookkeeping a loop or a framework does
+#: between backward and ``step()``
+_BOOKKEEPING = METADATA_METHODS | {"register_hook", "register_post_accumulate_grad_hook",
+                                   "requires_grad_", "retain_grad", "__setstate__"}
+
+
+def _reads_values(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    if name in ("__set__", "__delete__"):  # param.grad = ..., set by hand: not a read
+        return False
+    if name == "__get__":  # a property: Tensor.grad.__get__, Tensor.data.__get__, ...
+        return getattr(getattr(func, "__self__", None), "__name__", "") in VALUE_PROPERTIES
+    return name not in _BOOKKEEPING
+
+
+def _note_read(arg: Any) -> None:
+    window = type(arg)._window if isinstance(arg, _WatchedParameter) else None
+    if window is not None:
+        window.note_param_read(arg)
+
+
+class _WatchedParameter(torch.nn.Parameter):
+    """A parameter of a window (the same object, its class switched to a subclass of
+    this one per watcher, :func:`watched_class`, whose ``_window`` the reads go to)."""
+
+    _window: _Window | None = None
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        return run_noting(func, args, kwargs, _reads_values, _note_read)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """A plain parameter (``copy.deepcopy(model)`` in the window: an EMA's copy), the
+        read noted."""
+        watched = type(self)
+        if watched._window is not None and not quiet():
+            watched._window.note_param_read(self)  # which may stop watching it
+        if type(self) is not watched:
+            return copy.deepcopy(self, memo)
+        self.__class__ = torch.nn.Parameter  # type: ignore[assignment]
+        try:
+            return copy.deepcopy(self, memo)
+        finally:
+            self.__class__ = watched
+
+
+def watched_class() -> type[_WatchedParameter]:
+    """A class of watched parameters, for one watcher (an optimizer's, a window's): what
+    :func:`watch_params` switches parameters to (made once per watcher: about 9 µs)."""
+    return type("_WatchedParameter", (_WatchedParameter,), {})
+
+
+def watch_params(params: Iterable[torch.Tensor], watched: type[_WatchedParameter],
+                 window: _Window) -> None:
+    """Note reads of the values of ``params`` (those that are plain parameters) in
+    ``window`` until :func:`unwatch_params`: their class switched to ``watched``."""
+    watched._window = window
+    for param in params:
+        if type(param) is torch.nn.Parameter:
+            param.__class__ = watched
+
+
+def unwatch_params(params: Iterable[torch.Tensor], watched: type[_WatchedParameter]) -> None:
+    """Give ``params`` watched as ``watched`` back their plain class (before the step, or
+    as the next backward starts); reads of a parameter left so go nowhere."""
+    watched._window = None
+    for param in params:
+        if type(param) is watched:
+            param.__class__ = torch.nn.Parameter  # type: ignore[assignment]
+
+
+class ParameterReadInWindowWarning(UserWarning):
+    """The loop read the parameters between a stepping backward and ``step()``: they
+    hold this step's update already, the plain loop's the last step's."""
+
+
+#: the optimizers (or step accounts) whose loop was warned, once each
+_WARNED: weakref.WeakSet[Any] = weakref.WeakSet()
+#: ``owner`` -> its class of watched parameters (:class:`ParameterReads`)
+_CLASSES: weakref.WeakKeyDictionary[Any, type[_WatchedParameter]] = (
+    weakref.WeakKeyDictionary())
+
+
+def parameter_read_warning(technique: str) -> str:
+    return (
+        f"{technique} took this step during backward, so the parameters read between "
+        "backward() and optimizer.step() hold this step's update already (the plain "
+        "loop's hold the last step's: an EMA updated there, a copy or a logged norm are "
+        "one step ahead of the plain loop's). Read them after optimizer.step() or before "
+        "backward(), or call optimizer.learn_first_step(model) once before the loop (a "
+        "loop reading them at its first step then takes every step at optimizer.step(), "
+        "bitwise the plain loop). A change there is refused at optimizer.step(). Shown "
+        "once.")
+
+
+class ParameterReads:
+    """The parameters a backward stepped, from its end to ``step()`` (or the next
+    backward, a ``zero_grad()``), in a loop known to call ``step()``: the loop's first
+    read of their values there is warned of (:class:`ParameterReadInWindowWarning`),
+    once per ``owner`` (the optimizer), and nothing is watched for it after that.
+    Watching costs two class switches per parameter and step (about 0.15 µs for both on
+    the 2-core test machine), and nothing to an operation that does not touch a
+    parameter."""
+
+    def __init__(self, params: list[torch.Tensor], technique: str, owner: Any) -> None:
+        self.technique, self.owner, self.params = technique, owner, params
+        self.watched: type[_WatchedParameter] | None = None
+        if owner not in _WARNED:
+            self.watched = _CLASSES.get(owner)
+            if self.watched is None:
+                self.watched = _CLASSES[owner] = watched_class()
+            watch_params(params, self.watched, self)
+
+    def note_param_read(self, param: torch.Tensor) -> None:
+        self.release()
+        if self.owner not in _WARNED:
+            _WARNED.add(self.owner)
+            warnings.warn(parameter_read_warning(self.technique),
+                          ParameterReadInWindowWarning, stacklevel=loop_stacklevel())
+
+    def release(self) -> None:
+        """Give the parameters back their plain class (``step()``, the next backward)."""
+        if self.watched is not None and self.watched._window is self:
+            unwatch_params(self.params, self.watched)
