@@ -71,8 +71,8 @@ def backward_without_step_error(technique: str, accumulate: str) -> Configuratio
         "backward, so every backward is one optimizer step, and this loop calls step() "
         "after its backwards, where a second backward would be a step the plain loop "
         "never takes. Nothing was stepped in this backward. To accumulate gradients over "
-        f"several backwards, run all but the last {accumulate}; otherwise call "
-        "optimizer.step() (a no-op) or zero_grad() after every backward."
+        f"several backwards, run all but the last {accumulate}; otherwise call step() (a "
+        f"no-op) or zero_grad() of the optimizer {technique} returned after each backward."
     )
 
 
