@@ -22,8 +22,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
+from helpers import compare, error_of, values
 from optimizer_overrides_ranks import SETTINGS, STEPS, run
+from torch import nn
 
+import overlapkit
 from overlapkit.distributed import run_distributed
 
 CASES = [(setting, technique) for setting, (_, techniques) in SETTINGS.items()
@@ -96,3 +100,24 @@ def test_a_step_override_with_sharded_state_is_refused_at_set_up(
         error = results["sharded"]["error"]
         assert error is not None and error["type"] == "UnsupportedOptimizerError", error
         assert "Noisy.step() overrides" in error["message"]
+
+
+def test_a_backward_only_loop_with_a_step_hook_from_its_first_backward_is_refused() -> None:
+    """A step hook registered before the first backward defers the steps to ``step()``:
+    a loop that never calls it stepped nothing, backward after backward (before: no
+    parameter changed in 3 backwards, silently). Its second backward is refused, nothing
+    stepped; registered after the first backward, the hook runs per part stepped."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = overlapkit.optimizer_in_backward(model, torch.optim.AdamW, lr=1e-2)
+    runs: list[int] = []
+    opt.register_step_post_hook(lambda *_: runs.append(1))
+    x = torch.randn(4, 8)
+    with pytest.warns(UserWarning, match="a step hook registered"):
+        model(x).pow(2).mean().backward()
+    before = values(model)
+    error = error_of(lambda: model(x).pow(2).mean().backward())
+    assert error is not None and error["overlapkit"], error
+    assert "before its first step()" in error["message"]
+    assert compare(before, values(model)) and runs == []
+    opt.release()

@@ -65,13 +65,17 @@ from overlapkit.overlap.core.first_step import plain_order_warning
 from overlapkit.overlap.core.groups_behind import groups_changed_refusal
 from overlapkit.overlap.core.window import FirstWindow
 
-__all__ = ["backward_refusal", "follow_step_hooks", "override_refusal", "override_warning",
+__all__ = ["backward_refusal", "follow_step_hooks", "hooks_without_step_refusal",
+           "override_refusal", "override_warning",
            "registered_step_hooks", "sharded_post_hook_refusal", "sharded_step_hook_refusal",
            "step_called", "step_override"]
 
 #: the step accounts whose loop has called ``step()``: an override is then honoured as a
 #: hook is (:func:`follow_step_hooks`)
 _STEP_SEEN: weakref.WeakSet[Any] = weakref.WeakSet()
+#: step account -> where the step hook is registered that deferred its first backward
+#: before the loop called ``step()`` (:func:`hooks_without_step_refusal`)
+_HOOK_DEFERRED: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 #: step account -> the refusal of its next ``step()``: its first backward, in a loop not
 #: known yet to call ``step()``, ran an override per part (:func:`override_refusal`)
 _OVERRIDE_REFUSALS: weakref.WeakKeyDictionary[Any, ConfigurationError] = (
@@ -93,10 +97,29 @@ def step_called(steps: Any, stepped: bool) -> None:
 
 def backward_refusal(steps: Any) -> ConfigurationError | None:
     """The refusal of a backward that would step, as it starts (nothing stepped in it):
-    :func:`sharded_post_hook_refusal`, or parameters added to the real optimizer behind
-    the overlapped one (:func:`~overlapkit.overlap.core.groups_behind.groups_changed_refusal`);
-    else None."""
-    return sharded_post_hook_refusal(steps) or groups_changed_refusal(steps)
+    :func:`sharded_post_hook_refusal`, :func:`hooks_without_step_refusal`, or parameters
+    added to the real optimizer behind the overlapped one
+    (:func:`~overlapkit.overlap.core.groups_behind.groups_changed_refusal`); else None."""
+    return (sharded_post_hook_refusal(steps) or hooks_without_step_refusal(steps)
+            or groups_changed_refusal(steps))
+
+
+def hooks_without_step_refusal(steps: Any) -> ConfigurationError | None:
+    """The refusal of a backward that follows one deferred to ``step()`` for a step hook
+    registered before the loop's first backward (:func:`follow_step_hooks`), where the
+    loop has not called ``step()`` since: a backward-only loop (no ``step()`` at all)
+    would never step, its gradients summed backward after backward (measured before this
+    check: no parameter changed in 3 backwards, silently). Else None."""
+    if steps not in _HOOK_DEFERRED or steps in _STEP_SEEN or not steps.plain_for_step_hooks:
+        return None
+    return ConfigurationError(
+        f"a step hook is registered {_HOOK_DEFERRED[steps]}, so {steps.technique} takes "
+        "every step at optimizer.step(), where the hook runs, and this loop ran another "
+        "backward before its first step(): a loop that never calls step() would never "
+        "step. Nothing was stepped in this backward. Call optimizer.step() after each "
+        "backward (accumulate inside no_step() / the DDP model's no_sync()); in a loop "
+        "without step(), register the hook after the first backward (it then runs around "
+        "each part stepped), or do its work in the loop.")
 
 
 def step_override(optimizer: torch.optim.Optimizer | type | None) -> str | None:
@@ -214,6 +237,8 @@ def follow_step_hooks(steps: Any) -> None:
     steps.first_window = FirstWindow(optimizer=steps.settings_of, plain_order=True,
                                      learned=True)
     steps.deferring = steps.plain_for_step_hooks = True
+    if steps not in _STEP_SEEN and where is not override:
+        _HOOK_DEFERRED[steps] = where  # a second backward before step() is refused
     if not steps.warned_step_hooks:
         steps.warned_step_hooks = True
         if where is override:
