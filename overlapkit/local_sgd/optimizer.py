@@ -11,6 +11,7 @@ exactly where it stopped.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -35,6 +36,7 @@ from overlapkit.local_sgd.comm_hook import (
 )
 from overlapkit.nodes.lost_ranks import lost_ranks_named
 from overlapkit.optimizer_wrapper import OptimizerWrapper
+from overlapkit.overlap.core.watched_reads import quiet_reads
 from overlapkit.plugin.manager import get_plugin_manager
 
 __all__ = ["PostLocalSGDOptimizer", "create_averager", "post_local_sgd"]
@@ -96,6 +98,16 @@ class PostLocalSGDOptimizer(OptimizerWrapper):
         super().__init__(optim)
         self.averager = averager
         self.comm_hook_state = comm_hook_state
+        learn_first_step = getattr(optim, "learn_first_step", None)
+        #: the local optimizer's first step is deferred to step() for before_step
+        self._first_step_deferred = False
+        if getattr(averager, "before_step", None) is not None and learn_first_step:
+            # An overlapped local optimizer steps during backward, before step() calls
+            # the averager's before_step (DiLoCo's round start before the first step:
+            # 0.4.0 took it after that step, 0.030 off the paper after 12 steps): its first step
+            # is taken at step() instead, in the plain order (and the loop learnt).
+            learn_first_step()
+            self._first_step_deferred = True
 
     @property
     def optim(self) -> torch.optim.Optimizer:
@@ -124,7 +136,12 @@ class PostLocalSGDOptimizer(OptimizerWrapper):
         all parameters on its averaging steps). Returns the closure's loss, if any."""
         before_step = getattr(self.averager, "before_step", None)
         if before_step is not None:
-            before_step(self.param_groups)
+            # before the deferred first step its read is the plain one (not the loop's
+            # use of the window); a read at a later step is warned of
+            # (ParameterReadInWindowWarning): the step was taken during backward
+            deferred, self._first_step_deferred = self._first_step_deferred, False
+            with quiet_reads() if deferred else contextlib.nullcontext():
+                before_step(self.param_groups)
         loss = self.optim.step(closure) if closure is not None else self.optim.step()
         with lost_ranks_named("averaging parameters (post-local SGD)"):
             self.averager.average_parameters(self.param_groups)

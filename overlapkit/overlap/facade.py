@@ -22,11 +22,10 @@ from overlapkit.errors import ConfigurationError, NotPicklableError, OverlapkitE
 from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.overlap.backward_steps import BackwardSteps
 from overlapkit.overlap.core.engine import OverlapEngine
-from overlapkit.overlap.core.first_step import end_first_window, zeros_warning
+from overlapkit.overlap.core.first_step import end_first_window, zeros_refusal, zeros_warning
 from overlapkit.overlap.core.kept_graph import second_backward_refusal
 from overlapkit.overlap.core.late_changes import accept_unchanged_rewrites as accept_rewrites
 from overlapkit.overlap.core.late_changes import refuse_changed_gradients
-from overlapkit.overlap.core.step_accounting import zeros_refusal
 from overlapkit.overlap.core.step_hooks import step_called
 from overlapkit.overlap.core.window import FirstWindow
 from overlapkit.overlap.rebuild import refuse_retired, release_steps
@@ -328,7 +327,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
 
         :raises ConfigurationError: ``set_to_none=False`` after a backward that freed
             the gradients it stepped (``optimizer_in_backward``), before anything is
-            zeroed (:func:`~overlapkit.overlap.core.step_accounting.zeros_refusal`).
+            zeroed (:func:`~overlapkit.overlap.core.first_step.zeros_refusal`).
             Before one, in a loop that learnt its first step (``learn_first_step``), every
             later step is taken in the plain order instead, keeping the zeroed gradients,
             with one warning (``zeros_warning``)."""

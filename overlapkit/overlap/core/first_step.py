@@ -8,7 +8,8 @@ noted (the loop used the window: every step stays at ``step()``, bitwise the pla
 warned once by :func:`plain_order_warning`). What a loop does between that ``step()``
 and its next backward can also tell: no ``zero_grad()`` there under
 ``optimizer_in_backward`` (:func:`follow_kept_gradients`). ``zero_grad(set_to_none=False)``
-before any gradient was freed is warned of by :func:`zeros_warning`.
+before any gradient was freed is warned of by :func:`zeros_warning`, after one was
+refused by :func:`zeros_refusal`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.core.window import FirstWindow, shown_names
 
 __all__ = ["end_first_window", "follow_kept_gradients", "plain_order_warning",
-           "zeros_warning"]
+           "zeros_refusal", "zeros_warning"]
 
 
 def plain_order_warning(technique: str, used: str) -> str:
@@ -46,7 +47,7 @@ def zeros_warning(technique: str) -> str:
     (``learn_first_step``), before any backward has freed a gradient: honoured by taking
     every later step at ``step()`` in the plain order, the gradients kept (and zeroed) as
     the plain loop keeps them, where
-    :func:`~overlapkit.overlap.core.step_accounting.zeros_refusal` would stop the run at
+    :func:`zeros_refusal` would stop the run at
     the next ``zero_grad`` (Accelerate: after two steps, the sixth probe)."""
     return (f"{technique} takes every step of this loop from now on at optimizer.step(), in "
             "the plain order, without overlap: zero_grad(set_to_none=False) keeps a zero "
@@ -158,3 +159,20 @@ def follow_kept_gradients(steps: Any) -> None:
         "backward, which adds its gradients to the last step's (kept by the plain loop, "
         f"freed by {steps.technique} once stepped)") + " Or call optimizer.zero_grad() "
         "after optimizer.step().", UserWarning, stacklevel=4)
+
+
+def zeros_refusal(technique: str) -> ConfigurationError:
+    """``zero_grad(set_to_none=False)`` after a backward that stepped and freed the
+    gradients: the plain loop holds a zero gradient for each parameter from then on,
+    which its ``step()`` steps even where a backward does not reach the parameter (Adam
+    moves it on its moments, weight decay shrinks it). Here they are None (freed): a
+    parameter no backward reaches is not stepped. Zeros given back would keep the memory
+    the technique saves, and still need that step; so refused, before anything changes
+    (every step so far was the plain one: it had no gradient to zero before)."""
+    return ConfigurationError(
+        f"zero_grad(set_to_none=False) after a backward that {technique} stepped: it "
+        "frees each gradient once stepped, where the plain loop keeps a zero gradient "
+        "for every parameter from here on (the plain step() steps it even when a "
+        "backward does not reach the parameter, and the loop may read it). Nothing was "
+        "zeroed. Call zero_grad() (set_to_none=True, torch's default): every gradient is "
+        "None then, as here, and the run is the plain loop's.")

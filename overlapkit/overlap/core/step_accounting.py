@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from overlapkit.overlap.core.engine import OverlapEngine
 
 __all__ = ["StepAccount", "accumulation_error", "backward_without_step_error",
-           "discarded_step_error", "step_again_error", "zeros_refusal"]
+           "discarded_step_error", "step_again_error"]
 
 
 def backward_without_step_error(technique: str, accumulate: str) -> ConfigurationError:
@@ -137,23 +137,6 @@ def step_again_error(technique: str) -> ConfigurationError:
         "it; to accumulate gradients over several backwards, run all but the last "
         "inside the technique's no_step() / the model's no_sync()."
     )
-
-
-def zeros_refusal(technique: str) -> ConfigurationError:
-    """``zero_grad(set_to_none=False)`` after a backward that stepped and freed the
-    gradients: the plain loop holds a zero gradient for each parameter from then on,
-    which its ``step()`` steps even where a backward does not reach the parameter (Adam
-    moves it on its moments, weight decay shrinks it). Here they are None (freed): a
-    parameter no backward reaches is not stepped. Zeros given back would keep the memory
-    the technique saves, and still need that step; so refused, before anything changes
-    (every step so far was the plain one: it had no gradient to zero before)."""
-    return ConfigurationError(
-        f"zero_grad(set_to_none=False) after a backward that {technique} stepped: it "
-        "frees each gradient once stepped, where the plain loop keeps a zero gradient "
-        "for every parameter from here on (the plain step() steps it even when a "
-        "backward does not reach the parameter, and the loop may read it). Nothing was "
-        "zeroed. Call zero_grad() (set_to_none=True, torch's default): every gradient is "
-        "None then, as here, and the run is the plain loop's.")
 
 
 class StepAccount:

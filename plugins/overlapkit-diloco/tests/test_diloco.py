@@ -34,6 +34,15 @@ def test_without_warmup_it_is_the_papers_algorithm_1_bitwise(
             result["no_warmup"], result["paper_no_warmup"])
 
 
+def test_an_overlapped_inner_optimizer_starts_the_first_round_before_its_first_step(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for result in ranks:
+        assert torch.equal(result["overlapped"], result["paper_no_warmup"]), _difference(
+            result["overlapped"], result["paper_no_warmup"])
+        assert result["overlapped warnings"] == []
+
+
 def test_first_round_without_warmup_or_start_is_refused(ranks: list[dict[str, Any]]) -> None:
     assert "before_step" in ranks[0]["unstarted_error"]
 
