@@ -73,6 +73,7 @@ from overlapkit.integrations.accelerate import (  # noqa: E402
 from overlapkit.integrations.existing_optimizer import check_technique  # noqa: E402
 from overlapkit.optimizer_wrapper import OptimizerWrapper  # noqa: E402
 from overlapkit.overlap.core.foreign_loop import trainer_window_users  # noqa: E402
+from overlapkit.overlap.core.step_hooks import step_override  # noqa: E402
 from overlapkit.overlap.facade import OverlappedOptimizerFacade  # noqa: E402
 
 __all__ = ["OverlapTrainer"]
@@ -244,14 +245,21 @@ class OverlapTrainer(Trainer):
         running two backwards or editing ``.grad``, a ``create_optimizer`` keeping its
         optimizer, a ``_clip_grad_norm`` of one's own), a callback
         overriding ``on_pre_optimizer_step`` / ``on_optimizer_step`` (reading or changing
-        ``.grad`` there), ``step_in_plain_order=True``. A callback class declaring
-        ``overlapkit_reads_no_gradients = True`` is left out: it reads no gradient there
+        ``.grad`` there), ``step_in_plain_order=True``, an optimizer class overriding
+        ``step()`` (:func:`~overlapkit.overlap.core.step_hooks.step_override`). A callback
+        class declaring ``overlapkit_reads_no_gradients = True`` is left out: it reads no
+        gradient there
         (nor the optimizer state or parameters the step changes, which it would see
         after the step);
         so are the overrides of a subclass declaring it (one backward, no ``.grad``
         edit, no optimizer kept).
         """
         found = ["step_in_plain_order=True"] if self.overlap_in_plain_order else []
+        inner = getattr(self.optimizer, "optimizer", None)  # Accelerate's, then the real one
+        override = step_override(getattr(inner, "optimizer", inner)
+                                 if isinstance(inner, OverlappedOptimizerFacade) else inner)
+        if override is not None:  # it would run once per part stepped during backward
+            found.append(f"{override} (the optimizer's class)")
         return (found + trainer_window_users(self, skip=(OverlapTrainer,))
                 + self._clip_users() + self._overlap_loop_users)
 

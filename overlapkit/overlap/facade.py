@@ -26,6 +26,7 @@ from overlapkit.overlap.core.first_step import end_first_window, zeros_refusal, 
 from overlapkit.overlap.core.kept_graph import second_backward_refusal
 from overlapkit.overlap.core.late_changes import accept_unchanged_rewrites as accept_rewrites
 from overlapkit.overlap.core.late_changes import refuse_changed_gradients
+from overlapkit.overlap.core.step_hooks import step_called
 from overlapkit.overlap.core.window import FirstWindow
 from overlapkit.overlap.rebuild import refuse_retired, release_steps
 from overlapkit.overlap.rules.amp_scaler import (
@@ -293,6 +294,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
             steps, names, self._engine.parameters(), self._technique))
         try:
             stepped = steps.step_called()
+            step_called(steps, stepped)  # an override of step() run per part: refused
         except ConfigurationError:
             for name in ("found_inf", "grad_scale"):  # as GradScaler.step would
                 self.__dict__.pop(name, None)

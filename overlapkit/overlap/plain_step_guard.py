@@ -19,6 +19,15 @@ found to step no claimed parameter since the last claim (measured: 167.7 against
 (the facades, and each engine's real optimizer) always pass, and the engines' steps
 still skip torch's step wrapper (``direct_step.PASSING_PRE_HOOKS``). Parameters left
 to a plain optimizer with ``params=`` are not claimed and are never refused.
+
+The optimizer a technique adopted (``overlap_ddp(model, optimizer)``, a Lightning
+``configure_optimizers``' one) steps through its engine, which holds its lock then; its
+own ``step()`` called by the loop through a reference kept to it (instead of the
+overlapped optimizer's) is refused the same way (:func:`adopted_step_refusal`): after a
+backward that stepped, it would step the parameters again from the gradients
+``overlap_ddp`` keeps (measured before this check: AdamW 0.081 off the plain loop after 4
+steps, silently), and it would pass by the clipping, the loss scaler and the loop's
+step accounting of the overlapped optimizer's ``step()``.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.overlap.core.direct_step import PASSING_PRE_HOOKS
 from overlapkit.overlap.rules.late_clipping import current_stepper
 
-__all__ = ["claims_changed", "install", "refuse_plain_step"]
+__all__ = ["adopted_step_refusal", "claims_changed", "install", "refuse_plain_step"]
 
 _installed: list[Any] = []
 #: bumped at every claim: a plain optimizer checked before it is checked again
@@ -67,6 +76,9 @@ def refuse_plain_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
     if isinstance(optimizer, OptimizerWrapper):
         return
     groups = optimizer.param_groups
+    refusal = adopted_step_refusal(optimizer, groups)
+    if refusal is not None:
+        raise refusal
     key = (_generation[0], sum(len(group["params"]) for group in groups))
     if _passed.get(optimizer) == key:
         return
@@ -86,3 +98,28 @@ def refuse_plain_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
                 "params=."
             )
     _passed[optimizer] = key
+
+
+def adopted_step_refusal(optimizer: torch.optim.Optimizer,
+                         groups: list[dict[str, Any]]) -> ConfigurationError | None:
+    """The refusal of ``optimizer.step()`` where ``optimizer`` is the real optimizer of a
+    live overlapped one and its engine is not the caller (the engine holds its lock
+    while it steps, on the thread that steps), else None. Its first parameter tells:
+    every parameter of a real optimizer is watched with its stepper."""
+    param = next((p for group in groups for p in group["params"]), None)
+    stepper = None if param is None else current_stepper(param)
+    if (stepper is None or getattr(stepper, "retired_by", None) is not None
+            or stepper.engine.optimizer is not optimizer
+            or stepper.engine.lock._is_owned()):
+        return None
+    technique = stepper.technique
+    kept = " (from the gradients it keeps)" if technique == "overlap_ddp" else ""
+    return ConfigurationError(
+        f"step() was called on the {type(optimizer).__qualname__} that {technique} adopted, "
+        f"not on the optimizer {technique} returned: {technique} steps it during backward "
+        f"itself, so this step() would step the parameters a second time{kept}, past its "
+        "clipping, loss scaler and step accounting. "
+        "Nothing was stepped. Call step() and zero_grad() on the optimizer "
+        f"{technique} returned (a no-op after a backward that stepped), or release() it "
+        "first to step this one as a plain optimizer."
+    )

@@ -22,7 +22,8 @@ step (:mod:`~overlapkit.overlap.core.window`, the end of a learnt first step:
 (:mod:`~overlapkit.overlap.core.foreign_loop`), the hooks put on the user's model,
 copied with it as no-ops (:mod:`~overlapkit.overlap.core.own_hooks`), the step hooks
 kept behind the loop's own gradient hooks (:mod:`~overlapkit.overlap.core.hook_order`),
-and the plain order while the optimizer has step hooks
-(:mod:`~overlapkit.overlap.core.step_hooks`).
+the plain order while the optimizer has step hooks
+(:mod:`~overlapkit.overlap.core.step_hooks`), and parameters added to the real optimizer
+behind the overlapped one (:mod:`~overlapkit.overlap.core.groups_behind`).
 It imports nothing else of :mod:`overlapkit.overlap`.
 """

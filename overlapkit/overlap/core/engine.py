@@ -184,6 +184,13 @@ class OverlapEngine:
             self.reindex()
 
     @property
+    def indexed(self) -> int:
+        """How many parameters the real optimizer held at the last :meth:`reindex` (one
+        added behind the engine's back shows as a difference,
+        :mod:`~overlapkit.overlap.core.groups_behind`)."""
+        return len(self._held)
+
+    @property
     def layout_version(self) -> int:
         """Changes whenever which parameters the engine owns, or their groups, may have
         changed (:meth:`reindex`): a :class:`StepPlan` of another version is stale."""

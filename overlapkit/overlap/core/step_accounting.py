@@ -47,7 +47,7 @@ import torch
 from overlapkit.errors import ConfigurationError, OverlapkitError
 from overlapkit.overlap.core.first_step import follow_kept_gradients
 from overlapkit.overlap.core.foreign_loop import foreign_trainer_refusal
-from overlapkit.overlap.core.step_hooks import follow_step_hooks, sharded_post_hook_refusal
+from overlapkit.overlap.core.step_hooks import backward_refusal, follow_step_hooks
 from overlapkit.overlap.core.window import FirstWindow
 
 if TYPE_CHECKING:
@@ -71,8 +71,8 @@ def backward_without_step_error(technique: str, accumulate: str) -> Configuratio
         "backward, so every backward is one optimizer step, and this loop calls step() "
         "after its backwards, where a second backward would be a step the plain loop "
         "never takes. Nothing was stepped in this backward. To accumulate gradients over "
-        f"several backwards, run all but the last {accumulate}; otherwise call "
-        "optimizer.step() (a no-op) or zero_grad() after every backward."
+        f"several backwards, run all but the last {accumulate}; otherwise call step() (a "
+        f"no-op) or zero_grad() of the optimizer {technique} returned after each backward."
     )
 
 
@@ -265,10 +265,10 @@ class StepAccount:
         :meth:`deferred_backward_starts` while steps are deferred — after deferring
         this backward's steps while a step hook is registered
         (:func:`~overlapkit.overlap.core.step_hooks.follow_step_hooks`), or refusing it
-        (a global post-hook with sharded state,
-        :func:`~overlapkit.overlap.core.step_hooks.sharded_post_hook_refusal`)."""
+        (a global post-hook with sharded state, parameters added behind the facade:
+        :func:`~overlapkit.overlap.core.step_hooks.backward_refusal`)."""
         self.release_state()
-        refusal = sharded_post_hook_refusal(self)
+        refusal = backward_refusal(self)
         if refusal is not None:
             return refusal
         follow_step_hooks(self)

@@ -36,11 +36,24 @@ as a backward that would step starts (nothing stepped in it): it runs on each ra
 share before the other ranks' updates arrive (an EMA of the parameters read the old
 values of every parameter another rank owns), and not at all on a rank that owns
 nothing (:func:`sharded_post_hook_refusal`).
+
+A subclass of an optimizer overriding its ``step()`` (a step counter, noise added after
+``super().step()``) is code around the step too, which the engine would run once per
+part stepped, on part of the parameters (measured: a counting override counted 9 in 3
+steps of a plain module; noise added after the update 0.013 off the plain loop): it
+counts as a step hook once the loop is known to call ``step()`` (any ``step()`` seen:
+a learnt first step, Lightning's probe, a plain order). In a loop not known yet (no
+``learn_first_step``), its first backward steps as usual and the ``step()`` after it is
+refused (:func:`override_refusal`), naming ``learn_first_step``; a backward-only loop
+(no ``step()`` at all) runs it per part, as an instance patch of ``optimizer.step``
+does, by design (:func:`step_override`).
 """
 
 from __future__ import annotations
 
+import inspect
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -49,10 +62,88 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.core.direct_step import PASSING_PRE_HOOKS
 from overlapkit.overlap.core.first_step import plain_order_warning
+from overlapkit.overlap.core.groups_behind import groups_changed_refusal
 from overlapkit.overlap.core.window import FirstWindow
 
-__all__ = ["follow_step_hooks", "registered_step_hooks", "sharded_post_hook_refusal",
-           "sharded_step_hook_refusal"]
+__all__ = ["backward_refusal", "follow_step_hooks", "hooks_without_step_refusal",
+           "override_refusal", "override_warning",
+           "registered_step_hooks", "sharded_post_hook_refusal", "sharded_step_hook_refusal",
+           "step_called", "step_override"]
+
+#: the step accounts whose loop has called ``step()``: an override is then honoured as a
+#: hook is (:func:`follow_step_hooks`)
+_STEP_SEEN: weakref.WeakSet[Any] = weakref.WeakSet()
+#: step account -> where the step hook is registered that deferred its first backward
+#: before the loop called ``step()`` (:func:`hooks_without_step_refusal`)
+_HOOK_DEFERRED: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+#: step account -> the refusal of its next ``step()``: its first backward, in a loop not
+#: known yet to call ``step()``, ran an override per part (:func:`override_refusal`)
+_OVERRIDE_REFUSALS: weakref.WeakKeyDictionary[Any, ConfigurationError] = (
+    weakref.WeakKeyDictionary())
+
+
+def step_called(steps: Any, stepped: bool) -> None:
+    """The overlapped optimizer's ``step()``, once its step accounting has counted it
+    (``stepped``: a backward stepped since the last one): the loop calls ``step()``.
+
+    :raises ConfigurationError: :func:`override_refusal`, where that backward ran the
+        optimizer's override of ``step()`` per part.
+    """
+    _STEP_SEEN.add(steps)
+    refusal = _OVERRIDE_REFUSALS.get(steps)
+    if stepped and refusal is not None:
+        raise refusal
+
+
+def backward_refusal(steps: Any) -> ConfigurationError | None:
+    """The refusal of a backward that would step, as it starts (nothing stepped in it):
+    :func:`sharded_post_hook_refusal`, :func:`hooks_without_step_refusal`, or parameters
+    added to the real optimizer behind the overlapped one
+    (:func:`~overlapkit.overlap.core.groups_behind.groups_changed_refusal`); else None."""
+    return (sharded_post_hook_refusal(steps) or hooks_without_step_refusal(steps)
+            or groups_changed_refusal(steps))
+
+
+def hooks_without_step_refusal(steps: Any) -> ConfigurationError | None:
+    """The refusal of a backward that follows one deferred to ``step()`` for a step hook
+    registered before the loop's first backward (:func:`follow_step_hooks`), where the
+    loop has not called ``step()`` since: a backward-only loop (no ``step()`` at all)
+    would never step, its gradients summed backward after backward (measured before this
+    check: no parameter changed in 3 backwards, silently). Else None."""
+    if steps not in _HOOK_DEFERRED or steps in _STEP_SEEN or not steps.plain_for_step_hooks:
+        return None
+    return ConfigurationError(
+        f"a step hook is registered {_HOOK_DEFERRED[steps]}, so {steps.technique} takes "
+        "every step at optimizer.step(), where the hook runs, and this loop ran another "
+        "backward before its first step(): a loop that never calls step() would never "
+        "step. Nothing was stepped in this backward. Call optimizer.step() after each "
+        "backward (accumulate inside no_step() / the DDP model's no_sync()); in a loop "
+        "without step(), register the hook after the first backward (it then runs around "
+        "each part stepped), or do its work in the loop.")
+
+
+def step_override(optimizer: torch.optim.Optimizer | type | None) -> str | None:
+    """``"Noisy.step() overrides Adam.step()"`` where the class of ``optimizer`` overrides
+    the ``step()`` of a concrete optimizer class it derives from, outside torch (a user's
+    subclass of ``AdamW``); None for torch's own classes and for an optimizer defining
+    the only ``step()`` of its line (a third-party optimizer, stepped part by part as
+    any). torch's hook wrapper (``hooked``, set on the class of each optimizer built)
+    is seen through; a ``step`` set on the instance is not an override.
+    ``optimizer`` may be the class itself."""
+    if optimizer is None:
+        return None
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    found: list[tuple[type, Any]] = []  # (class, its step unwrapped), distinct steps
+    for klass in cls.__mro__:
+        if klass in (torch.optim.Optimizer, object) or "step" not in vars(klass):
+            continue
+        function = inspect.unwrap(vars(klass)["step"])
+        if not any(function is seen for _, seen in found):
+            found.append((klass, function))
+    if len(found) < 2 or str(getattr(found[0][1], "__module__", "")).startswith("torch."):
+        return None
+    names = [getattr(function, "__qualname__", klass.__qualname__) for klass, function in found]
+    return f"{names[0]}() overrides {names[1]}()"
 
 
 def registered_step_hooks(optimizer: torch.optim.Optimizer | None, *,
@@ -126,6 +217,13 @@ def follow_step_hooks(steps: Any) -> None:
     registered, or step during backward again once none is (see the module docstring).
     """
     where = registered_step_hooks(steps.settings_of, own=steps.step_hooks_are_the_loops)
+    override = step_override(steps.settings_of) if steps.step_hooks_are_the_loops else None
+    if where is None and override is not None:
+        if steps in _STEP_SEEN:  # a loop that calls step(): honoured as a hook is
+            where = override
+        elif not (steps.deferring or steps.first_window is not None or steps.has_stepped):
+            # not known yet to call step(): its step() is refused
+            _OVERRIDE_REFUSALS[steps] = override_refusal(steps.technique, override)
     if steps.plain_for_step_hooks:
         if where is None:  # removed: overlapped again from this backward
             steps.plain_for_step_hooks = False
@@ -139,10 +237,42 @@ def follow_step_hooks(steps: Any) -> None:
     steps.first_window = FirstWindow(optimizer=steps.settings_of, plain_order=True,
                                      learned=True)
     steps.deferring = steps.plain_for_step_hooks = True
+    if steps not in _STEP_SEEN and where is not override:
+        _HOOK_DEFERRED[steps] = where  # a second backward before step() is refused
     if not steps.warned_step_hooks:
         steps.warned_step_hooks = True
+        if where is override:
+            warnings.warn(override_warning(steps.technique, override), UserWarning,
+                          stacklevel=2)
+            return
         warnings.warn(plain_order_warning(
             steps.technique, f"a step hook registered {where} runs around") +
             " Steps are taken during backward again once no step hook is registered; "
             "to keep the overlap, do the hook's work in the loop after optimizer.step().",
             UserWarning, stacklevel=2)
+
+
+def override_warning(technique: str, override: str) -> str:
+    """The one warning of a loop taking every step at ``step()`` because its optimizer's
+    class overrides ``step()`` (:func:`step_override`)."""
+    return (f"{technique} takes every step of this loop at optimizer.step(), in the plain "
+            f"order, without overlap: {override}, and stepping during backward would run "
+            "that override once per part stepped (a bucket, a parameter), on part of the "
+            "parameters. The run is the plain loop's, bitwise. To keep the overlap, do the "
+            "override's work in the loop after optimizer.step() and pass the class it "
+            "derives from.")
+
+
+def override_refusal(technique: str, override: str) -> ConfigurationError:
+    """The refusal of the first ``step()`` of a loop not known to call it (no
+    ``learn_first_step``) after a backward that ran the override per part
+    (:func:`step_override`): the step it was meant for is taken."""
+    return ConfigurationError(
+        f"{override}, and {technique} stepped this loop's first backward during backward, "
+        "running that override once per part stepped (a bucket, a parameter), on part of "
+        "the parameters, where the plain loop runs it once per step(): that step differs "
+        "from the plain one (restart from the last checkpoint). Call "
+        "opt.learn_first_step(model) once before the loop: every step is then taken at "
+        "step(), in the plain order, bitwise the plain loop (one warning); or do the "
+        "override's work in the loop after optimizer.step() and pass the class it "
+        "derives from, to keep the overlap.")

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.errors import ConfigurationError, UnsupportedOptimizerError
+from overlapkit.overlap.core.step_hooks import step_override
 from overlapkit.overlap.ddp.setup import set_up_on_ddp
 from overlapkit.overlap.resolved import ResolvedSetup
 from overlapkit.overlap.rules.clipping import GradClipping
@@ -96,6 +97,11 @@ def check_shardable(optim_cls: type[torch.optim.Optimizer], args: Sequence[Any],
     coupling. An optimizer that cannot be built or stepped on meta tensors is let
     through (its own errors come at the real set-up and step).
 
+    A class overriding the ``step()`` of the one it derives from is refused too: each
+    rank would run the override on its share only, per part stepped
+    (:func:`~overlapkit.overlap.core.step_hooks.step_override`), where overlap_ddp
+    without sharding takes the plain order for it.
+
     :raises UnsupportedOptimizerError: naming what couples the parameters.
     """
     try:
@@ -103,6 +109,7 @@ def check_shardable(optim_cls: type[torch.optim.Optimizer], args: Sequence[Any],
         before = [dict(group) for group in optimizer.param_groups]
         optimizer.step()
     except Exception:  # not decidable here: the real set-up and step will tell
+        _refuse_override(optim_cls)
         return
     twins = {id(p) for group in optimizer.param_groups for p in group["params"]}
     foreign = [key for key in optimizer.state if id(key) not in twins]
@@ -125,6 +132,22 @@ def check_shardable(optim_cls: type[torch.optim.Optimizer], args: Sequence[Any],
                 "rank stepping only its share would compute differently. Use overlap_ddp "
                 "without shard_optimizer_state for this optimizer."
             )
+    _refuse_override(optim_cls)
+
+
+def _refuse_override(optim_cls: type[torch.optim.Optimizer]) -> None:
+    """:raises UnsupportedOptimizerError: ``optim_cls`` overrides the ``step()`` of the
+    class it derives from (see :func:`check_shardable`)."""
+    override = step_override(optim_cls)
+    if override is not None:
+        raise UnsupportedOptimizerError(
+            f"{override}, and with shard_optimizer_state=True each rank steps only its "
+            "share of the parameters, part by part during backward: the override would run "
+            "on each part of each rank's share instead of once per step over every "
+            "parameter. Use overlap_ddp without shard_optimizer_state (after "
+            "opt.learn_first_step(model) it takes every step at step(), in the plain "
+            "order), or do the override's work in the loop after optimizer.step()."
+        )
 
 
 def _refuse_options(step_thread: str, clipping: GradClipping, *,

@@ -73,7 +73,8 @@ NAMED = {"callback zeroes rows": "ZeroOldRows.on_pre_optimizer_step",
          "optimizer over part of the model": "requiring grad outside the optimizer",
          "epoch shorter than the window": "a micro-batch run outside no_sync() that ends "
                                           "no optimizer step",
-         "callback added at a step's beginning": "ZeroOldRows.on_pre_optimizer_step"}
+         "callback added at a step's beginning": "ZeroOldRows.on_pre_optimizer_step",
+         "an optimizer class overriding step()": "Noisy.step() overrides Adam.step()"}
 
 
 @pytest.mark.parametrize("case", CASES)

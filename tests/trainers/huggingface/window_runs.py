@@ -5,7 +5,9 @@ with two backwards (FGM); and (0.4's probe) a ``training_step`` editing ``.grad`
 Trainer subclass listed after ``OverlapTrainer``, a ``_clip_grad_norm`` override of one's
 own, a callback changing ``.grad`` added for a second ``train()`` or while training;
 (the sixth probe) an epoch shorter than the accumulation window (a dataset without a
-length). Each is run by the
+length); (the seventh) an optimizer class overriding ``step()`` (before: bitwise here on
+CPU, where every part is stepped in one call in the model's order, but no warning; a
+hand-written loop or Lightning was off). Each is run by the
 plain ``Trainer`` and by ``OverlapTrainer`` with the same override, in the test process
 or on gloo ranks (``run``)."""
 
@@ -16,6 +18,7 @@ from typing import Any
 
 import torch
 from hf_models import Tokens, gpt2, parameters, quiet
+from optimizer_overrides_ranks import Noisy
 from trainer_runs import arguments, same_run
 
 CASES = ("callback zeroes rows", "callback logs norms", "create_optimizer", "two backwards",
@@ -23,7 +26,7 @@ CASES = ("callback zeroes rows", "callback logs norms", "create_optimizer", "two
          "callback added while training", "max_grad_norm lowered while training",
          "max_grad_norm 0 for a second train", "a layer unfrozen while training",
          "optimizer over part of the model", "epoch shorter than the window",
-         "callback added at a step's beginning")
+         "callback added at a step's beginning", "an optimizer class overriding step()")
 STEPS = 3
 
 
@@ -153,6 +156,8 @@ def train(case: str, technique: str | None, out_dir: str) -> dict[str, Any]:
     extra: dict[str, Any] = {} if technique is None else {"technique": technique}
     if case == "a layer unfrozen while training":
         model.transformer.wpe.weight.requires_grad_(False)
+    if case == "an optimizer class overriding step()":  # noise after the update
+        extra["optimizers"] = (Noisy(model.parameters(), lr=1e-2), None)
     if case == "optimizer over part of the model":  # the rest requires grad, unstepped
         extra["optimizers"] = (torch.optim.AdamW(model.transformer.h.parameters(), lr=1e-2),
                                None)

@@ -1,0 +1,123 @@
+"""Where users customise the optimizer overlapkit steps (plain module, 1 process; DDP, 2
+gloo ranks; rank code: optimizer_overrides_ranks.py).
+
+A subclass of ``AdamW`` overriding ``step()``: the engine ran the override once per part
+stepped during backward, on part of the parameters (before: a counting override
+counted 9 in 3 steps; noise added after the update 0.0095 off the plain loop after 4
+steps, with ``learn_first_step`` too, silently).
+Now, in a loop that learnt its first step, every step is taken at ``step()`` in the
+plain order, bitwise, the override called once per step, one warning; a loop that did
+not learn it is refused at its first ``step()``, naming ``learn_first_step``; a
+backward-only loop runs it per part, as documented.
+
+The adopted ``AdamW`` stepped directly (a reference kept to it): before, a second step
+of the kept gradients under ``overlap_ddp`` (AdamW 0.081 off after 4 steps, silently);
+now refused before it steps, and a plain optimizer again after ``release()``. Its own
+``add_param_group`` (unfreezing a layer): the parameters were never stepped during
+backward (0.038 off after 6 steps, silently); now the next backward is refused, nothing
+stepped in it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from helpers import compare, error_of, values
+from optimizer_overrides_ranks import SETTINGS, STEPS, run
+from torch import nn
+
+import overlapkit
+from overlapkit.distributed import run_distributed
+
+CASES = [(setting, technique) for setting, (_, techniques) in SETTINGS.items()
+         for technique in techniques]
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[Any, Any]]:
+    return run_distributed(run, 2, timeout=300)
+
+
+def _each(ranks: list[dict[Any, Any]], setting: str) -> list[dict[Any, Any]]:
+    return ranks if setting == "DDP" else ranks[:1]
+
+
+@pytest.mark.parametrize(("setting", "technique"), CASES)
+def test_a_step_override_runs_once_per_step_in_the_plain_order_once_learnt(
+        ranks: list[dict[Any, Any]], setting: str, technique: str) -> None:
+    for results in _each(ranks, setting):
+        found = results[setting, technique, "learnt"]
+        assert found["error"] is None and found["bitwise"], found
+        assert found["calls"] == (STEPS, STEPS), found
+        assert len(found["warnings"]) == 1, found["warnings"]
+        assert "Noisy.step() overrides Adam.step()" in found["warnings"][0]
+
+
+@pytest.mark.parametrize(("setting", "technique"), CASES)
+def test_a_step_override_in_a_loop_not_learnt_is_refused_at_its_first_step(
+        ranks: list[dict[Any, Any]], setting: str, technique: str) -> None:
+    for results in _each(ranks, setting):
+        error = results[setting, technique, "not learnt"]["error"]
+        assert error is not None and error["overlapkit"], error
+        assert "Noisy.step() overrides" in error["message"]
+        assert "learn_first_step" in error["message"]
+
+
+def test_a_backward_only_loop_runs_the_override_per_part(
+        ranks: list[dict[Any, Any]]) -> None:
+    found = ranks[0]["backward only"]
+    assert found["error"] is None and found["calls"] >= STEPS, found
+
+
+@pytest.mark.parametrize(("setting", "technique"), CASES)
+def test_the_adopted_optimizers_own_step_is_refused_before_it_steps(
+        ranks: list[dict[Any, Any]], setting: str, technique: str) -> None:
+    for results in _each(ranks, setting):
+        found = results[setting, technique, "adopted step()"]
+        error = found["error"]
+        assert error is not None and error["overlapkit"], error
+        assert f"not on the optimizer {technique} returned" in error["message"]
+        assert found["unchanged"], found["unchanged"]
+        assert found["after release"] is None, found["after release"]
+
+
+@pytest.mark.parametrize(("setting", "technique"), CASES)
+def test_parameters_added_to_the_adopted_optimizer_itself_are_refused_at_the_next_backward(
+        ranks: list[dict[Any, Any]], setting: str, technique: str) -> None:
+    for results in _each(ranks, setting):
+        found = results[setting, technique, "added behind"]
+        error = found["error"]
+        assert error is not None and error["overlapkit"], error
+        assert "its own add_param_group()" in error["message"]
+        assert found["unchanged"], found["unchanged"]
+
+
+def test_a_step_override_with_sharded_state_is_refused_at_set_up(
+        ranks: list[dict[Any, Any]]) -> None:
+    """Each rank ran it on its share, per part (before: 0.015 off after 4 steps, silently)."""
+    for results in ranks:
+        error = results["sharded"]["error"]
+        assert error is not None and error["type"] == "UnsupportedOptimizerError", error
+        assert "Noisy.step() overrides" in error["message"]
+
+
+def test_a_backward_only_loop_with_a_step_hook_from_its_first_backward_is_refused() -> None:
+    """A step hook registered before the first backward defers the steps to ``step()``:
+    a loop that never calls it stepped nothing, backward after backward (before: no
+    parameter changed in 3 backwards, silently). Its second backward is refused, nothing
+    stepped; registered after the first backward, the hook runs per part stepped."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = overlapkit.optimizer_in_backward(model, torch.optim.AdamW, lr=1e-2)
+    runs: list[int] = []
+    opt.register_step_post_hook(lambda *_: runs.append(1))
+    x = torch.randn(4, 8)
+    with pytest.warns(UserWarning, match="a step hook registered"):
+        model(x).pow(2).mean().backward()
+    before = values(model)
+    error = error_of(lambda: model(x).pow(2).mean().backward())
+    assert error is not None and error["overlapkit"], error
+    assert "before its first step()" in error["message"]
+    assert compare(before, values(model)) and runs == []
+    opt.release()
