@@ -150,11 +150,15 @@ def yields(monkeypatch: pytest.MonkeyPatch) -> list[float]:
 def test_a_wait_spins_only_where_asked_and_counts_only_the_other_threads(
         spin: bool, yields: list[float]) -> None:
     blocked = [0.0, 0.0]
-    block_on(_completed_after(0.1), blocked, spin)
-    assert blocked[0] >= 0.09  # the timer started just before the wait
+    created = time.perf_counter()
+    future = _completed_after(0.1)
+    late = time.perf_counter() - created  # the timer ran that long before the wait
+    block_on(future, blocked, spin)
+    assert blocked[0] >= 0.1 - late - 0.002, (blocked, late)  # 2 ms: clock granularity
     # spinning, the waiting thread keeps its core, yielding it to any thread ready to
-    # run, again and again; blocked, it gives it up once
-    assert (len(yields) > 10) if spin else yields == [], len(yields)
+    # run, again and again (a loaded machine lets it run fewer times: CI ran 10 where
+    # a quiet one runs hundreds); blocked, it gives it up once
+    assert (len(yields) > 1) if spin else yields == [], len(yields)
     # the busy share is the other threads': a wait on an idle network reads idle,
     # spinning or not
     assert blocked[1] < BUSY * blocked[0], blocked
