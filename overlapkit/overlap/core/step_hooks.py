@@ -51,6 +51,7 @@ does, by design (:func:`step_override`).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 import weakref
@@ -132,7 +133,13 @@ def step_override(optimizer: torch.optim.Optimizer | type | None) -> str | None:
     ``optimizer`` may be the class itself."""
     if optimizer is None:
         return None
-    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    return _class_override(optimizer if isinstance(optimizer, type) else type(optimizer))
+
+
+@functools.lru_cache(maxsize=64)
+def _class_override(cls: type) -> str | None:
+    """:func:`step_override` of a class, worked out once (asked at every stepping
+    backward; torch patches a class's ``step`` as its first optimizer is built, before)."""
     found: list[tuple[type, Any]] = []  # (class, its step unwrapped), distinct steps
     for klass in cls.__mro__:
         if klass in (torch.optim.Optimizer, object) or "step" not in vars(klass):
