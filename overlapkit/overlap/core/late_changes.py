@@ -51,7 +51,7 @@ def refuse_changed_gradients(marks: FirstWindow, names: Mapping[int, str],
             "written state. The parameters have taken it: restart from the last "
             "checkpoint after fixing the loop. Write the optimizer's state after "
             f"optimizer.step(){learn}")
-    moved = marks.moved(dict(names), params)
+    moved = marks.moved(names, params)
     if moved:
         raise ConfigurationError(
             f"the values of {shown_names(moved)} were changed in place between backward() and "
@@ -59,7 +59,7 @@ def refuse_changed_gradients(marks: FirstWindow, names: Mapping[int, str],
             "stepped them during backward, where the plain step starts from the changed "
             "values. The parameters have taken it: restart from the last checkpoint "
             f"after fixing the loop. Change parameters after optimizer.step(){learn}")
-    edited = marks.edited(dict(names), params)
+    edited = marks.edited(names, params)
     if not edited:
         return
     shown = shown_names(edited)

@@ -66,7 +66,7 @@ from overlapkit.overlap.core.watched_reads import (
     watch_grad,
 )
 
-__all__ = ["LEARN", "FirstWindow", "quiet_reads", "shown_names", "state"]
+__all__ = ["LEARN", "NO_GRAD", "FirstWindow", "quiet_reads", "shown_names", "state"]
 
 #: what a hand-written loop that works in the window calls to have it honoured
 LEARN = ("optimizer.learn_first_step(model) (the first step is then taken at "
@@ -74,10 +74,14 @@ LEARN = ("optimizer.learn_first_step(model) (the first step is then taken at "
          "in the plain order, bitwise the plain loop, with one warning)")
 
 
+#: :func:`state` of a parameter without a gradient
+NO_GRAD = (0, 0)
+
+
 def state(param: torch.Tensor) -> tuple[int, int]:
     """What tells that ``param``'s gradient changed: its identity and version counter."""
     grad = param.grad
-    return (0, 0) if grad is None else (id(grad), grad._version)
+    return NO_GRAD if grad is None else (id(grad), grad._version)
 
 
 def shown_names(names: list[str]) -> str:
@@ -142,13 +146,20 @@ class FirstWindow:
     def mark(self, params: Iterable[torch.Tensor]) -> None:
         """Record the gradients of ``params`` as they are now (end of a backward, or
         right after the loop's own clip); watch their reads where asked."""
+        # runs once per parameter at the end of every stepping backward: locals only
+        marks, versions, watching = self.marks, self.versions, self.watching
         for param in params:
+            key = id(param)
             grad = param.grad
-            if self.watching is not None and grad is not None and not is_watched(grad):
-                watch_grad(param, self, self.watching.get(
-                    id(param), f"a parameter of shape {tuple(param.shape)}"))
-            self.marks[id(param)] = state(param)
-            self.versions[id(param)] = param._version
+            if grad is None:
+                marks[key] = NO_GRAD
+            else:
+                if watching is not None and not is_watched(grad):
+                    watch_grad(param, self, watching.get(
+                        key, f"a parameter of shape {tuple(param.shape)}"))
+                    grad = param.grad
+                marks[key] = NO_GRAD if grad is None else (id(grad), grad._version)
+            versions[key] = param._version
 
     def mark_settings(self) -> None:
         """Record the optimizer's param-group settings as a backward leaves them (those
@@ -253,18 +264,27 @@ class FirstWindow:
         if self.marks.get(id(param)) == before:
             self.mark([param])
 
-    def edited(self, named: dict[int, str], params: Iterable[torch.Tensor]) -> list[str]:
+    def edited(self, named: Mapping[int, str], params: Iterable[torch.Tensor]) -> list[str]:
         """The names of ``params`` whose gradient changed since it was marked."""
+        marks = self.marks
         found = []
-        for param in params:
-            if id(param) in self.marks and self.marks[id(param)] != state(param):
-                found.append(named.get(id(param), f"a parameter of shape {tuple(param.shape)}"))
-        return found
+        for param in params:  # once per parameter at every step(): locals only
+            mark = marks.get(id(param))
+            if mark is None:
+                continue
+            grad = param.grad
+            if grad is None:
+                if mark[0]:  # it had one (a gradient's id is never 0)
+                    found.append(param)
+            elif mark[0] != id(grad) or mark[1] != grad._version:
+                found.append(param)
+        return [named.get(id(p), f"a parameter of shape {tuple(p.shape)}") for p in found]
 
-    def moved(self, named: dict[int, str], params: Iterable[torch.Tensor]) -> list[str]:
+    def moved(self, named: Mapping[int, str], params: Iterable[torch.Tensor]) -> list[str]:
         """The names of ``params`` changed in place since marked."""
+        versions = self.versions
         return [named.get(id(p), f"a parameter of shape {tuple(p.shape)}") for p in params
-                if self.versions.get(id(p), p._version) != p._version]
+                if versions.get(id(p), -1) not in (-1, p._version)]
 
     def reset(self) -> None:
         """A new optimizer step starts (after ``step()``)."""
