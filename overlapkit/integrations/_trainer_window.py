@@ -1,17 +1,25 @@
 """The window between backward and ``optimizer.step()`` in Hugging Face's ``Trainer``
 loop, for :class:`~overlapkit.integrations.transformers.OverlapTrainer` (private to
 :mod:`overlapkit.integrations.transformers`): the one warning of a run taken in the
-plain order (:func:`plain_order_warning`), and what the loop itself does there that a
-step during backward cannot follow (:func:`unsynced_micro_batch`).
+plain order (:func:`plain_order_warning`), what the loop itself does there that a
+step during backward cannot follow (:func:`unsynced_micro_batch`), and a
+``compute_loss`` of one's own that runs a backward itself or hooks code into the
+Trainer's (:func:`watched_compute_loss`).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
+
+import torch
 
 from overlapkit.integrations._accelerate_window import steps_paused
 
-__all__ = ["UNSYNCED_MICRO_BATCH", "plain_order_warning", "unsynced_micro_batch"]
+__all__ = ["UNSYNCED_MICRO_BATCH", "compute_loss_of_ones_own", "compute_loss_watched",
+           "plain_order_warning", "unsynced_micro_batch", "watched_compute_loss"]
 
 #: why a run turns to the plain order at a micro-batch the Trainer runs outside
 #: ``accelerator.no_sync`` that ends no optimizer step (:func:`unsynced_micro_batch`)
@@ -37,6 +45,92 @@ def unsynced_micro_batch(trainer: Any) -> list[str]:
     return [UNSYNCED_MICRO_BATCH]
 
 
+def compute_loss_of_ones_own(trainer: Any, skip: tuple[type, ...]) -> str | None:
+    """The qualified name of the ``compute_loss`` override in ``trainer``'s class (or a
+    class of its MRO but ``Trainer`` and ``skip``), ``"compute_loss_func"`` when one was
+    given to the Trainer, else None (or when the trainer declares
+    ``overlapkit_reads_no_gradients``): code of the user's run in the Trainer's
+    ``training_step``, which may run a backward of its own (an auxiliary loss) or hook
+    code into the Trainer's (a cached, GradCache-style loss re-running the forward in
+    chunks from a hook on the loss)."""
+    from transformers import Trainer
+
+    if getattr(trainer, "overlapkit_reads_no_gradients", False):
+        return None
+    for klass in type(trainer).__mro__:
+        if klass in (*skip, Trainer, object):
+            continue
+        if "compute_loss" in vars(klass):
+            return f"{klass.__qualname__}.compute_loss"
+    return "compute_loss_func" if getattr(trainer, "compute_loss_func", None) else None
+
+
+def _gradient_marks(model: torch.nn.Module) -> list[tuple[int, int] | None]:
+    """Per parameter, its gradient's identity and version (None: no gradient): what a
+    backward changes, stepped or not."""
+    return [None if p.grad is None else (id(p.grad), p.grad._version)
+            for p in model.parameters()]
+
+
+def watched_compute_loss(compute_loss: Callable[..., Any], name: str, model: torch.nn.Module,
+                         facade: Any, plain_order: Callable[[list[str]], None],
+                         ) -> Callable[..., Any]:
+    """``compute_loss`` (the user's, ``name``), run with the steps deferred
+    (``facade.defer_steps()``: a backward in it reduces as usual, keeps its gradients
+    and steps nothing), then ``plain_order(users)`` when it ran a backward (a gradient
+    of ``model`` changed) or returned a loss with a hook on it (code run during the
+    Trainer's backward: a cached loss running its chunks' backwards there): the step
+    is then taken at ``optimizer.step()``, before the Trainer's own backward steps
+    anything. Before (the eighth probe), each such backward stepped, and the first
+    ``optimizer.step()`` refused a window of several stepping backwards after the
+    parameters had taken them. Steps deferred already (a step hook) stay deferred."""
+
+    @functools.wraps(compute_loss)
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        before = _gradient_marks(model)
+        if facade._steps.deferring:  # nothing steps in a backward now: nothing to defer
+            result = compute_loss(*args, **kwargs)
+        else:
+            with facade.defer_steps():
+                result = compute_loss(*args, **kwargs)
+        loss = result[0] if isinstance(result, tuple) else result
+        users = []
+        if _gradient_marks(model) != before:
+            users.append(f"{name} (it ran a backward of its own)")
+        if isinstance(loss, torch.Tensor) and getattr(loss, "_backward_hooks", None):
+            users.append(f"{name} (it returned a loss with a hook on it, code run during "
+                         "the Trainer's backward)")
+        if users:
+            plain_order(users)
+        return result
+
+    return watched
+
+
+@contextmanager
+def compute_loss_watched(trainer: Any, facade: Any, skip: tuple[type, ...]) -> Iterator[None]:
+    """Inside, the trainer's ``compute_loss`` of one's own
+    (:func:`compute_loss_of_ones_own`), if any, is :func:`watched_compute_loss` (an
+    attribute of the instance, removed after): when it uses the window, the trainer's
+    rest of the run turns to the plain order from this step, before the Trainer's
+    backward."""
+    name = compute_loss_of_ones_own(trainer, skip)
+    if name is None or trainer.overlap_off_by or not isinstance(trainer.model, torch.nn.Module):
+        yield
+        return
+
+    def plain_order(users: list[str]) -> None:
+        trainer._overlap_loop_users = trainer._overlap_loop_users + users
+        trainer.set_up_overlap(from_step=trainer.state.global_step + 1)
+
+    trainer.compute_loss = watched_compute_loss(trainer.compute_loss, name, trainer.model,
+                                                facade, plain_order)
+    try:
+        yield
+    finally:
+        del trainer.compute_loss
+
+
 def plain_order_warning(technique: str, users: list[str], from_step: int | None) -> str:
     """The one warning of a run (or, ``from_step``, the rest of one) whose steps are taken
     at the Trainer's ``optimizer.step()`` because of ``users``."""
@@ -54,6 +148,10 @@ def plain_order_warning(technique: str, users: list[str], from_step: int | None)
         hints.insert(0, "leave enable_jit_checkpoint off (its JITCheckpointCallback saves a "
                         "checkpoint between backward and step when the job is told to stop, "
                         "so on_pre_optimizer_step must see the plain step's state)")
+    if any(".compute_loss (it " in user or "compute_loss_func (it " in user
+           for user in users):
+        hints.append("run no backward in compute_loss and hook nothing into the loss it "
+                      "returns (a backward of its own steps the parameters during it)")
     if UNSYNCED_MICRO_BATCH in users:
         hints.append("give each epoch a number of batches that gradient_accumulation_steps "
                      "divides (a dataset with a length, dataloader_drop_last)")

@@ -61,6 +61,7 @@ from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from overlapkit.errors import ConfigurationError, UnsupportedOptimizerError  # noqa: E402
 from overlapkit.integrations._trainer_window import (  # noqa: E402
+    compute_loss_watched,
     plain_order_warning,
     unsynced_micro_batch,
 )
@@ -312,12 +313,15 @@ class OverlapTrainer(Trainer):
         whether this micro-batch, run outside ``no_sync``, ends no optimizer step
         (:func:`~overlapkit.integrations._trainer_window.unsynced_micro_batch`): any of
         them turns the rest of the run to the plain order before this micro-batch's
-        backward, which would step."""
+        backward, which would step; so does a ``compute_loss`` of one's own running a
+        backward (:func:`~overlapkit.integrations._trainer_window.compute_loss_watched`)."""
         facade = getattr(self.optimizer, "optimizer", None)
         if isinstance(facade, OverlappedOptimizerFacade) and not self.overlap_off_by:
             self._overlap_loop_users = unsynced_micro_batch(self)
             if self.window_users():
                 self.set_up_overlap(from_step=self.state.global_step + 1)
+            with compute_loss_watched(self, facade, skip=(OverlapTrainer,)):
+                return super().training_step(*args, **kwargs)
         return super().training_step(*args, **kwargs)
 
     def set_up_overlap(self, from_step: int | None = None) -> None:

@@ -23,7 +23,9 @@ the first backward stepped). Found by the sixth probe: an epoch shorter than the
 accumulation window (stepped in its unsynced last micro-batch, then refused as a second
 backward, 0.0252 off), a window callback added in another callback's ``on_step_begin``
 (that step's edit missed, 0.0180 off), ``model_init`` (the overlap off from the second
-``train()``, with a false warning)."""
+``train()``, with a false warning). Found by the eighth: a ``compute_loss`` running a
+backward of its own, or hooking backwards onto its loss (GradCache): refused at the
+first ``optimizer.step()`` after 2 steps were taken (the parameters moved 0.0200)."""
 
 from __future__ import annotations
 
@@ -74,7 +76,10 @@ NAMED = {"callback zeroes rows": "ZeroOldRows.on_pre_optimizer_step",
          "epoch shorter than the window": "a micro-batch run outside no_sync() that ends "
                                           "no optimizer step",
          "callback added at a step's beginning": "ZeroOldRows.on_pre_optimizer_step",
-         "an optimizer class overriding step()": "Noisy.step() overrides Adam.step()"}
+         "an optimizer class overriding step()": "Noisy.step() overrides Adam.step()",
+         "compute_loss running a backward": "AuxiliaryLoss.compute_loss (it ran a backward",
+         "compute_loss hooking the loss": "CachedLoss.compute_loss (it returned a loss with "
+                                          "a hook"}
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -7,7 +7,11 @@ own, a callback changing ``.grad`` added for a second ``train()`` or while train
 (the sixth probe) an epoch shorter than the accumulation window (a dataset without a
 length); (the seventh) an optimizer class overriding ``step()`` (before: bitwise here on
 CPU, where every part is stepped in one call in the model's order, but no warning; a
-hand-written loop or Lightning was off). Each is run by the
+hand-written loop or Lightning was off); (the eighth) a ``compute_loss`` override running
+a backward of its own (an auxiliary loss) or returning a loss with a hook running the
+backwards (a cached, GradCache-style loss): each backward stepped, and the first
+``optimizer.step()`` refused a window of 2 stepping backwards after the parameters had
+taken them (moved 0.0200). Each is run by the
 plain ``Trainer`` and by ``OverlapTrainer`` with the same override, in the test process
 or on gloo ranks (``run``)."""
 
@@ -26,7 +30,8 @@ CASES = ("callback zeroes rows", "callback logs norms", "create_optimizer", "two
          "callback added while training", "max_grad_norm lowered while training",
          "max_grad_norm 0 for a second train", "a layer unfrozen while training",
          "optimizer over part of the model", "epoch shorter than the window",
-         "callback added at a step's beginning", "an optimizer class overriding step()")
+         "callback added at a step's beginning", "an optimizer class overriding step()",
+         "compute_loss running a backward", "compute_loss hooking the loss")
 STEPS = 3
 
 
@@ -127,6 +132,39 @@ def _trainer_class(case: str, base: type) -> type:
         def _clip_grad_norm(self, model: Any) -> Any:  # a max_norm of its own
             return self.accelerator.clip_grad_norm_(model.parameters(), 0.5)
 
+    class AuxiliaryLoss(base):  # type: ignore[valid-type,misc]
+        """A penalty on the logits, backpropagated by itself before the main loss."""
+
+        def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
+                         num_items_in_batch: Any = None) -> Any:
+            self.accelerator.backward(0.1 * model(**inputs).logits.pow(2).mean())
+            outputs = model(**inputs)
+            return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+    class CachedLoss(base):  # type: ignore[valid-type,misc]
+        """GradCache (sentence-transformers' cached losses): the loss over logits taken
+        without grad, and a hook on it that runs the forward and backward again in
+        chunks of 2 during the Trainer's backward."""
+
+        def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
+                         num_items_in_batch: Any = None) -> Any:
+            ids = inputs["input_ids"]
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits
+            leaf = logits.detach().requires_grad_()
+            loss = torch.nn.functional.cross_entropy(leaf[:, :-1].flatten(0, 1),
+                                                     ids[:, 1:].flatten())
+            (cached,) = torch.autograd.grad(loss, leaf, retain_graph=True)
+
+            def chunks(grad: torch.Tensor) -> None:
+                with torch.enable_grad():
+                    for start in range(0, len(ids), 2):
+                        part = model(input_ids=ids[start:start + 2]).logits
+                        (part * cached[start:start + 2] * grad).sum().backward()
+
+            loss.register_hook(chunks)
+            return (loss, None) if return_outputs else loss
+
     if case == "base listed after":
         from transformers import Trainer
 
@@ -140,7 +178,8 @@ def _trainer_class(case: str, base: type) -> type:
 
         return EditingBase if base is Trainer else type("Mixed", (base, EditingBase), {})
     return {"create_optimizer": CustomOptimizer, "two backwards": FGM,
-            "own clip": OwnClip}.get(case, base)
+            "own clip": OwnClip, "compute_loss running a backward": AuxiliaryLoss,
+            "compute_loss hooking the loss": CachedLoss}.get(case, base)
 
 
 def train(case: str, technique: str | None, out_dir: str) -> dict[str, Any]:
