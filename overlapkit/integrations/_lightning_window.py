@@ -14,14 +14,16 @@ is honoured by taking every step of that fit at ``optimizer.step()``, in the pla
 (the facade's ``defer_steps()``): bitwise the plain run, with one warning
 (:func:`window_users`, :func:`plain_order_warning`). What changes in the optimizer during
 the fit that no backward can step (:class:`OptimizerChanges`) turns the rest of the fit
-to the plain order the same way.
+to the plain order the same way, as does a loss returned with a hook on it
+(:func:`follow_hooked_loss`: a cached, GradCache-style loss running backwards during
+Lightning's).
 
 Private to :mod:`overlapkit.integrations.lightning`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -39,7 +41,8 @@ from overlapkit.overlap.core.watched_params import (
 
 __all__ = ["AFTER_STEP_HOOKS", "GRADIENT_HOOKS", "SKIPPED_BACKWARD", "WRAPPED_CLOSURE",
            "WRITING_HOOKS", "GradientWrites", "OptimizerChanges", "by_hand_warning",
-           "clips_itself", "plain_order_warning", "second_backward_error",
+           "clips_itself", "follow_hooked_loss", "plain_order_warning",
+           "second_backward_error",
            "skipped_backward_error", "switch_warning", "window_users"]
 
 #: the hooks of a LightningModule or a Callback that Lightning's plain loop calls after
@@ -174,6 +177,37 @@ def second_backward_error(technique: str) -> ConfigurationError:
         "is one step, as Lightning's plain step of the accumulated gradients), or train "
         "with strategy='ddp'."
     )
+
+
+def follow_hooked_loss(automatic: Any, output: Any) -> None:
+    """After ``training_step`` (before Lightning's backward, nothing stepped in it): a
+    loss returned with a hook on it runs the user's code during Lightning's backward —
+    a cached, GradCache-style loss (sentence-transformers' cached losses) runs the
+    forward and backward again in chunks there, backwards nested in Lightning's, which
+    overlapkit would step as one (the eighth probe, 2 gloo ranks: ``overlap_ddp``
+    refused at the second step's ``step()`` after its chunks had stepped, the
+    parameters 0.0070 from the start; ``optimizer_in_backward`` refused naming
+    ``find_unused_parameters``). ``automatic``'s fit turns to the plain order from this
+    step on (bitwise, one warning); where ``optimizer_in_backward`` frees DDP's local
+    gradients early (the chunks' sum lost even there), a ConfigurationError, nothing
+    stepped. ``automatic``: the strategy's ``AutomaticOptimization``."""
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if (automatic.optimizer is None or automatic.plain_order
+            or not isinstance(loss, torch.Tensor) or not loss._backward_hooks):
+        return
+    why = ("training_step returned a loss with a hook on it (code run during Lightning's "
+           "backward, which may run backwards of its own there: a cached, GradCache-style "
+           f"loss, whose backwards {automatic.technique} would step as one)")
+    if automatic._freeing_ddp_model is not None:
+        raise ConfigurationError(
+            f"{why}: optimizer_in_backward on DDP frees each local gradient once DDP has "
+            "taken it, so the backwards run there would lose what the plain run "
+            "accumulates, even in the plain order. Nothing was stepped. Use "
+            "OverlapDDPStrategy(technique='overlap_ddp') (the plain order, bitwise), or "
+            "strategy='ddp'.")
+    automatic._plain_order_from_now(
+        "from this one on", why, "return a loss without a hook on it (backpropagate "
+        "through the model from the loss itself)")
 
 
 class OptimizerChanges:

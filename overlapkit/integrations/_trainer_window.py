@@ -78,7 +78,8 @@ def watched_compute_loss(compute_loss: Callable[..., Any], name: str, model: tor
     """``compute_loss`` (the user's, ``name``), run with the steps deferred
     (``facade.defer_steps()``: a backward in it reduces as usual, keeps its gradients
     and steps nothing), then ``plain_order(users)`` when it ran a backward (a gradient
-    of ``model`` changed) or returned a loss with a hook on it (code run during the
+    of ``model`` changed: a gradient changed in place, of the micro-batches accumulated
+    before, shows the same way) or returned a loss with a hook on it (code run during the
     Trainer's backward: a cached loss running its chunks' backwards there): the step
     is then taken at ``optimizer.step()``, before the Trainer's own backward steps
     anything. Before (the eighth probe), each such backward stepped, and the first
@@ -96,7 +97,7 @@ def watched_compute_loss(compute_loss: Callable[..., Any], name: str, model: tor
         loss = result[0] if isinstance(result, tuple) else result
         users = []
         if _gradient_marks(model) != before:
-            users.append(f"{name} (it ran a backward of its own)")
+            users.append(f"{name} (it ran a backward of its own, or changed a gradient)")
         if isinstance(loss, torch.Tensor) and getattr(loss, "_backward_hooks", None):
             users.append(f"{name} (it returned a loss with a hook on it, code run during "
                          "the Trainer's backward)")

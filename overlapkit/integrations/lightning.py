@@ -59,6 +59,7 @@ from overlapkit.integrations._lightning_setup import (
 from overlapkit.integrations._lightning_window import (
     GradientWrites,
     clips_itself,
+    follow_hooked_loss,
     plain_order_warning,
     window_users,
 )
@@ -157,8 +158,10 @@ class _StepsInBackward(pl.strategies.Strategy):
         _install(self, overlapped)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._automatic.training_step(
+        output = self._automatic.training_step(
             functools.partial(super().training_step, *args, **kwargs))
+        follow_hooked_loss(self._automatic, output)  # a cached loss: backwards nested
+        return output
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any,
                  **kwargs: Any) -> torch.Tensor:

@@ -293,6 +293,57 @@ def _skipped(root: Path) -> dict[str, Any]:
             "one device warnings": one_device_warned, "refusal": refusal}
 
 
+class CachedLoss(Regression):
+    """A cached, GradCache-style loss (sentence-transformers' cached losses): the loss
+    over outputs taken without grad, with a hook on it that runs the forward and backward
+    again in chunks of 2 during Lightning's backward. The eighth probe: overlapkit took
+    the chunks' nested backwards for one (2 ranks: ``overlap_ddp`` refused at the second
+    step's ``step()``, the chunks stepped, the parameters 0.0070 from the start;
+    ``optimizer_in_backward`` refused naming ``find_unused_parameters``)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        with torch.no_grad():
+            out = self.net(x)
+        leaf = out.detach().requires_grad_()
+        loss = F.mse_loss(leaf, y)
+        (cached,) = torch.autograd.grad(loss, leaf, retain_graph=True)
+
+        def chunks(grad: torch.Tensor) -> None:
+            with torch.enable_grad():
+                for start in range(0, len(x), 2):
+                    part = self.net(x[start:start + 2])
+                    (part * cached[start:start + 2] * grad).sum().backward()
+
+        loss.register_hook(chunks)
+        return loss
+
+
+def _cached_loss(ws: int, root: Path) -> dict[str, Any]:
+    """Per strategy against its plain one: (bitwise, the plain-order warnings, the error);
+    ``optimizer_in_backward`` on DDP (whose early freeing loses the chunks' sum): the
+    refusal, and whether nothing had changed."""
+    def fit(label: str) -> tuple[list[torch.Tensor], list[str], Any]:
+        module = CachedLoss()
+        run = trainer(strategy(label), ws, root / label, max_steps=3,
+                      gradient_clip_val=0.05)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            error = error_of(lambda: run.fit(module, data()))
+        return (values(module), [str(w.message) for w in caught
+                                 if "in the plain order" in str(w.message)], error)
+
+    out: dict[str, Any] = {}
+    pairs = {"overlap_ddp": "ddp", **({"one device": "single device"} if ws == 1 else {})}
+    for label, plain_label in pairs.items():
+        plain, _, _ = fit(plain_label)
+        ours, warned, error = fit(label)
+        out[label] = (compare(plain, ours), warned, error)
+    params, _, refusal = fit("optimizer_in_backward")
+    out["refusal"] = (refusal, compare(values(CachedLoss()), params))
+    return out
+
+
 def run(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """Each case with each overlapkit strategy against the plain one: the comparison and
     the warnings about the overlap; and the refusal."""
@@ -315,6 +366,7 @@ def run(rank: int, world_size: int, root: str) -> dict[str, Any]:
     # 0.4.0: from the second step on the norms were the stepped parameters', silently
     out["refused reading the parameters"] = _refused_through_data(
         world_size, base / "norms", LogsWeightNorms())
+    out["a cached loss"] = _cached_loss(world_size, base / "cached")
     if world_size == 1:
         out["a skipped batch ends a window"] = _skipped(base / "skipped")
     return out

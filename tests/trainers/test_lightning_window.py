@@ -9,8 +9,12 @@ plain order from that step, one warning), a ``save_last`` checkpoint resumed wit
 callback, SequentialLR and ReduceLROnPlateau, and ``validate`` / ``test`` / ``predict``
 between two fits of one module. A gradient changed through ``.data`` (no version counter
 bumped) under ``hooks_read_only_grads=True`` is refused before anything steps (it was
-silently 0.0093 off), as are the parameters read there (weight norms logged). Rank code:
-lightning_window_ranks.py."""
+silently 0.0093 off), as are the parameters read there (weight norms logged). A cached,
+GradCache-style loss (a hook on the loss running the chunks' backwards, nested in
+Lightning's): the plain order, one warning (2 ranks, overlap_ddp: was refused at the
+second step after its chunks had stepped, the parameters 0.0070 from the start), refused
+before anything steps under optimizer_in_backward on DDP (was a refusal naming
+find_unused_parameters). Rank code: lightning_window_ranks.py."""
 
 from __future__ import annotations
 
@@ -90,3 +94,24 @@ def test_a_batch_skipped_at_the_end_of_an_accumulation_window_on_one_process(
     refusal = result["refusal"]
     assert refusal is not None and refusal["overlapkit"], refusal
     assert "training_step returned None" in refusal["message"], refusal["message"]
+
+
+def test_a_cached_loss_is_stepped_in_the_plain_order_or_refused_before_any_step(
+        results: tuple[int, list[dict[str, Any]]]) -> None:
+    """A hook on the loss runs backwards during Lightning's: seen after training_step,
+    before its backward. optimizer_in_backward on DDP frees the local gradients the
+    chunks add up: refused there, nothing changed."""
+    world_size, ranks = results
+    for rank_results in ranks:
+        result = rank_results["a cached loss"]
+        for label in ("overlap_ddp", "one device") if world_size == 1 else ("overlap_ddp",):
+            same, warned, error = result[label]
+            assert error is None, (label, error)
+            assert same, (label, same)
+            assert len(warned) == 1 and "returned a loss with a hook on it" in warned[0], (
+                label, warned)
+        refusal, unchanged = result["refusal"]
+        assert refusal is not None and refusal["overlapkit"], refusal
+        assert "returned a loss with a hook on it" in refusal["message"], refusal
+        assert "Nothing was stepped" in refusal["message"], refusal
+        assert unchanged, unchanged
