@@ -158,10 +158,12 @@ def test_a_subclass_declaring_it_reads_no_gradients_keeps_the_overlap(tmp_path: 
 
 def test_a_compute_loss_override_keeps_the_overlap_and_is_bitwise_the_plain_trainer(
         tmp_path: Any) -> None:
-    """``compute_loss`` runs before backward: no use of the window."""
+    """``compute_loss`` runs before backward: no use of the window. It runs with the steps
+    deferred (to see a backward of its own, the eighth probe): the Trainer's backward
+    still steps."""
     from helpers import compare
     from hf_models import Tokens, gpt2, parameters, quiet
-    from trainer_runs import arguments
+    from trainer_runs import StepsInBackward, arguments
     from transformers import Trainer
 
     from overlapkit.integrations.transformers import OverlapTrainer
@@ -181,11 +183,14 @@ def test_a_compute_loss_override_keeps_the_overlap_and_is_bitwise_the_plain_trai
         trainer = scaled(base)(model=model, args=arguments(str(tmp_path / base.__name__),
                                                            max_steps=3),
                                train_dataset=Tokens("gpt2"), **extra)
+        watcher = StepsInBackward(model)
+        trainer.add_callback(watcher.callback())
         trainer.train()
-        runs.append((parameters(model), trainer))
-    (plain, _), (ours, trainer) = runs
+        runs.append((parameters(model), trainer, watcher.found))
+    (plain, _, _), (ours, trainer, stepped_in_backward) = runs
     assert type(trainer.optimizer.optimizer).__name__ == "OptimizerInBackward"
     assert trainer.overlap_off_by == []
+    assert stepped_in_backward == [True, True], stepped_in_backward
     assert compare(plain, ours)
 
 
