@@ -19,12 +19,19 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
+
+import torch
 
 from overlapkit.errors import ConfigurationError
 
-__all__ = ["PAUSED", "guard_checkpoints", "steps_paused"]
+__all__ = ["PAUSED", "forward_past_ddp_refusal", "guard_checkpoints", "steps_paused",
+           "watch_forwards_past_ddp"]
+
+#: the attribute of a DDP model set up by overlapkit holding what its forwards did since
+#: the last ``accelerator.backward`` (:func:`watch_forwards_past_ddp`)
+FORWARDS = "_overlapkit_forwards"
 
 #: the attribute of an accelerator counting the ``no_sync(model)`` blocks open on it
 #: whose steps overlapkit pauses (set by :mod:`overlapkit.integrations.accelerate`)
@@ -65,3 +72,57 @@ def guard_checkpoints(accelerator: Any, facades: Callable[[], list[Any]]) -> Non
     accelerator.save_state = guarded(accelerator.save_state, loading=False)
     accelerator.load_state = guarded(accelerator.load_state, loading=True)
     accelerator._overlapkit_checkpoints_guarded = True
+
+
+def watch_forwards_past_ddp(ddp_model: torch.nn.Module) -> None:
+    """Note, on ``ddp_model`` (once), whether a forward with gradients on went through the
+    DDP wrapper since the last ``accelerator.backward``, and whether its module ran one
+    in training mode outside it (past DDP: ``unwrap_model(model)(batch)``). Module
+    forward hooks; the wrapper's end is noted even when its forward raises."""
+    if getattr(ddp_model, FORWARDS, None) is not None:
+        return
+    seen = {"depth": 0, "through": False, "past": False}
+
+    def enter(module: torch.nn.Module, args: Any) -> None:
+        seen["depth"] += 1
+        seen["through"] = seen["through"] or torch.is_grad_enabled()
+
+    def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
+        seen["depth"] -= 1
+
+    def inner(module: torch.nn.Module, args: Any) -> None:
+        if not seen["depth"] and torch.is_grad_enabled() and module.training:
+            seen["past"] = True
+
+    ddp_model.register_forward_pre_hook(enter)
+    ddp_model.register_forward_hook(leave, always_call=True)
+    module = ddp_model.module
+    assert isinstance(module, torch.nn.Module)
+    module.register_forward_pre_hook(inner)
+    setattr(ddp_model, FORWARDS, seen)
+
+
+def forward_past_ddp_refusal(models: Iterable[torch.nn.Module], technique: Any,
+                             ) -> ConfigurationError | None:
+    """As ``accelerator.backward`` starts: the refusal of a backward whose forwards since
+    the last one all went past the DDP wrapper of one of ``models`` (none through it),
+    or None; what was noted is cleared either way. ``technique(model)`` names the
+    technique set up on it."""
+    refusal = None
+    for model in models:
+        seen = getattr(model, FORWARDS, None)
+        if seen is None:
+            continue
+        past, through = seen["past"], seen["through"]
+        seen["past"] = seen["through"] = False
+        if past and not through and refusal is None:
+            refusal = ConfigurationError(
+                "the model's forward ran past DistributedDataParallel "
+                "(accelerator.unwrap_model(model)(...) or model.module(...), with "
+                "gradients on, in training mode): its backward reduces no gradient across "
+                "the ranks (the plain loop then steps each rank on its own gradients, "
+                f"which drift apart) and {technique(model)} steps what DDP reduces. Nothing "
+                "was stepped. Run the training forward through the model "
+                "overlapkit.integrations.accelerate.prepare returned (keep "
+                "unwrap_model for saving, and for generation under torch.no_grad()).")
+    return refusal

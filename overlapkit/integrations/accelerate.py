@@ -65,7 +65,9 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from overlapkit.errors import ConfigurationError, UnsupportedModelError  # noqa: E402
 from overlapkit.integrations._accelerate_window import (  # noqa: E402
     PAUSED,
+    forward_past_ddp_refusal,
     guard_checkpoints,
+    watch_forwards_past_ddp,
 )
 from overlapkit.integrations.existing_optimizer import (  # noqa: E402
     check_technique,
@@ -365,6 +367,9 @@ def _refuse_backward_through_stepped(accelerator: Accelerator, model: torch.nn.M
 
         @functools.wraps(backward)
         def refusing(loss: Any, **kwargs: Any) -> Any:
+            past = forward_past_ddp_refusal(facades, lambda m: facades[m]._technique)
+            if past is not None:
+                raise past
             try:
                 return backward(loss, **kwargs)
             except RuntimeError as error:
@@ -377,3 +382,5 @@ def _refuse_backward_through_stepped(accelerator: Accelerator, model: torch.nn.M
         accelerator.backward = refusing
         accelerator._overlapkit_facades = facades
     facades[model] = facade
+    if isinstance(model, DistributedDataParallel):
+        watch_forwards_past_ddp(model)

@@ -142,6 +142,8 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
                               for t in ("overlap_ddp", "optimizer_in_backward")}
     out["gan"] = gans(("overlap_ddp", "optimizer_in_backward"))
     out[ZEROS] = compare_case(ZEROS, ("overlap_ddp", "optimizer_in_backward"))
+    out["forward past DDP"] = {t: refused_in_the_window("forward past DDP", t)
+                               for t in ("overlap_ddp", "optimizer_in_backward")}
     return out
 
 
@@ -167,7 +169,11 @@ def refused_in_the_window(case: str, technique: str) -> dict[str, Any]:
     ``optimizer.step()``: a learning rate changed by hand after the overlap began
     ("late learning rate"), or that clips in a way the optimizer was not set up for from
     the first step ("clip by value": ``clip_grad_value_``; "clip over two optimizers":
-    ``clip_grad_norm_`` over the parameters of an overlapped and a plain optimizer).
+    ``clip_grad_norm_`` over the parameters of an overlapped and a plain optimizer); or
+    that runs every forward past the DDP wrapper ("forward past DDP":
+    ``accelerator.unwrap_model(model)(**batch)``; the eighth probe: ``overlap_ddp``
+    silently 0.00038 off the plain run after 4 steps on 2 ranks, other clip norms;
+    ``optimizer_in_backward`` refused naming ``find_unused_parameters``).
     The error, and the step it came at (1: the first, before anything stepped)."""
     import torch
     from accelerate import Accelerator
@@ -188,8 +194,10 @@ def refused_in_the_window(case: str, technique: str) -> dict[str, Any]:
     data = accelerator.prepare(torch.utils.data.DataLoader(Tokens("gpt2"), batch_size=2))
     before = [p.detach().clone() for p in model.parameters()]
 
+    forward = accelerator.unwrap_model(model) if case == "forward past DDP" else model
+
     def one_step(step: int, batch: Any) -> None:
-        accelerator.backward(model(**batch).loss)
+        accelerator.backward(forward(**batch).loss)
         if case == "late learning rate" and step >= 3:
             for group in optimizer.param_groups:
                 group["lr"] = LR / 2

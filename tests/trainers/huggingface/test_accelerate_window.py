@@ -13,7 +13,10 @@ asked again after the clip (other values logged). A later learning-rate change i
 window now raises at that ``step()`` (before: silently 0.0044 off); a
 ``clip_grad_value_`` or a clip over two optimizers' parameters the optimizer was not
 set up for is refused at the first clip, before anything steps (before: after the
-first step)."""
+first step). The eighth probe: a forward past the DDP wrapper
+(``accelerator.unwrap_model(model)(**batch)``) is refused as ``accelerator.backward``
+starts, nothing stepped (before: ``overlap_ddp`` silently 0.00038 off after 4 steps on 2
+ranks, ``optimizer_in_backward`` refused naming ``find_unused_parameters``)."""
 
 from __future__ import annotations
 
@@ -264,3 +267,31 @@ def test_two_ranks_zero_grad_keeping_zeros_is_the_plain_loop(
         same, differences, warned = rank_results[ZEROS]["overlap_ddp"]
         assert same, differences
         assert warned == [], warned  # overlap_ddp keeps the gradients: the overlap stays
+
+
+def _refused_forward_past_ddp(result: dict[str, Any]) -> None:
+    error = result["error"]
+    assert error is not None and error["overlapkit"], error
+    assert "forward ran past DistributedDataParallel" in error["message"], error
+    assert "Nothing was stepped" in error["message"], error
+    assert result["step"] == 1 and result["unchanged"], result
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+def test_two_ranks_a_forward_past_ddp_is_refused_before_anything_steps(
+        two_ranks: list[dict[str, Any]], technique: str) -> None:
+    for rank_results in two_ranks:
+        _refused_forward_past_ddp(rank_results["forward past DDP"][technique])
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+def test_one_launched_process_a_forward_past_ddp_is_refused_before_anything_steps(
+        one_launched_process: dict[str, Any], technique: str) -> None:
+    _refused_forward_past_ddp(one_launched_process["forward past DDP"][technique])
+
+
+def test_one_process_a_forward_through_unwrap_model_is_the_plain_loop() -> None:
+    """Without DDP (one process not launched) the unwrapped model is the model: no
+    refusal (clipped with the loop's norm: the plain run's)."""
+    result = refused_in_the_window("forward past DDP", "optimizer_in_backward")
+    assert result["error"] is None, result
