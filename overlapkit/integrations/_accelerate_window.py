@@ -29,6 +29,13 @@ from overlapkit.errors import ConfigurationError
 __all__ = ["PAUSED", "forward_past_ddp_refusal", "guard_checkpoints", "steps_paused",
            "watch_forwards_past_ddp"]
 
+#: how an Accelerate loop's forward goes past DDP, and what to do instead
+#: (:func:`forward_past_ddp_refusal`)
+ACCELERATE_PAST = "accelerator.unwrap_model(model)(...) or model.module(...)"
+ACCELERATE_FIX = ("Run the training forward through the model "
+                  "overlapkit.integrations.accelerate.prepare returned (keep unwrap_model for "
+                  "saving, and for generation under torch.no_grad()).")
+
 #: the attribute of a DDP model set up by overlapkit holding what its forwards did since
 #: the last ``accelerator.backward`` (:func:`watch_forwards_past_ddp`)
 FORWARDS = "_overlapkit_forwards"
@@ -103,11 +110,13 @@ def watch_forwards_past_ddp(ddp_model: torch.nn.Module) -> None:
 
 
 def forward_past_ddp_refusal(models: Iterable[torch.nn.Module], technique: Any,
+                             where: str = ACCELERATE_PAST, fix: str = ACCELERATE_FIX,
                              ) -> ConfigurationError | None:
-    """As ``accelerator.backward`` starts: the refusal of a backward whose forwards since
-    the last one all went past the DDP wrapper of one of ``models`` (none through it),
-    or None; what was noted is cleared either way. ``technique(model)`` names the
-    technique set up on it."""
+    """As a backward starts (``accelerator.backward``, the Trainer's after
+    ``compute_loss``): the refusal of a backward whose forwards since the last check all
+    went past the DDP wrapper of one of ``models`` (none through it), or None; what was
+    noted is cleared either way. ``technique(model)`` names the technique set up on it;
+    ``where`` says how the forward went past, ``fix`` what to do."""
     refusal = None
     for model in models:
         seen = getattr(model, FORWARDS, None)
@@ -117,12 +126,9 @@ def forward_past_ddp_refusal(models: Iterable[torch.nn.Module], technique: Any,
         seen["past"] = seen["through"] = False
         if past and not through and refusal is None:
             refusal = ConfigurationError(
-                "the model's forward ran past DistributedDataParallel "
-                "(accelerator.unwrap_model(model)(...) or model.module(...), with "
+                f"the model's forward ran past DistributedDataParallel ({where}, with "
                 "gradients on, in training mode): its backward reduces no gradient across "
                 "the ranks (the plain loop then steps each rank on its own gradients, "
                 f"which drift apart) and {technique(model)} steps what DDP reduces. Nothing "
-                "was stepped. Run the training forward through the model "
-                "overlapkit.integrations.accelerate.prepare returned (keep "
-                "unwrap_model for saving, and for generation under torch.no_grad()).")
+                f"was stepped. {fix}")
     return refusal

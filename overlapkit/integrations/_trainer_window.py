@@ -15,8 +15,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
-from overlapkit.integrations._accelerate_window import steps_paused
+from overlapkit.integrations._accelerate_window import (
+    forward_past_ddp_refusal,
+    steps_paused,
+    watch_forwards_past_ddp,
+)
 
 __all__ = ["UNSYNCED_MICRO_BATCH", "compute_loss_of_ones_own", "compute_loss_watched",
            "plain_order_warning", "unsynced_micro_batch", "watched_compute_loss"]
@@ -73,7 +78,8 @@ def _gradient_marks(model: torch.nn.Module) -> list[tuple[int, int] | None]:
 
 
 def watched_compute_loss(compute_loss: Callable[..., Any], name: str, model: torch.nn.Module,
-                         facade: Any, plain_order: Callable[[list[str]], None],
+                         facade: Any, plain_order: Callable[[list[str]], None] | None,
+                         ddp: DistributedDataParallel | None = None,
                          ) -> Callable[..., Any]:
     """``compute_loss`` (the user's, ``name``), run with the steps deferred
     (``facade.defer_steps()``: a backward in it reduces as usual, keeps its gradients
@@ -84,16 +90,32 @@ def watched_compute_loss(compute_loss: Callable[..., Any], name: str, model: tor
     is then taken at ``optimizer.step()``, before the Trainer's own backward steps
     anything. Before (the eighth probe), each such backward stepped, and the first
     ``optimizer.step()`` refused a window of several stepping backwards after the
-    parameters had taken them. Steps deferred already (a step hook) stay deferred."""
+    parameters had taken them. Steps deferred already (a step hook) stay deferred;
+    ``plain_order`` None (the run is in the plain order): not watched for that. On
+    ``ddp``, a forward that went past its wrapper (``self.model(**inputs)``, where the
+    Trainer gives ``compute_loss`` the DDP model) is refused as it returns (before: on 2
+    ranks ``overlap_ddp`` silently 1.2e-7 off the plain run, ``optimizer_in_backward``
+    refused naming ``find_unused_parameters``)."""
 
     @functools.wraps(compute_loss)
     def watched(*args: Any, **kwargs: Any) -> Any:
         before = _gradient_marks(model)
-        if facade._steps.deferring:  # nothing steps in a backward now: nothing to defer
+        if ddp is not None:
+            watch_forwards_past_ddp(ddp)
+            forward_past_ddp_refusal([ddp], lambda _: "")  # clear: what came before
+        if plain_order is None or facade._steps.deferring:  # nothing steps in it now
             result = compute_loss(*args, **kwargs)
         else:
             with facade.defer_steps():
                 result = compute_loss(*args, **kwargs)
+        if ddp is not None:
+            refusal = forward_past_ddp_refusal(
+                [ddp], lambda _: facade._technique, f"{name}, calling self.model",
+                "Call the model compute_loss is given (the DDP model), not self.model.")
+            if refusal is not None:
+                raise refusal
+        if plain_order is None:
+            return result
         loss = result[0] if isinstance(result, tuple) else result
         users = []
         if _gradient_marks(model) != before:
@@ -112,11 +134,15 @@ def watched_compute_loss(compute_loss: Callable[..., Any], name: str, model: tor
 def compute_loss_watched(trainer: Any, facade: Any, skip: tuple[type, ...]) -> Iterator[None]:
     """Inside, the trainer's ``compute_loss`` of one's own
     (:func:`compute_loss_of_ones_own`), if any, is :func:`watched_compute_loss` (an
-    attribute of the instance, removed after): when it uses the window, the trainer's
-    rest of the run turns to the plain order from this step, before the Trainer's
-    backward."""
+    attribute of the instance, removed after): while the run overlaps, one that uses
+    the window turns the rest of the run to the plain order from this step, before the
+    Trainer's backward; on DDP, in any order, one whose forward went past the DDP
+    wrapper (``self.model(**inputs)``) is refused there, nothing stepped."""
     name = compute_loss_of_ones_own(trainer, skip)
-    if name is None or trainer.overlap_off_by or not isinstance(trainer.model, torch.nn.Module):
+    ddp = trainer.model_wrapped
+    ddp = ddp if isinstance(ddp, DistributedDataParallel) else None
+    if (name is None or not isinstance(trainer.model, torch.nn.Module)
+            or (trainer.overlap_off_by and ddp is None)):
         yield
         return
 
@@ -124,8 +150,9 @@ def compute_loss_watched(trainer: Any, facade: Any, skip: tuple[type, ...]) -> I
         trainer._overlap_loop_users = trainer._overlap_loop_users + users
         trainer.set_up_overlap(from_step=trainer.state.global_step + 1)
 
-    trainer.compute_loss = watched_compute_loss(trainer.compute_loss, name, trainer.model,
-                                                facade, plain_order)
+    trainer.compute_loss = watched_compute_loss(
+        trainer.compute_loss, name, trainer.model, facade,
+        None if trainer.overlap_off_by else plain_order, ddp)
     try:
         yield
     finally:

@@ -320,9 +320,10 @@ class OverlapTrainer(Trainer):
             self._overlap_loop_users = unsynced_micro_batch(self)
             if self.window_users():
                 self.set_up_overlap(from_step=self.state.global_step + 1)
-            with compute_loss_watched(self, facade, skip=(OverlapTrainer,)):
-                return super().training_step(*args, **kwargs)
-        return super().training_step(*args, **kwargs)
+        if not isinstance(facade, OverlappedOptimizerFacade):
+            return super().training_step(*args, **kwargs)
+        with compute_loss_watched(self, facade, skip=(OverlapTrainer,)):
+            return super().training_step(*args, **kwargs)
 
     def set_up_overlap(self, from_step: int | None = None) -> None:
         """Set the technique up on ``self.model_wrapped`` around the optimizer the Trainer

@@ -25,7 +25,10 @@ backward, 0.0252 off), a window callback added in another callback's ``on_step_b
 (that step's edit missed, 0.0180 off), ``model_init`` (the overlap off from the second
 ``train()``, with a false warning). Found by the eighth: a ``compute_loss`` running a
 backward of its own, or hooking backwards onto its loss (GradCache): refused at the
-first ``optimizer.step()`` after 2 steps were taken (the parameters moved 0.0200)."""
+first ``optimizer.step()`` after 2 steps were taken (the parameters moved 0.0200); a
+``compute_loss`` calling ``self.model`` past the DDP model on 2 ranks (``overlap_ddp``
+silently 1.2e-7 off, ``optimizer_in_backward`` refused naming
+``find_unused_parameters``), now refused before the Trainer's backward."""
 
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ from typing import Any
 
 import pytest
 from trainer_helpers import check_plain_order
-from window_runs import CASES, compare_case, run
+from window_runs import CASES, compare_case, forward_past_ddp_runs, run
 
 from overlapkit.distributed import run_distributed
 
@@ -267,3 +270,18 @@ def test_two_ranks_model_init_each_train_keeps_the_overlap(tmp_path: Any) -> Non
                                         timeout=600):
         _model_init_checked(rank_results["overlap_ddp"], "DDPOverlapOptimizer")
         _model_init_checked(rank_results["optimizer_in_backward"], "OptimizerInBackward")
+
+
+def test_two_ranks_a_compute_loss_calling_self_model_past_ddp_is_refused_stepping_nothing(
+        tmp_path: Any) -> None:
+    """``self.model(**inputs)`` in ``compute_loss`` runs past the DDP model: its backward
+    reduces nothing (the plain Trainer's ranks drift apart). Refused as ``compute_loss``
+    returns, before the Trainer's backward."""
+    for rank_results in run_distributed(forward_past_ddp_runs, 2, args=(str(tmp_path),),
+                                        timeout=600):
+        for key, result in rank_results.items():
+            error = result["error"]
+            assert error is not None and error["overlapkit"], (key, error)
+            assert "SelfModel.compute_loss, calling self.model" in error["message"], key
+            assert "Nothing was stepped" in error["message"], key
+            assert result["unchanged"], (key, result["unchanged"])
