@@ -17,7 +17,8 @@ step (:mod:`~overlapkit.overlap.core.window`, the end of a learnt first step:
 :mod:`~overlapkit.overlap.core.watched_reads`, of the parameters:
 :mod:`~overlapkit.overlap.core.watched_params`, its writes to the optimizer's state:
 :mod:`~overlapkit.overlap.core.state_marks`, what changed after a stepping backward:
-:mod:`~overlapkit.overlap.core.late_changes`), a second backward through a kept graph
+:mod:`~overlapkit.overlap.core.late_changes`, written through ``.data``:
+:mod:`~overlapkit.overlap.core.data_writes`), a second backward through a kept graph
 (:mod:`~overlapkit.overlap.core.kept_graph`), a trainer's own loop
 (:mod:`~overlapkit.overlap.core.foreign_loop`), the hooks put on the user's model,
 copied with it as no-ops (:mod:`~overlapkit.overlap.core.own_hooks`), the step hooks

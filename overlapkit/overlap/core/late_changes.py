@@ -79,9 +79,12 @@ def accept_unchanged_rewrites(steps: Any, params: Iterable[torch.Tensor],
     save: torch's ``get_state_dict`` creates state with a zero step), ``versions``: ``id``
     -> their version before. Not a change of the loop's: the marks move past those
     writes only."""
+    params = list(params)
     for marks in (steps.stepped_marks, steps.first_window):
         if marks is None:
             continue
+        if marks.data_writes is not None:
+            marks.data_writes.forget(params)
         for param in params:
             before = versions.get(id(param))
             if before is not None and marks.versions.get(id(param)) == before:

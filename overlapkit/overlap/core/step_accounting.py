@@ -259,6 +259,8 @@ class StepAccount:
             self.first_window.mark_settings()
             self.first_window.watch_state()
             self.first_window.watch_params(params)
+            if not self.first_window.plain_order:
+                self.first_window.open_data_writes(list(params))
 
     def starting_backward(self) -> OverlapkitError | None:
         """What a stepper calls when a backward starts: :meth:`backward_starts`, or
@@ -288,6 +290,7 @@ class StepAccount:
             marks.mark(params)
             marks.mark_settings()
             self.release_state()
+            marks.open_data_writes(params)
             marks.mark_state(self.technique if self.calls_step else None)
             if self.calls_step:
                 marks.watch_reads(params, self.technique, self.settings_of or self)

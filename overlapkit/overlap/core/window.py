@@ -12,8 +12,9 @@ step nothing), and :class:`FirstWindow` records what the loop did until ``step()
 
 - the backwards that would have stepped (more than one: accumulation);
 - each gradient's identity and version counter at the end of each backward (in-place
-  changes bump a tensor's version; ``param.grad = ...`` replaces it): a gradient changed
-  before ``step()`` shows the loop edits gradients;
+  changes bump a tensor's version; ``param.grad = ...`` replaces it; a write through
+  ``.data``, which bumps none, is noted by :mod:`~overlapkit.overlap.core.data_writes`):
+  a gradient changed before ``step()`` shows the loop edits gradients;
 - a ``clip_grad_norm_`` / ``clip_grad_value_`` the loop ran on the kept gradients (the
   plain loop's own clip, bumping their versions; not an edit, and the full step then
   does not clip again);
@@ -50,6 +51,7 @@ from typing import Any
 import attrs
 import torch
 
+from overlapkit.overlap.core.data_writes import DataWrites
 from overlapkit.overlap.core.group_settings import changed_settings, settings
 from overlapkit.overlap.core.state_marks import StateWrites
 from overlapkit.overlap.core.watched_params import (
@@ -142,6 +144,27 @@ class FirstWindow:
     #: the parameters watched for those reads, and their watched class
     params_watched: list[torch.Tensor] = attrs.field(factory=list)
     params_class: type | None = None
+    #: the loop's writes through ``.data`` since the end of the last backward
+    #: (:mod:`~overlapkit.overlap.core.data_writes`), or None
+    data_writes: DataWrites | None = None
+
+    def open_data_writes(self, params: list[torch.Tensor]) -> None:
+        """Note writes through the ``.data`` of ``params`` and of their gradients from
+        now (the end of a backward) until
+        :meth:`close_data_writes`: seen by :meth:`edited` and :meth:`moved` as the
+        version counters are (which such a write does not bump)."""
+        self.close_data_writes()
+        self.data_writes = DataWrites(params)
+
+    def close_data_writes(self) -> None:
+        """Stop noting writes through ``.data``; those noted stay for :meth:`edited`
+        and :meth:`moved`."""
+        if self.data_writes is not None:
+            self.data_writes.close()
+
+    def written(self) -> set[int]:
+        """``id`` of the tensors the loop wrote through ``.data`` (none: no cost)."""
+        return set() if self.data_writes is None else self.data_writes.changed()
 
     def mark(self, params: Iterable[torch.Tensor]) -> None:
         """Record the gradients of ``params`` as they are now (end of a backward, or
@@ -189,6 +212,7 @@ class FirstWindow:
             self.state_writes.release()
         if self.param_reads is not None:
             self.param_reads.release()
+        self.close_data_writes()
 
     def state_written(self, names: Mapping[int, str]) -> list[str]:
         """The names of the parameters whose state entry the loop wrote since
@@ -218,6 +242,8 @@ class FirstWindow:
         """``zero_grad()`` was called: the backwards so far are not this step's."""
         self.discarded = self.discarded or self.backwards > 0
         self.backwards, self.marks = 0, {}
+        self.close_data_writes()
+        self.data_writes = None
 
     def note_read(self, name: str) -> None:
         if name not in self.read:
@@ -241,6 +267,7 @@ class FirstWindow:
         micro-batch's forward) saw the same values as the plain loop's."""
         self.unwatch_params()
         self.params_read = []
+        self.close_data_writes()
 
     def unwatch_params(self) -> None:
         if self.params_class is not None:
@@ -252,6 +279,7 @@ class FirstWindow:
         watching."""
         self.watching = None
         self.unwatch_params()
+        self.close_data_writes()
         state = None if self.optimizer is None else self.optimizer.state
         if isinstance(state, WatchedState):
             self.optimizer.state = state.state
@@ -266,7 +294,7 @@ class FirstWindow:
 
     def edited(self, named: Mapping[int, str], params: Iterable[torch.Tensor]) -> list[str]:
         """The names of ``params`` whose gradient changed since it was marked."""
-        marks = self.marks
+        marks, written = self.marks, self.written()
         found = []
         for param in params:  # once per parameter at every step(): locals only
             mark = marks.get(id(param))
@@ -276,18 +304,20 @@ class FirstWindow:
             if grad is None:
                 if mark[0]:  # it had one (a gradient's id is never 0)
                     found.append(param)
-            elif mark[0] != id(grad) or mark[1] != grad._version:
+            elif mark[0] != id(grad) or mark[1] != grad._version or id(grad) in written:
                 found.append(param)
         return [named.get(id(p), f"a parameter of shape {tuple(p.shape)}") for p in found]
 
     def moved(self, named: Mapping[int, str], params: Iterable[torch.Tensor]) -> list[str]:
         """The names of ``params`` changed in place since marked."""
-        versions = self.versions
+        versions, written = self.versions, self.written()
         return [named.get(id(p), f"a parameter of shape {tuple(p.shape)}") for p in params
-                if versions.get(id(p), -1) not in (-1, p._version)]
+                if versions.get(id(p), -1) not in (-1, p._version) or id(p) in written]
 
     def reset(self) -> None:
         """A new optimizer step starts (after ``step()``)."""
         self.backwards, self.marks, self.clipped, self.settings = 0, {}, False, None
         self.versions = {}
+        self.close_data_writes()
+        self.data_writes = None
         self.clipped_to_norm = False
