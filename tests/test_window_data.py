@@ -1,4 +1,4 @@
-"""Writes through ``.data`` between backward and ``step()``.
+"""Writes through ``.data`` between backward and ``step()``, and forwards there.
 
 ``p.grad.data.mul_(0.5)`` and ``p.data.clamp_(-c, c)`` change the tensor without bumping
 its version counter (``.data`` has one of its own), which is what the window's checks
@@ -10,6 +10,9 @@ parameter-read warning, which said such a change is refused. Now refused at that
 ``step()``, or, learnt, every step in the plain order, bitwise, one warning; a ``.data``
 read, or set to the same values (``model.to(device)``), is no change.
 
+A forward of the DDP model between the first backward and ``step()`` (a validation)
+cleared the gradients under ``overlap_ddp`` (as a backward-only loop's next forward), and
+that ``step()`` refused the loop as one that changed them; now bitwise the plain loop.
 (DDP: 2 gloo ranks, ``tests/window_data_ranks.py``.)"""
 
 from __future__ import annotations
@@ -76,6 +79,24 @@ def test_data_read_or_set_to_the_same_values_is_no_change(
     for found in _each(two_ranks, f"{technique} {window}{' learnt' if learnt else ''}"):
         assert found["error"] is None, found
         assert found["bitwise plain"], found["bitwise plain"]
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+@pytest.mark.parametrize("window", ["validated under no_grad", "validated with autograd"])
+def test_a_forward_between_the_first_backward_and_step_is_bitwise_the_plain_loop(
+        two_ranks: list[dict[str, Any]], technique: str, window: str) -> None:
+    # before (overlap_ddp): the forward cleared the gradients, and the first step()
+    # refused the loop as one that changed them
+    for found in _each(two_ranks, f"{technique} {window}"):
+        assert found["error"] is None, found
+        assert found["bitwise plain"], found["bitwise plain"]
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+def test_a_backward_only_loop_validating_under_no_grad_is_bitwise_the_plain_loop(
+        two_ranks: list[dict[str, Any]], technique: str) -> None:
+    for found in _each(two_ranks, f"{technique} backward only, validated"):
+        assert found, found
 
 
 def _module_loop(technique: bool, window: Any) -> tuple[list[torch.Tensor], Any]:

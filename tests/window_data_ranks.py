@@ -45,12 +45,27 @@ def _moved_to_its_device(ddp: DDP) -> None:
     ddp.double().float()  # to other values and back: no change
 
 
+def _validated(ddp: DDP) -> None:
+    with torch.no_grad():
+        ddp.eval()
+        ddp(torch.ones(2, 16))
+        ddp.train()
+
+
+def _validated_with_autograd(ddp: DDP) -> None:
+    ddp.eval()
+    ddp(torch.ones(2, 16))
+    ddp.train()
+
+
 WINDOWS: dict[str, Callable[[DDP], None]] = {
     "grads halved through data": _grads_halved,
     "weights clamped through data": _weights_clamped,
     "weights set through data": _weights_set,
     "grad norms read through data": _grad_norms_read,
     "moved to its device": _moved_to_its_device,
+    "validated under no_grad": _validated,
+    "validated with autograd": _validated_with_autograd,
 }
 
 
@@ -81,8 +96,30 @@ def _loop(rank: int, technique: str | None, window: Callable[[DDP], None],
     return found
 
 
+def _backward_only(rank: int, technique: str | None) -> list[torch.Tensor]:
+    """A backward-only loop (the plain one: backward, step(), zero_grad()) validating
+    under ``no_grad()`` after each backward: the next forward with autograd still
+    clears the gradients stepped."""
+    torch.manual_seed(0)
+    ddp = DDP(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)),
+              bucket_cap_mb=0.001)
+    opt: Any = (torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9) if technique is None
+                else getattr(overlapkit, technique)(ddp, torch.optim.SGD, lr=0.1, momentum=0.9))
+    for batch in rank_batches(rank, 3):
+        ddp(batch).square().mean().backward()
+        if technique is None:
+            opt.step()
+            opt.zero_grad()
+        _validated(ddp)
+    return values(ddp)
+
+
 def run(rank: int, world_size: int) -> dict[str, Any]:
     found: dict[str, Any] = {}
+    expected = _backward_only(rank, None)
+    for technique in ("overlap_ddp", "optimizer_in_backward"):
+        found[f"{technique} backward only, validated"] = compare(
+            expected, _backward_only(rank, technique))
     for name, window in WINDOWS.items():
         plain = _loop(rank, None, window, False)
         assert plain["error"] is None, plain

@@ -68,7 +68,8 @@ from overlapkit.overlap.core.watched_reads import (
     watch_grad,
 )
 
-__all__ = ["LEARN", "NO_GRAD", "FirstWindow", "quiet_reads", "shown_names", "state"]
+__all__ = ["LEARN", "NO_GRAD", "FirstWindow", "clear_stepped", "quiet_reads", "shown_names",
+           "state"]
 
 #: what a hand-written loop that works in the window calls to have it honoured
 LEARN = ("optimizer.learn_first_step(model) (the first step is then taken at "
@@ -88,6 +89,20 @@ def state(param: torch.Tensor) -> tuple[int, int]:
 
 def shown_names(names: list[str]) -> str:
     return ", ".join(names[:3]) + (" and others" if len(names) > 3 else "")
+
+
+def clear_stepped(marks: FirstWindow | None, engine: Any) -> None:
+    """Clear the gradients of ``engine``'s parameters (``zero_grad()``) as a forward
+    follows a stepping backward of a loop not known to call ``step()`` yet (a
+    backward-only loop's next iteration): not an edit of the loop's in ``marks`` (those
+    the backward left), unless the loop had changed that gradient before."""
+    params, written = engine.parameters(), set() if marks is None else marks.written()
+    unedited = [] if marks is None else [
+        p for p in params if marks.marks.get(id(p)) == state(p) and id(p.grad) not in written]
+    engine.zero_grad(set_to_none=True)
+    if marks is not None:
+        for param in unedited:
+            marks.marks[id(param)] = state(param)
 
 
 @attrs.define

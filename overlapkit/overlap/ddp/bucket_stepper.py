@@ -23,6 +23,7 @@ from overlapkit.overlap.core.backward_scope import NEW, OUTSIDE, BackwardScope
 from overlapkit.overlap.core.bucket_layout import BucketLayouts, bucket_gradient_views
 from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.overlap.core.side_stream import SideStream
+from overlapkit.overlap.core.window import clear_stepped
 from overlapkit.overlap.ddp import inline_schedule as inline
 from overlapkit.overlap.ddp.bucket_steps import BucketSteps, PendingBucket
 from overlapkit.overlap.ddp.comm_threads import COMM_THREADS
@@ -371,16 +372,17 @@ class BucketStepper(BucketSteps):
           stepping backward (the backward-only loops of
           :mod:`~overlapkit.overlap.core.step_accounting`), clear the gradients that
           backward stepped, as the plain loop's ``zero_grad()`` would: the next backward
-          would accumulate onto them, and DDP would reduce the sum.
+          would accumulate onto them, and DDP would reduce the sum; not under
+          ``no_grad()`` (a validation: 0.4.0 refused it as a gradient change).
         """
         self._scope.close_if_stale()
         self.synchronize()
         if self.frozen:
             refuse_unfrozen(self.frozen, self.technique)
-        if self._stepped_grads_kept:
+        if self._stepped_grads_kept and torch.is_grad_enabled():
             self._stepped_grads_kept = False
             if self.window and not self.calls_step:
-                self.engine.zero_grad(set_to_none=True)
+                clear_stepped(self.stepped_marks, self.engine)
 
     def deferred(self) -> None:
         """Forget the usage the deferred backwards noted: their gradients are stepped by
