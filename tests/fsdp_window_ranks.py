@@ -74,6 +74,29 @@ def _loop(rank: int, overlapped: bool, window: Callable[[nn.Module, Any, int], N
     return found
 
 
+def _ema_loop(rank: int, overlapped: bool, learn: bool) -> dict[str, Any]:
+    """AdamW, 4 steps, an EMA of the ``DTensor`` parameters updated between backward
+    and ``step()``: the EMA, and the warnings."""
+    model = _model()
+    opt: Any = (overlapkit.optimizer_in_backward(model, torch.optim.AdamW, lr=1e-2)
+                if overlapped else torch.optim.AdamW(model.parameters(), lr=1e-2))
+    if overlapped and learn:
+        opt.learn_first_step(model)
+    ema = [p.detach().clone() for p in model.parameters()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in rank_batches(rank, 4):
+            model(batch).square().mean().backward()
+            with torch.no_grad():
+                for average, param in zip(ema, model.parameters(), strict=True):
+                    average.lerp_(param, 0.1)
+            opt.step()
+            opt.zero_grad()
+    return {"ema": [e.full_tensor() for e in ema],  # type: ignore[attr-defined]
+            "values": _full(model),
+            "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}
+
+
 def _rebuilt(rank: int, how: str) -> Any:
     """Two AdamW steps, then two SGD steps by a new optimizer on the same model
     (``how``: the old one released, or a plain SGD after it was released)."""
@@ -118,6 +141,13 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
                                      and compare(plain["values"], ours["values"]))
             del ours["values"]
             found[f"{name} learn={learn}"] = ours
+    plain = _ema_loop(rank, False, False)
+    for learn in (True, False):
+        ours = _ema_loop(rank, True, learn)
+        found[f"ema learn={learn}"] = {
+            "ema bitwise": compare(plain["ema"], ours["ema"]),
+            "bitwise plain": compare(plain["values"], ours["values"]),
+            "warnings": ours["warnings"]}
     found["rebuilt"] = _rebuilt(rank, "rebuilt")
     found["plain after release"] = _rebuilt(rank, "plain")
     found["plain while held"] = _plain_while_held(rank)

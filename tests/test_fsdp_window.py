@@ -3,7 +3,10 @@ ranks), ``optimizer_in_backward``: a loop told to ``learn_first_step`` that adds
 noise or reads gradient norms there is stepped in the plain order, bitwise the plain
 loop, with one warning (0.4.0 until this test: a raw RuntimeError from inside backward,
 ``as_subclass`` of a ``DTensor`` gradient); one that does nothing there keeps the overlap,
-bitwise; a warm-up written there without it is refused at the first ``step()``. A new
+bitwise; a warm-up written there without it is refused at the first ``step()``. An EMA
+of the ``DTensor`` parameters updated there: learnt, the plain order, bitwise, one
+warning; else warned of once (before: not watched, the EMA 0.0027 and 0.010 off the
+plain loop's after 4 steps, silently). A new
 optimizer on the same model after ``release()``, overlapped or plain, continues bitwise;
 a plain one stepping it while the overlapped one holds it is refused before it steps."""
 
@@ -51,6 +54,27 @@ def test_a_warm_up_in_the_window_is_learnt_or_refused_at_the_first_step(
         assert refused["at"] == 0, refused
         assert refused["error"]["type"] == "ConfigurationError"
         assert "lr of param group 0" in refused["error"]["message"]
+
+
+def test_an_ema_of_dtensor_parameters_in_a_learnt_window_keeps_the_plain_order_bitwise(
+        two_ranks: list[dict[str, Any]]) -> None:
+    # before: FSDP2's DTensor parameters were not watched: the EMA 0.0027 off the plain
+    # loop's after 4 AdamW steps, learnt, and 0.010 unlearnt, neither warned of
+    for rank_results in two_ranks:
+        found = rank_results["ema learn=True"]
+        assert found["ema bitwise"] and found["bitwise plain"], found
+        assert len(found["warnings"]) == 1, found["warnings"]
+        assert "in the plain order" in found["warnings"][0]
+        assert "were read" in found["warnings"][0]
+
+
+def test_an_ema_of_dtensor_parameters_in_a_window_not_learnt_is_warned_of_once(
+        two_ranks: list[dict[str, Any]]) -> None:
+    for rank_results in two_ranks:
+        found = rank_results["ema learn=False"]
+        assert found["bitwise plain"], found  # the model: the EMA is one step ahead
+        assert [w.split(":")[0] for w in found["warnings"]] == [
+            "ParameterReadInWindowWarning"], found["warnings"]
 
 
 @pytest.mark.parametrize("how", ["rebuilt", "plain after release"])

@@ -15,8 +15,8 @@ the plain order.
 A watched parameter is the same object: its class is switched to a watched subclass of
 ``torch.nn.Parameter`` (one per watcher, which holds the window) for that time, and back
 (no instance attribute is added, so a copy or a pickle of it taken meanwhile is a plain
-parameter). Only plain
-``torch.nn.Parameter`` objects are watched (not FSDP2's ``DTensor`` parameters). What
+parameter). A ``DTensor`` parameter (FSDP2's) is switched to a watched subclass of
+``DTensor`` the same way. What
 reads no values (``.grad``, ``.shape``, ``requires_grad``, ``_version``, registering a
 hook) is not a read; overlapkit's own work runs under
 :func:`~overlapkit.overlap.core.watched_reads.quiet_reads`.
@@ -28,7 +28,7 @@ import copy
 import warnings
 import weakref
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -66,16 +66,19 @@ def _reads_values(func: Any) -> bool:
 
 
 def _note_read(arg: Any) -> None:
-    window = type(arg)._window if isinstance(arg, _WatchedParameter) else None
+    window = type(arg)._window if isinstance(arg, _WatchesParameterReads) else None
     if window is not None:
         window.note_param_read(arg)
 
 
-class _WatchedParameter(torch.nn.Parameter):
-    """A parameter of a window (the same object, its class switched to a subclass of
-    this one per watcher, :func:`watched_class`, whose ``_window`` the reads go to)."""
+class _WatchesParameterReads:
+    """What every watched parameter class shares (a plain parameter's, a ``DTensor``
+    parameter's): a torch operation reading its values notes it in the class's
+    ``_window``, then runs as it would have."""
 
     _window: _Window | None = None
+    #: the class the parameter has when not watched
+    _unwatched_class: type = torch.nn.Parameter
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
@@ -87,39 +90,82 @@ class _WatchedParameter(torch.nn.Parameter):
         read noted."""
         watched = type(self)
         if watched._window is not None and not quiet():
-            watched._window.note_param_read(self)  # which may stop watching it
-        if type(self) is not watched:
+            watched._window.note_param_read(self)  # type: ignore[arg-type]
+        if type(self) is not watched:  # the read stopped watching it
             return copy.deepcopy(self, memo)
-        self.__class__ = torch.nn.Parameter  # type: ignore[assignment]
+        self.__class__ = watched._unwatched_class
         try:
             return copy.deepcopy(self, memo)
         finally:
             self.__class__ = watched
 
 
+class _WatchedParameter(_WatchesParameterReads, torch.nn.Parameter):
+    """A plain parameter of a window (the same object, its class switched to a subclass
+    of this one per watcher, :func:`watched_class`, whose ``_window`` the reads go to).
+    A parameter of a tensor subclass (FSDP2's ``DTensor``) is switched to a subclass of
+    its own class per watcher instead (:func:`_subclass_for`)."""
+
+    #: the watched subclass of each tensor subclass, for this watcher
+    _subclasses: ClassVar[dict[type, type]] = {}
+
+
 def watched_class() -> type[_WatchedParameter]:
     """A class of watched parameters, for one watcher (an optimizer's, a window's): what
     :func:`watch_params` switches parameters to (made once per watcher: about 9 µs)."""
-    return type("_WatchedParameter", (_WatchedParameter,), {})
+    return type("_WatchedParameter", (_WatchedParameter,), {"_subclasses": {}})
+
+
+def _subclass_for(watched: type[_WatchedParameter], cls: type) -> type:
+    """The watched class of a parameter of tensor subclass ``cls`` (FSDP2's ``DTensor``,
+    which 0.4.0 did not watch: an EMA over it 0.010 off the plain loop's, not warned
+    of) for ``watched``'s watcher, made once."""
+    sub = watched._subclasses.get(cls)
+    if sub is None:
+        sub = type(f"_Watched{cls.__name__}", (_WatchesParameterReads, cls),
+                   {"_unwatched_class": cls})
+        watched._subclasses[cls] = sub
+    return sub
+
+
+def _watchable(param: torch.Tensor) -> bool:
+    """A plain parameter, or a parameter of a wrapper subclass (``DTensor``) that is not
+    watched already."""
+    cls = type(param)
+    return cls is torch.nn.Parameter or (
+        getattr(param, "_is_param", False) and not issubclass(cls, _WatchesParameterReads)
+        and cls.__torch_function__ is torch._C._disabled_torch_function_impl)
 
 
 def watch_params(params: Iterable[torch.Tensor], watched: type[_WatchedParameter],
                  window: _Window) -> None:
-    """Note reads of the values of ``params`` (those that are plain parameters) in
-    ``window`` until :func:`unwatch_params`: their class switched to ``watched``."""
+    """Note reads of the values of ``params`` (plain parameters, and ``DTensor`` ones) in
+    ``window`` until :func:`unwatch_params`: their class switched to ``watched`` (or to
+    its subclass of theirs)."""
     watched._window = window
+    for sub in watched._subclasses.values():
+        sub._window = window  # type: ignore[attr-defined]
     for param in params:
-        if type(param) is torch.nn.Parameter:
+        cls = type(param)
+        if cls is torch.nn.Parameter:
             param.__class__ = watched
+        elif _watchable(param):
+            sub = _subclass_for(watched, cls)
+            sub._window = window  # type: ignore[attr-defined]
+            param.__class__ = sub
 
 
 def unwatch_params(params: Iterable[torch.Tensor], watched: type[_WatchedParameter]) -> None:
-    """Give ``params`` watched as ``watched`` back their plain class (before the step, or
+    """Give ``params`` watched as ``watched`` back their own class (before the step, or
     as the next backward starts); reads of a parameter left so go nowhere."""
     watched._window = None
+    subclasses = set(watched._subclasses.values())
+    for sub in subclasses:
+        sub._window = None  # type: ignore[attr-defined]
     for param in params:
-        if type(param) is watched:
-            param.__class__ = torch.nn.Parameter  # type: ignore[assignment]
+        cls = type(param)
+        if cls is watched or cls in subclasses:
+            param.__class__ = cls._unwatched_class  # type: ignore[attr-defined]
 
 
 class ParameterReadInWindowWarning(UserWarning):
