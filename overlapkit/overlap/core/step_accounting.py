@@ -39,6 +39,7 @@ skipped on a bad loss): :func:`discarded_step_error` (the step is taken: never s
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,10 @@ from overlapkit.overlap.core.window import FirstWindow
 
 if TYPE_CHECKING:
     from overlapkit.overlap.core.engine import OverlapEngine
+
+#: the order of backwards that freed what they stepped, across optimizers (the last one
+#: is the one a clip of an empty list stands for: ``rules/clip_halves.py``)
+_FREEING = itertools.count(1)
 
 __all__ = ["StepAccount", "accumulation_error", "backward_without_step_error",
            "discarded_step_error", "step_again_error"]
@@ -285,6 +290,7 @@ class StepAccount:
         between — too late for the step it was meant for."""
         params = engine.parameters()
         self.freed = params if freed else None
+        self.freed_order = next(_FREEING) if freed else 0
         if self.calls_step or self.window == 1:
             marks = FirstWindow(optimizer=self.settings_of, learned=self.learned)
             marks.mark(params)

@@ -11,7 +11,14 @@ as :mod:`~overlapkit.overlap.rules.late_clipping` guards the whole (installed wi
   the list, or none left after filtering them out — returns NaN with a
   :class:`~overlapkit.overlap.rules.late_clipping.FreedGradientNormWarning`, as
   ``clip_grad_norm_(..., max_norm=inf)`` does (0.4.0: torch's ``AttributeError`` from
-  inside it, or a norm of 0 logged).
+  inside it, or a norm of 0 logged);
+- an empty list given to any of the clips (``clip_grad_norm_``, ``clip_grad_value_``,
+  ``clip_grads_with_norm_``) in that window is the loop's list of the parameters with
+  a gradient (``[p for p in params if p.grad is not None]``), empty because
+  ``optimizer_in_backward`` freed them all: :func:`given_or_freed` hands the clip those
+  freed parameters, so it is answered or refused as a clip of them (0.4.0: torch's, of
+  nothing: the steps unclipped, SGD 0.056 off the plain loop after 4 steps, a norm of 0
+  returned, silently; ``clip_grad_value_``'s own ``RuntimeError`` from inside torch).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from overlapkit.overlap.rules.late_clipping import (
     late_clip_error,
 )
 
-__all__ = ["guarded_clip_grads_with_norm_", "guarded_get_total_norm",
+__all__ = ["given_or_freed", "guarded_clip_grads_with_norm_", "guarded_get_total_norm",
            "unguarded_clip_grads_with_norm_", "unguarded_get_total_norm"]
 
 # public as torch.nn.utils.clip_grads_with_norm_ / get_total_norm (torch 2.13)
@@ -52,7 +59,7 @@ def guarded_clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: 
     :raises ConfigurationError: any other clip of parameters already stepped, before it
         touches a gradient.
     """
-    params = _as_list(parameters)
+    params = given_or_freed(_as_list(parameters))
     steppers = _stepped(params) if params else []
     if not steppers:
         _refuse_other_clip_in_window(params, float(max_norm), 2.0)
@@ -109,3 +116,18 @@ def _freeing_steppers() -> list[Any]:
         if stepper is not None and getattr(stepper, "freed", None):
             found[id(stepper)] = stepper
     return list(found.values())
+
+
+def given_or_freed(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``params`` as given to a clip, or, none given after a backward in which
+    ``optimizer_in_backward`` stepped and freed the gradients (before ``step()``), the
+    parameters it freed: the plain loop's ``[p for p in params if p.grad is not None]``
+    (see the module docstring). That backward is the last that freed gradients, of any
+    optimizer (another's, left in its window by a refused step, is not this one's). A
+    list empty in the plain loop too (a frozen part's parameters) is taken for them as
+    well: answered where the optimizer applied that clip, else refused."""
+    steppers = [] if params else _freeing_steppers()
+    if not steppers:
+        return params
+    last = max(steppers, key=lambda stepper: getattr(stepper, "freed_order", 0))
+    return list(last.freed) if last.stepped_since_step else params

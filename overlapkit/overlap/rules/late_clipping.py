@@ -312,8 +312,10 @@ def guarded_clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float =
     :raises ConfigurationError: a clip the optimizer stepping these parameters during
         backward did not apply (it would come after the step).
     """
+    from overlapkit.overlap.rules.clip_halves import given_or_freed
+
     is_generator = isinstance(parameters, types.GeneratorType)
-    params = _as_list(parameters)
+    params = given_or_freed(_as_list(parameters))
     steppers = _stepped(params) if params else []
     if not steppers:
         # an empty generator is handed on as one: torch warns that nothing is clipped
@@ -375,7 +377,9 @@ def guarded_clip_grad_value_(parameters: Any, clip_value: float,
 
     :raises ConfigurationError: any other clip of parameters already stepped.
     """
-    params = _as_list(parameters)
+    from overlapkit.overlap.rules.clip_halves import given_or_freed
+
+    params = given_or_freed(_as_list(parameters))
     steppers = _stepped(params) if params else []
     if not steppers:
         _refuse_other_value_clip_in_window(params, float(clip_value))
