@@ -51,7 +51,7 @@ from typing import Any
 import attrs
 import torch
 
-from overlapkit.overlap.core.data_writes import DataWrites
+from overlapkit.overlap.core.data_writes import DataWrites, plain_state
 from overlapkit.overlap.core.group_settings import changed_settings, settings
 from overlapkit.overlap.core.state_marks import StateWrites
 from overlapkit.overlap.core.watched_params import (
@@ -169,7 +169,7 @@ class FirstWindow:
         :meth:`close_data_writes`: seen by :meth:`edited` and :meth:`moved` as the
         version counters are (which such a write does not bump)."""
         self.close_data_writes()
-        self.data_writes = DataWrites(params)
+        self.data_writes = DataWrites(params, self.optimizer)
 
     def close_data_writes(self) -> None:
         """Stop noting writes through ``.data``; those noted stay for :meth:`edited`
@@ -232,7 +232,15 @@ class FirstWindow:
     def state_written(self, names: Mapping[int, str]) -> list[str]:
         """The names of the parameters whose state entry the loop wrote since
         :meth:`mark_state` (the state itself not reset)."""
-        return [] if self.state_writes is None else self.state_writes.written(names)
+        found = [] if self.state_writes is None else self.state_writes.written(names)
+        written = self.written()  # through .data (no version bumped)
+        if written and self.optimizer is not None:
+            found.extend(
+                names.get(id(param), f"a parameter of shape {tuple(param.shape)}")
+                for param, entry in plain_state(self.optimizer).items()
+                if any(id(value) in written for value in entry.values())
+                and names.get(id(param)) not in found)
+        return found
 
     def state_reset(self) -> list[str]:
         """``["optimizer.state (N entries -> M, a reset)"]`` when it was replaced or
@@ -251,7 +259,12 @@ class FirstWindow:
         """The settings changed since :meth:`mark_settings` (:func:`changed_settings`)."""
         if self.optimizer is None or self.settings is None:
             return []
-        return changed_settings(self.settings, self.optimizer)
+        found, written = changed_settings(self.settings, self.optimizer), self.written()
+        found.extend(f"{key} of param group {index}"
+                     for index, group in enumerate(self.optimizer.param_groups)
+                     for key, value in group.items() if id(value) in written
+                     and f"{key} of param group {index}" not in found)
+        return found
 
     def discard(self) -> None:
         """``zero_grad()`` was called: the backwards so far are not this step's."""
