@@ -12,14 +12,14 @@ with or without ``learn_first_step``; a ``p.data.clamp_`` 0.015 off, warned only
 ``torch.Tensor`` gets a ``data`` descriptor (:class:`_Data`, torch's own behind it) when
 the first window opens, and keeps it: while a window is open (from the end of a stepping
 backward, or of a deferred one in a learnt first window, to ``step()``, ``zero_grad()`` or
-the next backward) it notes, for each leaf tensor read or set through it, the ``.data``
+the next backward) it notes, for each tensor of the window read or set through it, the ``.data``
 tensor handed out and its version, or the values before a set (:class:`DataWrites`): a
 later bump of that version, or values not the same after a set (``model.to(device)``
 sets ``.data`` to the same tensor; ``model.double().float()`` to the same values: not a
 change), is a change of the tensor itself: only the window's parameters, their
 gradients, the optimizer's state tensors and tensor settings (:func:`optimizer_tensors`)
-are noted. Opening and closing a window cost a list append and removal,
-nothing per parameter (the parameters' ids are taken at its first ``.data`` only); out
+are noted. Opening and closing a window cost a list append and removal, 1.6 µs in
+all per step with 400 parameters or 1 (the ids are taken at its first ``.data`` only); out
 of a window a ``.data`` access costs 0.09 µs more on a tensor, 0.55 µs on a parameter
 (measured: 0.33 -> 0.42, 0.29 -> 0.84 µs). Installed once, not per window:
 every change to a class's attributes uses up one of its type versions, and past 1000 of
