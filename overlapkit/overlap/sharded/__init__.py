@@ -10,6 +10,8 @@ while backward goes on. Split by the question each part answers:
 - :mod:`~overlapkit.overlap.sharded.stepper`: stepping, then exchanging, per bucket;
 - :mod:`~overlapkit.overlap.sharded.exchange`: sending the updated parameters;
 - :mod:`~overlapkit.overlap.sharded.optimizer`: the ``torch.optim.Optimizer`` users get;
+- :mod:`~overlapkit.overlap.sharded.hooks`: the hooks it takes (step hooks refused,
+  state-dict hooks handed the optimizer itself);
 - :mod:`~overlapkit.overlap.sharded.held_params`: its ``param_groups`` edited by hand;
 - :mod:`~overlapkit.overlap.sharded.share_state`: its ``state``, this rank's share;
 - :mod:`~overlapkit.overlap.sharded.state_dicts`: whole and per-rank state dicts;

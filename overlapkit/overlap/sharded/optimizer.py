@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -27,7 +27,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.errors import ConfigurationError, NotPicklableError, OverlapkitError
 from overlapkit.overlap.core.engine import OverlapEngine
-from overlapkit.overlap.core.step_hooks import sharded_step_hook_refusal
 from overlapkit.overlap.facade import OverlappedOptimizerFacade
 from overlapkit.overlap.rebuild import refuse_retired
 from overlapkit.overlap.resolved import ModelFacts
@@ -39,6 +38,7 @@ from overlapkit.overlap.setup import (
     materialise_params,
 )
 from overlapkit.overlap.sharded.held_params import flat_params, reordered
+from overlapkit.overlap.sharded.hooks import ShardedHooks
 from overlapkit.overlap.sharded.misfit import misfit_refusal
 from overlapkit.overlap.sharded.ownership import (
     Ownership,
@@ -64,6 +64,7 @@ from overlapkit.overlap.sharded.state_dicts import (
 from overlapkit.overlap.sharded.stepper import ShardedBucketStepper
 from overlapkit.overlap.sharded.torch_api import (
     in_torch_s_initialising_step,
+    initialising_step_kept,
     load_template,
     offloaded_refusal,
     offloaded_to,
@@ -77,7 +78,7 @@ __all__ = ["TECHNIQUE", "ShardedOverlapOptimizer"]
 TECHNIQUE = "overlap_ddp"
 
 
-class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
+class ShardedOverlapOptimizer(ShardedHooks, OverlappedOptimizerFacade):
     """A ``torch.optim.Optimizer`` stepping during backward, one DDP bucket at a time,
     each rank stepping (and keeping the state of) only the parameters it owns.
 
@@ -198,14 +199,6 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         self._consolidated = None
         self._stepper.consolidated = None
 
-    def register_step_pre_hook(self, hook: Any) -> Any:
-        """Refused: see :func:`~overlapkit.overlap.core.step_hooks.sharded_step_hook_refusal`."""
-        raise sharded_step_hook_refusal("register_step_pre_hook")
-
-    def register_step_post_hook(self, hook: Any) -> Any:
-        """Refused: see :func:`~overlapkit.overlap.core.step_hooks.sharded_step_hook_refusal`."""
-        raise sharded_step_hook_refusal("register_step_post_hook")
-
     # -- the Optimizer API --------------------------------------------------------
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
@@ -218,22 +211,27 @@ class ShardedOverlapOptimizer(OverlappedOptimizerFacade):
         ``set_optimizer_state_dict`` on a rank whose share holds no state) steps
         nothing where the plain optimizer holds state and takes none (it stepped, was
         built with state as Adagrad, or loaded a dict with state): a rank taking it
-        alone would wait for the others' exchange (:func:`~overlapkit.overlap.sharded.
-        torch_api.in_torch_s_initialising_step`). Else every rank takes it, as a plain
-        optimizer's (also after loading a dict without state: 0.4.0 skipped it there,
-        and Adam's ``step`` counts then trailed the plain ones by one)."""
+        alone would hold state the others do not (:func:`~overlapkit.overlap.sharded.
+        torch_api.in_torch_s_initialising_step`). Else it steps this rank's share, as a
+        plain optimizer's (also after loading a dict without state: 0.4.0 skipped it there,
+        and Adam's ``step`` counts then trailed the plain ones by one), and exchanges
+        nothing (at ``lr`` 0 it changes no parameter: :func:`~overlapkit.overlap.sharded.
+        torch_api.initialising_step_kept`), so a rank may take it alone."""
         refuse_retired(self._steps, "step()")
         stepper = self._stepper
-        if closure is None and stepper.plain_holds_state and in_torch_s_initialising_step():
+        initialising = closure is None and in_torch_s_initialising_step()
+        if initialising and stepper.plain_holds_state:
             return
         full = not self._stepper.stepped_since_step
         if full:  # (a stepping backward checked param_groups when it started)
             stepper.raise_if_destroyed("step()")
             self.synchronize()
             self._held_now()
-        super().step(closure)
+        with initialising_step_kept(self._ownership.mine(), self._engine.optimizer) \
+                if initialising and full else nullcontext():
+            super().step(closure)
         if full:
-            self._stepper.full_step_taken()
+            stepper.advance() if initialising else stepper.full_step_taken()
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the whole optimizer state on rank ``to`` (of the DDP model's process

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -28,7 +29,8 @@ import torch.distributed as dist
 from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.sharded.ownership import Ownership
 
-__all__ = ["TEMPLATE_DEVICE_KEY", "in_torch_s_initialising_step", "load_template",
+__all__ = ["TEMPLATE_DEVICE_KEY", "in_torch_s_initialising_step", "initialising_step_kept",
+           "load_template",
            "offloaded_refusal", "offloaded_to", "torch_s_broadcast_load",
            "torch_s_load_template", "torch_s_offloaded_get"]
 
@@ -69,6 +71,43 @@ def in_torch_s_initialising_step() -> bool:
     for them until the group's timeout (``ExchangeFailedError``, every later call
     refused)."""
     return _torch_frame("_init_optim_state", 6) is not None
+
+
+@contextmanager
+def initialising_step_kept(params: list[torch.Tensor], optimizer: torch.optim.Optimizer
+                           ) -> Iterator[None]:
+    """Around torch's initialising step of this rank's share (``params``), which is
+    not exchanged: torch takes it at ``lr`` 0 on zero gradients, so it creates the
+    state and changes no parameter, and the other ranks hold the same values already.
+
+    Exchanged (up to 0.4), it was a collective that each rank joined or not by its own
+    ``state``: ``get_optimizer_state_dict`` on rank 0 alone before the first step (the
+    plain optimizer's recipe for saving from one rank) made rank 0 wait for the others
+    until the group's timeout (measured: 5.1 s at a 5 s timeout, 2 gloo ranks, AdamW;
+    ``ExchangeFailedError``, and the process group unusable after: the next backward
+    failed on every rank), where the plain optimizer steps alone.
+
+    :raises ConfigurationError: the step changed a parameter of the share all the same
+        (an optimizer whose update does not scale with ``lr``): the parameters are put
+        back as they were (the other ranks', which did not see the change).
+    """
+    before = [p.detach().clone() for p in params]
+    yield
+    changed = [p for p, b in zip(params, before, strict=True)
+               if not torch.allclose(p.detach(), b, rtol=0.0, atol=0.0, equal_nan=True)]
+    if not changed:
+        return
+    with torch.no_grad():
+        for param, kept in zip(params, before, strict=True):
+            param.copy_(kept)
+    raise ConfigurationError(
+        "torch's get_optimizer_state_dict / set_optimizer_state_dict took its "
+        f"initialising step of {type(optimizer).__name__} (zero gradients, lr 0) and it "
+        f"changed {len(changed)} of this rank's parameters: with sharded optimizer state "
+        "that step is taken on each rank's share without sending the parameters to the "
+        "other ranks (a rank may take it alone), so the ranks' copies would differ. The "
+        "parameters were put back. Take a first training step (backward(), step()) "
+        "before calling them, or save and load with overlapkit.checkpoint.")
 
 
 def torch_s_load_template() -> Mapping[str, Any] | None:
