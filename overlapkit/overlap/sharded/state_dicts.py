@@ -128,7 +128,7 @@ def not_gathered_refusal(gathered_on: int | None, rank: int) -> ConfigurationErr
         "the optimizer state is sharded across ranks, so state_dict() returns the whole "
         "state once it has been gathered on this rank, and it has not "
         f"been{where}. Call optimizer.consolidate_state_dict(to={rank}) on every rank "
-        f"first, then state_dict() on rank {rank}; or save with "
+        f"first (the same `to` on each), then state_dict() on rank {rank}; or save with "
         "overlapkit.checkpoint.save(path, model, optimizer) on every rank (no gathering, "
         "loads at any world size); local_state_dict() is this rank's share.")
 
