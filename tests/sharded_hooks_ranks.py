@@ -17,7 +17,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from helpers import compare, error_of, values
-from sharded_state_ranks import LR, _loss, batches, build, build_reference, compare_state_dicts
+from sharded_state_ranks import (
+    LR,
+    Net,
+    _loss,
+    batches,
+    build,
+    build_reference,
+    compare_state_dicts,
+)
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
@@ -171,7 +179,34 @@ def torch_s_get_on_one_rank(rank: int, world_size: int) -> dict[str, Any]:
             "put back": compare(before, values(shrinking_ddp))}
 
 
+def gathered_dict_handed_out(rank: int, world_size: int) -> dict[str, Any]:
+    """The gathered state dict on rank 0 after torch's ``get_optimizer_state_dict`` read
+    it (torch renames its state's keys in place, to parameter names) and after the loop
+    deleted an entry of the dict ``state_dict()`` returned: ``state_dict()`` again, and
+    that dict loaded into a plain optimizer, against the plain optimizer's."""
+    reference, plain, ddp, opt = _pair()
+    data = batches(rank, 2)
+    _train(reference, plain, data)
+    _train(ddp, opt, data)
+    opt.consolidate_state_dict(0)
+    if rank != 0:
+        return {}
+    expected = plain.state_dict()
+    named = compare_state_dicts(get_optimizer_state_dict(reference, plain),
+                                get_optimizer_state_dict(ddp, opt))
+    after_get = copy.deepcopy(opt.state_dict())
+    returned = opt.state_dict()
+    del returned["state"][next(iter(returned["state"]))]
+    after_del = copy.deepcopy(opt.state_dict())
+    loaded = torch.optim.AdamW(Net().parameters(), lr=LR)
+    loaded.load_state_dict(copy.deepcopy(after_get))
+    return {"named": named, "after get": compare_state_dicts(expected, after_get),
+            "after del": compare_state_dicts(expected, after_del),
+            "plain loaded": compare_state_dicts(expected, loaded.state_dict())}
+
+
 def hooks(rank: int, world_size: int) -> dict[str, Any]:
     """Every case of this module, in one spawned run."""
     return {"hooks": hooks_handed_the_optimizer(rank, world_size),
-            "one rank": torch_s_get_on_one_rank(rank, world_size)}
+            "one rank": torch_s_get_on_one_rank(rank, world_size),
+            "handed out": gathered_dict_handed_out(rank, world_size)}

@@ -74,3 +74,12 @@ def test_an_initialising_step_that_changes_parameters_is_refused_and_put_back(
             assert shrunk is not None and shrunk["type"] == "ConfigurationError", shrunk
             assert "put back" in shrunk["message"]
         assert result["put back"], (rank, result["put back"])
+
+
+def test_the_gathered_dict_is_handed_out_afresh_each_time(results: list[dict]) -> None:
+    # was: keyed by parameter names after torch's get (a plain optimizer loading it
+    # got no state: Adam restarted), and without an entry the loop deleted from an
+    # earlier state_dict()'s dict
+    result = results[0]["handed out"]
+    for case in ("named", "after get", "after del", "plain loaded"):
+        assert result[case], (case, result[case])
