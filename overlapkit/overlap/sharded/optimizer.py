@@ -337,7 +337,7 @@ class ShardedOverlapOptimizer(ShardedHooks, OverlappedOptimizerFacade):
         share = share_of(state_dict, self._ownership)
         whole = state_dict if "state" in state_dict else share  # (a local one: the share)
         if not torch_s_broadcast_load() and (
-                misfit := misfit_refusal(self._engine.optimizer, whole)) is not None:
+                misfit := misfit_refusal(self._engine.optimizer, whole, self._model)) is not None:
             raise misfit
         with hooks_run:
             self._engine.load_state_dict(share)

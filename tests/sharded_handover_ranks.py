@@ -1,7 +1,9 @@
-"""The rank side of tests/test_sharded_hooks.py: state-dict hooks registered on a sharded
-optimizer, and torch's ``get_optimizer_state_dict`` called on one rank alone, against
-plain DDP + the plain optimizer doing the same, on gloo ranks whose DDP model is on a
-process group with a short timeout (a rank left waiting fails in seconds).
+"""The rank side of tests/test_sharded_handover.py: what a sharded optimizer hands to
+code around it and takes from it — state-dict hooks registered on it, torch's
+``get_optimizer_state_dict`` called on one rank alone, the gathered state dict handed
+out, the plain loop's dict of a model with frozen parameters — against plain DDP + the
+plain optimizer doing the same, on gloo ranks whose DDP model is (where a rank could be
+left waiting) on a process group with a short timeout.
 
 Each function returns what differed (a :class:`~helpers.Comparison`), the errors
 raised (:func:`~helpers.error_of`) or the figures measured.
@@ -30,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlapkit
 
@@ -205,8 +208,63 @@ def gathered_dict_handed_out(rank: int, world_size: int) -> dict[str, Any]:
             "plain loaded": compare_state_dicts(expected, loaded.state_dict())}
 
 
+class _WithFrozen(torch.nn.Module):
+    """A frozen layer between two trainable ones (``requires_grad=False``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(32, 16)
+        self.frozen = torch.nn.Linear(16, 16).requires_grad_(False)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.frozen(self.embed(tokens).mean(dim=1)))
+
+
+def plain_dict_with_frozen_parameters(rank: int, world_size: int) -> dict[str, Any]:
+    """The plain loop's dict (``AdamW(model.parameters())``, holding a frozen layer)
+    loaded into the sharded optimizer built without ``params=`` (refused, naming the
+    layer, nothing loaded) and with ``params=ddp.parameters()`` (then trained
+    bitwise the plain optimizer resumed from it on a new DDP model: at 3 ranks a new
+    DDP model's first buckets sum in another order than the rebuilt ones)."""
+    first = DDP(_WithFrozen(), bucket_cap_mb=0.001)
+    plain = torch.optim.AdamW(first.parameters(), lr=LR)
+    data = batches(rank, 3)
+    first(data[0]).square().mean().backward()
+    plain.step()
+    saved = copy.deepcopy(plain.state_dict())
+
+    def resumed() -> DDP:
+        model = DDP(_WithFrozen(), bucket_cap_mb=0.001)
+        model.load_state_dict(first.state_dict())
+        return model
+
+    ddp = resumed()
+    default = overlapkit.overlap_ddp(ddp, torch.optim.AdamW, lr=LR,
+                                     shard_optimizer_state=True)
+    before = default.local_state_dict()["sharded_state"]
+    refused = error_of(lambda: default.load_state_dict(copy.deepcopy(saved)))
+    unchanged = (before.keys() == default.local_state_dict()["sharded_state"].keys()
+                 and default.param_groups[0]["lr"] == LR)
+    reference, ddp = resumed(), resumed()
+    plain = torch.optim.AdamW(reference.parameters(), lr=LR)
+    plain.load_state_dict(copy.deepcopy(saved))
+    opt = overlapkit.overlap_ddp(ddp, torch.optim.AdamW, lr=LR, params=ddp.parameters(),
+                                 shard_optimizer_state=True)
+    opt.load_state_dict(copy.deepcopy(saved))
+    for model, optimizer in ((reference, plain), (ddp, opt)):
+        for tokens in data[1:]:
+            model(tokens).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return {"refused": refused, "unchanged": unchanged,
+            "values": compare(values(reference), values(ddp))}
+
+
 def hooks(rank: int, world_size: int) -> dict[str, Any]:
     """Every case of this module, in one spawned run."""
     return {"hooks": hooks_handed_the_optimizer(rank, world_size),
             "one rank": torch_s_get_on_one_rank(rank, world_size),
-            "handed out": gathered_dict_handed_out(rank, world_size)}
+            "handed out": gathered_dict_handed_out(rank, world_size),
+            "frozen": plain_dict_with_frozen_parameters(rank, world_size)}

@@ -2,7 +2,9 @@
 plain optimizer's are handed ``self``), and torch's initialising step
 (``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` on an optimizer without
 state) is taken by each rank alone, at 2 and 3 gloo ranks (one run each), against plain
-DDP + the plain optimizer.
+DDP + the plain optimizer; the gathered state dict handed out afresh each time; and the
+plain loop's dict holding frozen parameters refused clearly (or loaded with
+``params=``).
 
 Was (0.4.x): the hooks were handed the real optimizer inside, whose ``state`` is a
 ``defaultdict`` of this rank's share: a post-hook logging every parameter's step stored
@@ -16,7 +18,7 @@ timeout (5.1 s at 5 s), the process group unusable after."""
 from __future__ import annotations
 
 import pytest
-import sharded_hooks_ranks as ranks_
+import sharded_handover_ranks as ranks_
 from helpers import failures
 
 from overlapkit.distributed import run_distributed
@@ -83,3 +85,15 @@ def test_the_gathered_dict_is_handed_out_afresh_each_time(results: list[dict]) -
     result = results[0]["handed out"]
     for case in ("named", "after get", "after del", "plain loaded"):
         assert result[case], (case, result[case])
+
+
+def test_a_plain_dict_holding_frozen_parameters_is_refused_naming_them_or_loads(
+        results: list[dict]) -> None:
+    for rank, result in enumerate(results):
+        result = result["frozen"]
+        # was: torch's bare ValueError ("... doesn't match the size of optimizer's group")
+        refused = result["refused"]
+        assert refused is not None and refused["type"] == "ConfigurationError", refused
+        assert "'frozen.weight'" in refused["message"] and "params=" in refused["message"]
+        assert result["unchanged"], (rank, result["unchanged"])
+    assert not failures([r["frozen"] for r in results], "values")
