@@ -16,6 +16,7 @@ import datetime
 import time
 from typing import Any
 
+import numpy
 import torch
 import torch.distributed as dist
 from helpers import compare, error_of, values
@@ -191,10 +192,13 @@ def gathered_dict_handed_out(rank: int, world_size: int) -> dict[str, Any]:
     data = batches(rank, 2)
     _train(reference, plain, data)
     _train(ddp, opt, data)
-    opt.consolidate_state_dict(0)
+    # `to` as ZeroRedundancyOptimizer takes it: a NumPy integer, an integer tensor
+    given = {"numpy to": error_of(lambda: opt.consolidate_state_dict(numpy.int64(0))),
+             "tensor to": error_of(lambda: opt.consolidate_state_dict(torch.tensor(0)))}
     if rank != 0:
-        return {}
+        return given
     expected = plain.state_dict()
+    given["numpy state"] = compare_state_dicts(expected, opt.state_dict())
     named = compare_state_dicts(get_optimizer_state_dict(reference, plain),
                                 get_optimizer_state_dict(ddp, opt))
     after_get = copy.deepcopy(opt.state_dict())
@@ -203,7 +207,7 @@ def gathered_dict_handed_out(rank: int, world_size: int) -> dict[str, Any]:
     after_del = copy.deepcopy(opt.state_dict())
     loaded = torch.optim.AdamW(Net().parameters(), lr=LR)
     loaded.load_state_dict(copy.deepcopy(after_get))
-    return {"named": named, "after get": compare_state_dicts(expected, after_get),
+    return {**given, "named": named, "after get": compare_state_dicts(expected, after_get),
             "after del": compare_state_dicts(expected, after_del),
             "plain loaded": compare_state_dicts(expected, loaded.state_dict())}
 

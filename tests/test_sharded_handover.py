@@ -83,8 +83,16 @@ def test_the_gathered_dict_is_handed_out_afresh_each_time(results: list[dict]) -
     # got no state: Adam restarted), and without an entry the loop deleted from an
     # earlier state_dict()'s dict
     result = results[0]["handed out"]
-    for case in ("named", "after get", "after del", "plain loaded"):
+    for case in ("named", "after get", "after del", "plain loaded", "numpy state"):
         assert result[case], (case, result[case])
+
+
+def test_consolidate_takes_the_integers_zero_redundancy_optimizer_takes(
+        results: list[dict]) -> None:
+    # was: ConfigurationError "takes a rank from 0 to 1 ..., got np.int64(0)"
+    for rank, result in enumerate(results):
+        assert result["handed out"]["numpy to"] is None, (rank, result["handed out"])
+        assert result["handed out"]["tensor to"] is None, (rank, result["handed out"])
 
 
 def test_a_plain_dict_holding_frozen_parameters_is_refused_naming_them_or_loads(

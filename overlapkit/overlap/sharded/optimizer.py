@@ -51,6 +51,7 @@ from overlapkit.overlap.sharded.share_state import ShareOfState
 from overlapkit.overlap.sharded.state_dicts import (
     Gathered,
     changed_refusal,
+    destination_rank,
     gather_state_dict,
     load_pre_hooked,
     not_gathered_refusal,
@@ -243,12 +244,7 @@ class ShardedOverlapOptimizer(ShardedHooks, OverlappedOptimizerFacade):
         ``ZeroRedundancyOptimizer.consolidate_state_dict`` does); ``overlapkit.checkpoint``
         saves without gathering.
         """
-        world_size = self._ownership.world_size
-        if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < world_size:
-            raise ConfigurationError(
-                f"consolidate_state_dict(to=...) takes a rank from 0 to {world_size - 1} "
-                f"(the DDP model's process group), got {to!r}."
-            )
+        to = destination_rank(to, self._ownership.world_size)
         self._stepper.raise_if_destroyed("consolidate_state_dict()")
         self.synchronize()
         self._held_now()

@@ -17,6 +17,7 @@ rank's share to one DCP checkpoint and reads it back at any world size.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -32,7 +33,8 @@ from overlapkit.overlap.core.watched_reads import quiet_reads
 from overlapkit.overlap.sharded.ownership import Ownership
 
 __all__ = ["SHARDED_STATE_KEY", "SHARDING_KEY", "Gathered", "check_sharded_state_dict",
-           "changed_refusal", "gather_state_dict", "load_pre_hooked", "not_gathered_refusal",
+           "changed_refusal", "destination_rank", "gather_state_dict", "load_pre_hooked",
+           "not_gathered_refusal",
            "plain_state_dict", "share_fingerprint", "share_of", "sharded_state_dict",
            "stale_refusal",
            "with_state"]
@@ -126,6 +128,24 @@ def load_pre_hooked(optimizer: torch.optim.Optimizer, state_dict: Any, *, share:
             hooks.update(saved)
 
     return out, left_out()
+
+
+def destination_rank(to: Any, world_size: int) -> int:
+    """``consolidate_state_dict(to=...)`` as a rank of the DDP model's process group:
+    any integer, a NumPy one or a one-element integer tensor too (as
+    ``ZeroRedundancyOptimizer`` takes them; refused up to 0.4.0, ``got
+    np.int64(0)``), not a bool.
+
+    :raises ConfigurationError: not an integer, or not a rank of the group."""
+    try:
+        rank = None if isinstance(to, bool) else operator.index(to)
+    except TypeError:
+        rank = None
+    if rank is None or not 0 <= rank < world_size:
+        raise ConfigurationError(
+            f"consolidate_state_dict(to=...) takes a rank from 0 to {world_size - 1} "
+            f"(the DDP model's process group), got {to!r}.")
+    return rank
 
 
 def not_gathered_refusal(gathered_on: int | None, rank: int) -> ConfigurationError:
