@@ -69,7 +69,8 @@ def in_torch_s_initialising_step() -> bool:
     with sharded state holds its share only: a rank owning nothing (or only parameters
     without state) took it while the others did not, and its parameter exchange waited
     for them until the group's timeout (``ExchangeFailedError``, every later call
-    refused)."""
+    refused). That step is not exchanged now (:func:`initialising_step_kept`); it is
+    still skipped where the plain optimizer holds state and would take none."""
     return _torch_frame("_init_optim_state", 6) is not None
 
 
