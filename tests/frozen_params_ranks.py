@@ -5,6 +5,7 @@ a parameter unfrozen after set-up. 2 gloo ranks."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -138,4 +139,48 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
                 "embedding state": any(key.startswith(f"{got['embed index']}.")
                                        for key in got["tensors"]),
             }
+    return out
+
+
+def run_loads(rank: int, world_size: int) -> dict[str, Any]:
+    """The plain loop's optimizer state dict (``AdamW(model.parameters())``, the frozen
+    embedding included) loaded into each technique on DDP: without ``params=`` (the
+    trainable parameters only) refused naming the embedding, nothing loaded; with
+    ``params=model.parameters()`` loaded, then trained bitwise as the plain optimizer
+    resumed from it."""
+    out: dict[str, Any] = {}
+    batches = _batches(rank)
+    plain_model = DDP(_net())
+    plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=0.01)
+    for tokens in batches[:2]:
+        plain_model(tokens).square().mean().backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+    # torch's load keeps the dict's tensors: each load gets its own copy
+    saved = copy.deepcopy(plain_opt.state_dict())
+    for technique in ("overlap_ddp", "optimizer_in_backward"):
+        model = DDP(_net())
+        model.load_state_dict(plain_model.state_dict())
+        opt = getattr(overlapkit, technique)(model, torch.optim.AdamW, lr=0.01)
+        out[f"{technique} | trainable only"] = {
+            "error": error_of(lambda o=opt: o.load_state_dict(saved)),
+            "nothing loaded": not opt.state}
+        opt.release()
+        resumed = DDP(_net())
+        resumed.load_state_dict(plain_model.state_dict())
+        resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=0.01)
+        resumed_opt.load_state_dict(copy.deepcopy(saved))
+        model = DDP(_net())
+        model.load_state_dict(plain_model.state_dict())
+        opt = getattr(overlapkit, technique)(model, torch.optim.AdamW, lr=0.01,
+                                             params=model.parameters())
+        opt.load_state_dict(copy.deepcopy(saved))
+        for tokens in batches[2:]:
+            for each_model, each_opt in ((resumed, resumed_opt), (model, opt)):
+                each_model(tokens).square().mean().backward()
+                each_opt.step()
+                each_opt.zero_grad()
+        out[f"{technique} | params=model.parameters()"] = {
+            "values": compare(values(resumed), values(model))}
+        opt.release()
     return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from frozen_params_ranks import cases, run
+from frozen_params_ranks import cases, run, run_loads
 
 from overlapkit.distributed import run_distributed
 
@@ -54,3 +54,30 @@ def test_a_parameter_unfrozen_later_under_ddp_is_refused_before_anything_changes
         assert "'embed.weight' was frozen" in error["message"]
         assert "build a new DistributedDataParallel" in error["message"]
         assert result["unchanged"]
+
+
+@pytest.fixture(scope="module")
+def loads() -> list[dict[str, Any]]:
+    return run_distributed(run_loads, 2, timeout=300)
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+def test_the_plain_loops_state_dict_with_frozen_parameters_is_refused_naming_them(
+        loads: list[dict[str, Any]], technique: str) -> None:
+    """0.4 before this: torch's bare ``ValueError`` ("... doesn't match the size of
+    optimizer's group") on every rank, nothing saying why."""
+    for rank_results in loads:
+        result = rank_results[f"{technique} | trainable only"]
+        error = result["error"]
+        assert error is not None and error["type"] == "ConfigurationError", error
+        assert "'embed.weight'" in error["message"], error["message"]
+        assert "params=model.parameters()" in error["message"]
+        assert result["nothing loaded"]
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+def test_the_plain_loops_state_dict_loads_with_params_and_trains_as_resumed(
+        loads: list[dict[str, Any]], technique: str) -> None:
+    for rank_results in loads:
+        result = rank_results[f"{technique} | params=model.parameters()"]
+        assert result["values"], result["values"]

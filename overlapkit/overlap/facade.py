@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
@@ -23,6 +23,7 @@ from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.overlap.backward_steps import BackwardSteps
 from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.overlap.core.first_step import end_first_window, zeros_refusal, zeros_warning
+from overlapkit.overlap.core.group_sizes import sizes_refusal
 from overlapkit.overlap.core.kept_graph import second_backward_refusal
 from overlapkit.overlap.core.late_changes import accept_unchanged_rewrites as accept_rewrites
 from overlapkit.overlap.core.late_changes import refuse_changed_gradients
@@ -359,6 +360,10 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         if (refusal := self._steps.window_refusal("optimizer.load_state_dict()",
                                                   loading=True)) is not None:
             raise ConfigurationError(f"{refusal} Nothing was loaded.")
+        if isinstance(state_dict, Mapping) and (sizes := sizes_refusal(
+                self._engine.optimizer, state_dict, getattr(self, "_model", None),
+                self._technique)):
+            raise sizes  # a plain loop's dict with frozen parameters: torch's bare error
         self.synchronize()
         self._engine.load_state_dict(state_dict)
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from overlapkit.errors import ConfigurationError
+from overlapkit.overlap.core.group_sizes import sizes_refusal
 from overlapkit.overlap.sharded.torch_api import TEMPLATE_DEVICE_KEY
 
 __all__ = ["misfit_refusal", "sizes_refusal"]
@@ -65,41 +66,6 @@ def _twin_of(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         groups.append({**group, "params": twins})
     optim_cls: Any = type(optimizer)
     return optim_cls(groups)
-
-
-def sizes_refusal(optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any],
-                  model: torch.nn.Module | None = None) -> ConfigurationError | None:
-    """The refusal of a whole ``state_dict`` whose param groups do not hold as many
-    parameters as ``optimizer``'s, else None; naming the frozen parameters of ``model``
-    the optimizer leaves out when they make the difference.
-
-    torch's load raises a bare ``ValueError`` ("loaded state dict contains a parameter
-    group that doesn't match the size of optimizer's group") there, on every rank. The
-    usual cause is overlapkit's own: ``overlap_ddp`` without ``params=`` holds the
-    parameters DDP reduces, so a frozen one (``requires_grad=False``) is left out,
-    where a plain ``AdamW(model.parameters())`` holds it (measured: the plain loop's
-    dict, 5 parameters in its group where the optimizer holds 3, a frozen layer's 2
-    left out, refused with torch's error on both of 2 gloo ranks, nothing saying
-    why)."""
-    saved = [len(group.get("params", ())) for group in state_dict.get("param_groups", ())
-             if isinstance(group, Mapping)]
-    mine = [len(group["params"]) for group in optimizer.param_groups]
-    if saved == mine:
-        return None
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    model = getattr(model, "module", model)  # a DDP model's names, without "module."
-    frozen = [] if model is None else [name for name, p in model.named_parameters()
-                                       if not p.requires_grad and id(p) not in held]
-    why = (f" The model's frozen parameters {frozen} (requires_grad=False) are not in this "
-           "optimizer: without params=, overlap_ddp holds the parameters DDP reduces, "
-           "where a plain optimizer built on model.parameters() holds the frozen ones "
-           "too. Pass params=ddp_model.parameters() (or the plain optimizer's param "
-           "groups) to hold them as it does.") if frozen and sum(saved) == sum(mine) + len(
-        frozen) else " Load a state dict saved for these parameters and param groups."
-    return ConfigurationError(
-        f"this state dict's param groups hold {saved} parameters and this optimizer's "
-        f"{mine}, so its state cannot be matched to the parameters. Nothing was "
-        f"loaded.{why}")
 
 
 def misfit_refusal(optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any],
