@@ -173,3 +173,34 @@ def rebuilds_tracking_usage(rank: int, world_size: int) -> dict[str, Any]:
         for technique in ("overlap_ddp", "optimizer_in_backward"):
             out[f"{technique} {option}"] = compare(plain, train(technique))
     return out
+
+
+def new_ddp_after_unfreezing(rank: int, world_size: int) -> dict[str, Any]:
+    """Adam on a DDP model whose first layer is frozen for 2 steps, the optimizer dropped
+    (``del``, not released), the layer unfrozen, a new DDP model built around the same
+    module and SGD on it for 2: for each technique, the new call set up (the dropped
+    model and its optimizer were collected) and the parameters against the plain loop."""
+    data = rank_batches(rank, 4, shape=(8, 16))
+
+    def train(technique: str | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        inner = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+        inner[0].requires_grad_(False)
+        for i, cls, kw in ((0, torch.optim.Adam, {"lr": 1e-2}), (2, torch.optim.SGD, {"lr": 0.1})):
+            model = DDP(inner)
+            opt = (cls([p for p in model.parameters() if p.requires_grad], **kw)
+                   if technique is None else getattr(overlapkit, technique)(model, cls, **kw))
+            _train(model, opt, data[i:i + 2])
+            del model, opt
+            gc.collect()
+            inner[0].requires_grad_(True)
+        return values(inner)
+
+    plain = train(None)
+    out: dict[str, Any] = {}
+    for technique in ("overlap_ddp", "optimizer_in_backward"):
+        try:
+            out[technique] = compare(plain, train(technique))
+        except Exception as error:  # what the test reports
+            out[technique] = f"{type(error).__name__}: {error}"
+    return out

@@ -267,3 +267,12 @@ def test_a_rebuild_on_a_ddp_model_tracking_usage_trains_bitwise_as_the_plain_loo
                                                   timeout=300)):
         for key, parity in result.items():
             assert parity, (rank, key, parity)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_new_ddp_model_around_the_module_after_unfreezing_trains_bitwise_once_the_old_is_dropped(
+        world_size: int) -> None:
+    for rank, result in enumerate(run_distributed(ranks_.new_ddp_after_unfreezing, world_size,
+                                                  timeout=300)):
+        for technique, comparison in result.items():
+            assert not isinstance(comparison, str) and comparison, (rank, technique, comparison)

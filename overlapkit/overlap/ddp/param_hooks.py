@@ -8,6 +8,7 @@ BucketStepper` runs it before each forward). Usage tracking
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -67,8 +68,18 @@ def free_local_grads_once_bucketed(model: DistributedDataParallel,
     buckets only at the end).
     """
 
+    # held weakly: the hook lives as long as the parameter, and a strong reference kept
+    # a dropped DDP model alive with its buckets, its reducer and, through its comm hook,
+    # its optimizer, whose claim then refused a new DDP model around the same module
+    # (measured before: a ConfigurationError telling to release() an optimizer the loop
+    # no longer holds; overlap_ddp, which hooks nothing here, passed)
+    model_ref = weakref.ref(model)
+
     def make_hook(param: torch.Tensor) -> Any:
         def free_after_ddp_copied(grad_inputs: Any, grad_outputs: Any) -> None:
+            model = model_ref()
+            if model is None:
+                return
             if model.require_forward_param_sync and not model.static_graph:
                 stepper = _freeing(model)
                 if stepper is not None:
