@@ -204,3 +204,45 @@ def new_ddp_after_unfreezing(rank: int, world_size: int) -> dict[str, Any]:
         except Exception as error:  # what the test reports
             out[technique] = f"{type(error).__name__}: {error}"
     return out
+
+
+def dropped_then_plain_following_the_advice(rank: int, world_size: int) -> dict[str, Any]:
+    """Adam in backward for 2 steps, the optimizer dropped (``del``: the model's comm
+    hook steps it on), a plain AdamW built: its first step is refused (the backward
+    stepped by the dropped Adam); the loop follows the refusal's advice — the call it
+    names, released, then the AdamW's ``zero_grad()`` — and trains on with the AdamW:
+    against the plain loop (Adam for 3 steps, AdamW for 2). Also the other technique
+    set up instead of the AdamW after the same advice."""
+    data = rank_batches(rank, 5, shape=(8, 16))
+    plain = _ddp()
+    _train(plain, torch.optim.Adam(plain.parameters(), lr=1e-2), data[:3])
+    _train(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), data[3:])
+    out: dict[str, Any] = {}
+    for technique in ("overlap_ddp", "optimizer_in_backward"):
+        call = getattr(overlapkit, technique)
+        for then in ("plain", "other"):
+            key = f"{technique} then {then}"
+            model = _ddp()
+            opt = call(model, torch.optim.Adam, lr=1e-2)
+            _train(model, opt, data[:2])
+            del opt
+            gc.collect()
+            adamw = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            model(data[2]).square().mean().backward()
+            error = error_of(adamw.step)
+            advice = f"overlapkit.{technique}(model, torch.optim.SGD).release()"
+            if error is None or advice not in error["message"]:
+                out[key] = error
+                continue
+            try:
+                call(model, torch.optim.SGD).release()  # the advice
+                adamw.zero_grad()
+                if then == "other":
+                    other = "optimizer_in_backward" if technique == "overlap_ddp" else \
+                        "overlap_ddp"
+                    adamw = getattr(overlapkit, other)(model, torch.optim.AdamW, lr=1e-2)
+                _train(model, adamw, data[3:])
+                out[key] = compare(values(plain), values(model))
+            except Exception as error:  # what the test reports
+                out[key] = f"{type(error).__name__}: {error}"
+    return out

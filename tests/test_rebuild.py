@@ -276,3 +276,13 @@ def test_a_new_ddp_model_around_the_module_after_unfreezing_trains_bitwise_once_
                                                   timeout=300)):
         for technique, comparison in result.items():
             assert not isinstance(comparison, str) and comparison, (rank, technique, comparison)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_advice_of_a_plain_step_refused_after_a_dropped_optimizer_is_followable_and_exact(
+        world_size: int) -> None:
+    for rank, result in enumerate(run_distributed(
+            ranks_.dropped_then_plain_following_the_advice, world_size, timeout=300)):
+        for key, comparison in result.items():
+            assert not isinstance(comparison, (str, dict, type(None))) and comparison, \
+                (rank, key, comparison)

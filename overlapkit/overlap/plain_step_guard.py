@@ -43,7 +43,8 @@ from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.overlap.core.direct_step import PASSING_PRE_HOOKS
 from overlapkit.overlap.rules.late_clipping import current_stepper
 
-__all__ = ["adopted_step_refusal", "claims_changed", "install", "refuse_plain_step"]
+__all__ = ["adopted_step_refusal", "claims_changed", "install", "refuse_plain_step",
+           "release_advice"]
 
 _installed: list[Any] = []
 #: bumped at every claim: a plain optimizer checked before it is checked again
@@ -51,6 +52,18 @@ _generation = [0]
 #: optimizer -> (generation, number of parameters) when found to step no claimed one
 _passed: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]] = (
     weakref.WeakKeyDictionary())
+
+
+def release_advice(technique: str, model: str = "model") -> str:
+    """How to release a ``technique`` optimizer the loop no longer holds (dropped: the
+    model's hooks step it on), for a refusal's message that says to call its
+    ``release()``: a new call of the same technique on the same model covering all of
+    its parameters replaces it (:mod:`~overlapkit.overlap.rebuild`), and that one's
+    ``release()`` releases it; bitwise the plain loop from there."""
+    return (f" If you no longer hold it (dropped: the model's hooks still step it), a new "
+            f"call replaces it, and its release() releases it: "
+            f"overlapkit.{technique}({model}, torch.optim.SGD).release() (on every rank "
+            "of a DDP model; the same model, all of the earlier call's parameters).")
 
 
 def install() -> None:
@@ -95,7 +108,9 @@ def refuse_plain_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
                 "step is refused (the backward before it was stepped by that optimizer). "
                 f"Call release() on the {stepper.technique} optimizer before stepping a "
                 "plain optimizer on its parameters, or leave them out of it with "
-                "params=."
+                "params=." + release_advice(stepper.technique) + " Then zero the "
+                "gradients (this optimizer's zero_grad()) and go on with the next batch: "
+                "this one was stepped."
             )
     _passed[optimizer] = key
 

@@ -24,7 +24,10 @@ still reads (to carry its state into the new one).
 Refused, before anything changes, where the takeover would be ambiguous: the new call
 covers only part of a live optimizer's parameters (it would keep stepping the rest),
 or it comes between a stepping backward and ``step()`` (that optimizer step is half
-taken).
+taken), unless the earlier optimizer was dropped (:func:`mark_when_dropped`): its
+``step()`` cannot come, and the refusals naming ``release()`` tell a loop that no longer
+holds it to release it with a new call (:func:`~overlapkit.overlap.plain_step_guard.
+release_advice`).
 """
 
 from __future__ import annotations
@@ -37,12 +40,14 @@ from typing import Any, TypeVar
 import torch
 
 from overlapkit.errors import ConfigurationError
+from overlapkit.overlap.plain_step_guard import release_advice
 from overlapkit.overlap.rules.late_clipping import current_stepper, unwatch
 from overlapkit.overlap.setup import check_unclaimed, unclaim_params
 
 T = TypeVar("T")
 
-__all__ = ["before_forward_hook", "check_takeover", "live_stepper_of", "orphan_when_dropped",
+__all__ = ["before_forward_hook", "check_takeover", "live_stepper_of", "mark_when_dropped",
+           "orphan_when_dropped",
            "plan_takeover", "refuse_retired", "release_steps", "retire", "retired_error"]
 
 
@@ -93,14 +98,16 @@ def plan_takeover(params: Iterable[torch.Tensor], technique: str,
                 f"parameters, e.g. one of shape {tuple(left[0].shape)}, are not in "
                 f"params), so that one would keep stepping them. Release the earlier "
                 f"optimizer first (opt.release()), or pass params= covering all of its "
-                "parameters to replace it."
+                "parameters to replace it." + release_advice(owner)
                 + (" A DDP model is stepped by one overlapped optimizer (it takes one "
                    "comm hook): for two optimizers over different parameters (an "
                    "encoder and a decoder), pass them as param groups of one call, each "
                    "group with its own settings, or leave the second's parameters out of "
                    "params= and step them with a plain optimizer." if disjoint else "")
             )
-        if stepper.stepped_since_step:
+        # a dropped one's step() cannot come: taken over (retire() ends its window)
+        ends = getattr(stepper, "dropped", False) and not getattr(stepper, "deferring", False)
+        if stepper.stepped_since_step and not ends:
             raise ConfigurationError(
                 f"an earlier {owner} optimizer on these parameters has stepped during "
                 f"a backward whose step() has not been called yet, so this {technique} "
@@ -130,6 +137,31 @@ def retire(steppers: Iterable[Any], technique: str) -> None:
     for stepper in steppers:
         release_steps(stepper, stepper.engine.parameters())
         stepper.retired_by = technique
+        if stepper.stepped_since_step:  # dropped (plan_takeover): as its step() would
+            stepper.release_state()
+            marks, stepper.stepped_marks = stepper.stepped_marks, None
+            if marks is not None:
+                marks.release_state()
+            stepper.stepped_since_step = False
+
+
+def mark_when_dropped(optimizer: T) -> T:
+    """Return ``optimizer`` (a facade), its stepper marked ``dropped`` once it is
+    collected: its ``step()`` cannot come any more, so a new call may take over in the
+    middle of its optimizer step (:func:`plan_takeover`) — after a plain optimizer's
+    step was refused (:mod:`~overlapkit.overlap.plain_step_guard`), the backward before
+    it stepped by the dropped one, that refusal's advice (a new call, released) is
+    followable. Never where its steps are deferred to ``step()`` (learnt first window):
+    they would be lost. Each rank marks its own; :func:`plan_takeover` collects before
+    it reads the mark, on every rank."""
+    weakref.finalize(optimizer, _mark_dropped, weakref.ref(optimizer._steps))  # type: ignore[attr-defined]
+    return optimizer
+
+
+def _mark_dropped(stepper_ref: weakref.ref[Any]) -> None:
+    stepper = stepper_ref()
+    if stepper is not None:
+        stepper.dropped = True
 
 
 def orphan_when_dropped(optimizer: T) -> T:

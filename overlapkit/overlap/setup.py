@@ -23,7 +23,7 @@ from overlapkit.errors import (
     UnsupportedOptimizerError,
 )
 from overlapkit.overlap.core.engine import OverlapEngine
-from overlapkit.overlap.plain_step_guard import claims_changed
+from overlapkit.overlap.plain_step_guard import claims_changed, release_advice
 from overlapkit.overlap.plain_step_guard import install as install_plain_step_guard
 from overlapkit.overlap.rules.late_clipping import stepper_gone, unwatch
 from overlapkit.plugin.manager import get_plugin_manager
@@ -253,6 +253,8 @@ def check_unclaimed(params: Iterable[torch.Tensor], technique: str) -> None:
                 "one call per parameter (pass params= to split the parameters between "
                 "calls), and do not mix overlap_ddp and optimizer_in_backward on one model "
                 "(or call release() on the earlier optimizer first)."
+                + (release_advice(owner) if owner in ("overlap_ddp", "optimizer_in_backward")
+                   else "")
             )
 
 

@@ -22,7 +22,7 @@ from overlapkit.overlap.ddp.setup import check_on_ddp, resolve_on_ddp, set_up_on
 from overlapkit.overlap.in_backward.optimizer import TECHNIQUE as IN_BACKWARD
 from overlapkit.overlap.in_backward.optimizer import OptimizerInBackward
 from overlapkit.overlap.in_backward.setup import model_kind, replaceable, set_up_on_module
-from overlapkit.overlap.rebuild import check_takeover, orphan_when_dropped
+from overlapkit.overlap.rebuild import check_takeover, mark_when_dropped, orphan_when_dropped
 from overlapkit.overlap.resolved import ModelFacts, resolve_setup
 from overlapkit.overlap.rules.clipping import GradClipping
 from overlapkit.overlap.sharded.optimizer import ShardedOverlapOptimizer
@@ -131,9 +131,9 @@ def overlap_ddp(
         step_thread=step_thread, policy=resolve_policy(shard_optimizer_state))
     check_on_ddp(setup)
     if setup.policy is not None:
-        return shard_on_ddp(setup)
+        return mark_when_dropped(shard_on_ddp(setup))
     engine, stepper = set_up_on_ddp(setup)
-    return DDPOverlapOptimizer(engine, stepper, setup.model)
+    return mark_when_dropped(DDPOverlapOptimizer(engine, stepper, setup.model))
 
 
 def optimizer_in_backward(
@@ -218,7 +218,7 @@ def optimizer_in_backward(
                                grad_scaler=grad_scaler)
         check_on_ddp(setup)
         engine, stepper = set_up_on_ddp(setup, free_grads=True)
-        return OptimizerInBackward(engine, stepper, setup.model)
+        return mark_when_dropped(OptimizerInBackward(engine, stepper, setup.model))
     if comm_hook is not None or comm_hook_options is not None:
         raise ConfigurationError(
             f"comm_hook applies to DistributedDataParallel models only, and this is "
@@ -230,4 +230,5 @@ def optimizer_in_backward(
     check_takeover(setup.stepped, IN_BACKWARD, replaceable)
     optimizer = set_up_on_module(setup)
     # one process's: a DDP or FSDP2 model's ranks would not collect it at once
+    optimizer = mark_when_dropped(optimizer)
     return orphan_when_dropped(optimizer) if kind == "module" else optimizer

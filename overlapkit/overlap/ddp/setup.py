@@ -27,6 +27,7 @@ from overlapkit.overlap.core.side_stream import SideStream
 from overlapkit.overlap.ddp import comm_hook_guard
 from overlapkit.overlap.ddp.bucket_stepper import BucketStepper
 from overlapkit.overlap.ddp.kept_gradients import KeptGradientAveraging
+from overlapkit.overlap.plain_step_guard import release_advice
 from overlapkit.overlap.rebuild import before_forward_hook, check_takeover, plan_takeover, retire
 from overlapkit.overlap.resolved import ModelFacts, ResolvedSetup, resolve_setup
 from overlapkit.overlap.rules.clipping import GradClipping
@@ -126,6 +127,7 @@ def check_ddp_model(ddp_model: Any, technique: str) -> DistributedDataParallel:
                 f"one comm hook, so {technique} cannot add its own; choose one of "
                 "overlap_ddp and optimizer_in_backward per model, or call release() on "
                 f"the {bound.technique} optimizer first."
+                + release_advice(bound.technique, "ddp_model")
             )
         return ddp_model  # the slot's comm hook dispatches to the new stepper
     if getattr(ddp_model, "_comm_hooks", None):
