@@ -268,20 +268,25 @@ class SkipsTheLastMicroBatch(Regression):
         return None if batch_idx == 3 else super().training_step(batch, batch_idx)
 
 
+def _fit_noting(module: L.LightningModule, run: L.Trainer,
+                ) -> tuple[list[torch.Tensor], list[str], Any]:
+    """``run.fit(module)``: the values after it, the plain-order warnings it gave, and
+    the error it raised (or None)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        error = error_of(lambda: run.fit(module, data()))
+    return (values(module), [str(w.message) for w in caught
+                             if "in the plain order" in str(w.message)], error)
+
+
 def _skipped(root: Path) -> dict[str, Any]:
     """One process, accumulate 2: DDP's reducer, prepared by the skipped batch's forward,
     reduces the next no_sync() backward. overlap_ddp: the plain order from there (before:
     that backward stepped, then a refusal at the next); optimizer_in_backward, whose
     early freeing would lose gradients: refused at the skip, before its step."""
     def fit(label: str) -> tuple[list[torch.Tensor], list[str], Any]:
-        module = SkipsTheLastMicroBatch()
-        run = trainer(strategy(label), 1, root / label, max_epochs=1,
-                      accumulate_grad_batches=2)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            error = error_of(lambda: run.fit(module, data()))
-        return (values(module), [str(w.message) for w in caught
-                                 if "in the plain order" in str(w.message)], error)
+        return _fit_noting(SkipsTheLastMicroBatch(), trainer(
+            strategy(label), 1, root / label, max_epochs=1, accumulate_grad_batches=2))
 
     plain, _, _ = fit("ddp")
     single, _, _ = fit("single device")
@@ -324,14 +329,8 @@ def _cached_loss(ws: int, root: Path) -> dict[str, Any]:
     ``optimizer_in_backward`` on DDP (whose early freeing loses the chunks' sum): the
     refusal, and whether nothing had changed."""
     def fit(label: str) -> tuple[list[torch.Tensor], list[str], Any]:
-        module = CachedLoss()
-        run = trainer(strategy(label), ws, root / label, max_steps=3,
-                      gradient_clip_val=0.05)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            error = error_of(lambda: run.fit(module, data()))
-        return (values(module), [str(w.message) for w in caught
-                                 if "in the plain order" in str(w.message)], error)
+        return _fit_noting(CachedLoss(), trainer(strategy(label), ws, root / label,
+                                                 max_steps=3, gradient_clip_val=0.05))
 
     out: dict[str, Any] = {}
     pairs = {"overlap_ddp": "ddp", **({"one device": "single device"} if ws == 1 else {})}
