@@ -1,6 +1,7 @@
 """The rank side of tests/test_hand_written_loops.py: ``optimizer_in_backward`` on a DDP
 model (2 gloo ranks) whose last forward leaves a branch unused, with
-``find_unused_parameters`` off (DDP never reduces the bucket) and on (bitwise)."""
+``find_unused_parameters`` off (DDP never reduces the bucket) and on (bitwise); and one
+whose last forward calls the wrapped module past DDP (nothing reduced)."""
 
 from __future__ import annotations
 
@@ -42,8 +43,24 @@ def _train(rank: int, overlapped: bool, find_unused: bool) -> dict[str, Any]:
     return {"values": values(model), "errors": errors, "before last": before_last}
 
 
-def run(rank: int, world_size: int) -> dict[bool, dict[str, Any]]:
-    out = {}
+def _past_ddp(rank: int) -> dict[str, Any]:
+    """Two steps through DDP, then a training forward of ``ddp.module``: refused as its
+    backward ends, nothing stepped in it."""
+    model = _TwoLayers()
+    ddp = DDP(model)
+    opt = overlapkit.optimizer_in_backward(ddp, torch.optim.Adam, lr=0.01)
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        ddp(torch.randn(4, 8, generator=generator)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    before = values(model)
+    error = error_of(model(torch.randn(4, 8, generator=generator)).square().mean().backward)
+    return {"error": error, "stepped nothing": compare(before, values(model))}
+
+
+def run(rank: int, world_size: int) -> dict[Any, dict[str, Any]]:
+    out: dict[Any, dict[str, Any]] = {"past ddp": _past_ddp(rank)}
     for find_unused in (False, True):
         plain, mine = _train(rank, False, find_unused), _train(rank, True, find_unused)
         out[find_unused] = {

@@ -78,12 +78,12 @@ def test_zero_grad_to_none_trains_as_the_plain_loop() -> None:
 
 
 @pytest.fixture(scope="module")
-def two_ranks() -> list[dict[bool, dict[str, Any]]]:
+def two_ranks() -> list[dict[Any, dict[str, Any]]]:
     return run_distributed(run, 2, timeout=300)
 
 
 def test_a_ddp_bucket_never_reduced_is_refused_not_left_unstepped(
-        two_ranks: list[dict[bool, dict[str, Any]]]) -> None:
+        two_ranks: list[dict[Any, dict[str, Any]]]) -> None:
     """``find_unused_parameters=False`` and a branch left out of the last forward: DDP
     never reduces the bucket, whose local gradients ``optimizer_in_backward`` had freed.
     Before: that backward stepped nothing and ``step()`` nothing either, silently (the
@@ -98,8 +98,22 @@ def test_a_ddp_bucket_never_reduced_is_refused_not_left_unstepped(
         assert unused["last backward stepped nothing"]
 
 
+def test_a_forward_past_ddp_is_refused_naming_it_not_an_unused_parameter(
+        two_ranks: list[dict[Any, dict[str, Any]]]) -> None:
+    """The wrapped module called for a training forward (``ddp.module(batch)``): DDP
+    reduces nothing. Before: the refusal blamed an unused parameter and told to pass
+    ``find_unused_parameters=True``, which does not help."""
+    for found in two_ranks:
+        past = found["past ddp"]
+        error = past["error"]
+        assert error is not None and error["type"] == "ConfigurationError", past
+        assert "did not run through the DistributedDataParallel model" in error["message"]
+        assert "find_unused_parameters" not in error["message"]
+        assert past["stepped nothing"], past
+
+
 def test_a_ddp_branch_left_out_with_find_unused_parameters_is_bitwise(
-        two_ranks: list[dict[bool, dict[str, Any]]]) -> None:
+        two_ranks: list[dict[Any, dict[str, Any]]]) -> None:
     for found in two_ranks:
         assert found[True]["errors"] == [None, None, None], found[True]
         assert found[True]["bitwise"], found[True]

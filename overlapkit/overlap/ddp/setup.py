@@ -265,6 +265,8 @@ def set_up_on_ddp(
     if stepper.free_grads and not model.gradient_as_bucket_view:
         stepper.free_after_copy_model = weakref.ref(model)
         stepper.unreduced.active = True
+        stepper.handles.append(model.register_forward_pre_hook(
+            OwnHook(stepper.unreduced.forward_through_ddp)))
     stepper.register(owned)
     names = setup.model.names
     stepper.frozen = [(names[id(p)], p) for p in owned if id(p) not in setup.model.reduced]

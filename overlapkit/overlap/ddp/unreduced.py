@@ -14,12 +14,18 @@ was 0.0099 off (Adam, 2 gloo ranks), silently, its ``step()`` stepping nothing.
 whose comm hook ran (:meth:`reduced`); once the backward has ended (after DDP's
 finalize and the stepper's end of backward), any freed gradient whose bucket never ran
 raises a :class:`~overlapkit.errors.ConfigurationError` from ``backward()``. Where no
-bucket ran, nothing was stepped in that backward.
+bucket ran, nothing was stepped in that backward; and where no forward with autograd ran
+through the DDP model since the last check either (:meth:`forward_through_ddp`, a forward
+pre-hook of the DDP model), the forward went past DDP (``model.module(batch)``, the
+unwrapped module called), which the message says instead of blaming an unused
+parameter (measured before: a hand-written loop calling ``model.module`` was told to pass
+``find_unused_parameters=True``, which does not help).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,6 +60,15 @@ class UnreducedGradients:
         #: the backward under way, nested reentrant-checkpointing ones included: its
         #: end (the outermost one's) checks
         self._scope = BackwardScope(self._check_after_the_others)
+        #: a forward with autograd ran through the DDP model since the last check
+        self._through_ddp = False
+
+    def forward_through_ddp(self, module: torch.nn.Module, args: Any) -> None:
+        """A forward pre-hook of the DDP model (an :class:`~overlapkit.overlap.core.
+        own_hooks.OwnHook`): a forward with autograd reaches DDP, whose reducer then
+        expects this backward's gradients."""
+        if torch.is_grad_enabled():
+            self._through_ddp = True
 
     def _check_at_the_end(self) -> None:
         if self._scope.enter() == NEW:  # a backward that raised left its own behind
@@ -82,11 +97,22 @@ class UnreducedGradients:
 
     def _check(self) -> None:
         waiting, self._waiting = self._waiting, {}
-        self._reduced = set()
+        reduced_any, self._reduced = bool(self._reduced), set()
+        through_ddp, self._through_ddp = self._through_ddp, False
         if not waiting or self.refused_elsewhere:
             self.refused_elsewhere = False
             return
         self._refused()
+        if not reduced_any and not through_ddp:
+            raise ConfigurationError(
+                f"backward() ended with no DDP reduction run ({len(waiting)} parameters' "
+                "gradients were freed into their buckets, nothing was stepped): the "
+                "forward did not run through the DistributedDataParallel model (the module "
+                "it wraps was called, e.g. model.module(batch)), so DDP reduced nothing. "
+                f"{self._technique} steps each bucket once reduced; call the DDP model "
+                "itself for the training forward (calling the module directly skips the "
+                "reduction in the plain loop too, each rank then stepping its own "
+                "gradient). Nothing was stepped in this backward.")
         shapes = ", ".join(str(shape) for shape in list(waiting.values())[:3])
         raise ConfigurationError(
             f"backward() ended with the DDP reduction of {len(waiting)} parameters "
