@@ -22,6 +22,7 @@ from overlapkit.integrations._accelerate_window import (
     steps_paused,
     watch_forwards_past_ddp,
 )
+from overlapkit.overlap.core.window import state as gradient_state
 
 __all__ = ["UNSYNCED_MICRO_BATCH", "compute_loss_of_ones_own", "compute_loss_watched",
            "plain_order_warning", "unsynced_micro_batch", "watched_compute_loss"]
@@ -70,11 +71,10 @@ def compute_loss_of_ones_own(trainer: Any, skip: tuple[type, ...]) -> str | None
     return "compute_loss_func" if getattr(trainer, "compute_loss_func", None) else None
 
 
-def _gradient_marks(model: torch.nn.Module) -> list[tuple[int, int] | None]:
-    """Per parameter, its gradient's identity and version (None: no gradient): what a
-    backward changes, stepped or not."""
-    return [None if p.grad is None else (id(p.grad), p.grad._version)
-            for p in model.parameters()]
+def _gradient_marks(model: torch.nn.Module) -> list[tuple[int, int]]:
+    """Per parameter, the window's mark of its gradient (:func:`~overlapkit.overlap.core.
+    window.state`: identity and version): what a backward changes, stepped or not."""
+    return [gradient_state(p) for p in model.parameters()]
 
 
 def watched_compute_loss(compute_loss: Callable[..., Any], name: str, model: torch.nn.Module,
