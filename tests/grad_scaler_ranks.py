@@ -34,4 +34,34 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
         out[f"{technique} unscale_ left grads"] = all(
             (g is None and p.grad is None) or (g is not None and torch.equal(g, p.grad))
             for g, p in zip(grads, ddp.parameters(), strict=True))
+        opt.release()
+    for technique in ("overlap_ddp", "optimizer_in_backward"):
+        _adopted(rank, technique, out)
     return out
+
+
+def _adopted(rank: int, technique: str, out: dict[str, Any]) -> None:
+    """The scaler driving the optimizer handed in (the adopted one, a kept reference):
+    with and without grad_scaler=, step and unscale_; refused before it touches a
+    gradient (before: torch's bare AssertionError under optimizer_in_backward; under
+    overlap_ddp the kept gradients unscaled in place, then refused as a plain step)."""
+    for given in (False, True):
+        for call in ("step", "unscale_"):
+            torch.manual_seed(0)
+            ddp = DDP(nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4)))
+            inner = torch.optim.AdamW(ddp.parameters(), lr=0.1)
+            scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+            opt = getattr(overlapkit, technique)(
+                ddp, inner, **({"grad_scaler": scaler} if given else {}))
+            scaler.scale(ddp(rank_batches(rank, 1)[0]).square().mean()).backward()
+            grads = [None if p.grad is None else p.grad.clone() for p in ddp.parameters()]
+            params = [p.detach().clone() for p in ddp.parameters()]
+            key = f"{technique} adopted {call} {'with' if given else 'without'} grad_scaler"
+            out[key] = error_of(lambda scaler=scaler, inner=inner, call=call:
+                                getattr(scaler, call)(inner))
+            out[f"{key} unchanged"] = all(
+                ((g is None and p.grad is None) or (g is not None and torch.equal(g, p.grad)))
+                and torch.equal(q, p)
+                for g, q, p in zip(grads, params, ddp.parameters(), strict=True))
+            out[f"{key} attrs"] = sorted({"grad_scale", "found_inf"} & set(vars(inner)))
+            opt.release()

@@ -36,6 +36,38 @@ def test_a_grad_scaler_is_refused_on_ddp(results: list[dict[str, Any]], techniqu
         assert rank_results[f"{technique} unscale_ left grads"]
 
 
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+@pytest.mark.parametrize("call", ["step", "unscale_"])
+@pytest.mark.parametrize("given", ["with", "without"])
+def test_a_grad_scaler_on_the_adopted_optimizer_is_refused_on_ddp(
+        results: list[dict[str, Any]], technique: str, call: str, given: str) -> None:
+    """scaler.step(inner) / scaler.unscale_(inner) on the optimizer handed to the
+    technique: before, torch's bare AssertionError ("No inf checks were recorded")
+    under optimizer_in_backward, and under overlap_ddp the kept gradients unscaled in
+    place before the plain-step refusal."""
+    for rank_results in results:
+        key = f"{technique} adopted {call} {given} grad_scaler"
+        error = rank_results[key]
+        assert error is not None and error["type"] == "ConfigurationError", error
+        assert f"scaler.{call}(optimizer)" in error["message"]
+        assert "adopted" in error["message"] and "grad_scaler=scaler" in error["message"]
+        assert rank_results[f"{key} unchanged"]
+        assert rank_results[f"{key} attrs"] == []
+
+
+def test_a_grad_scaler_on_a_second_plain_optimizer_is_refused() -> None:
+    """A plain optimizer over parameters optimizer_in_backward steps (freed gradients):
+    before, torch's bare AssertionError from scaler.step."""
+    model = nn.Linear(4, 2)
+    opt = overlapkit.optimizer_in_backward(model, torch.optim.AdamW, lr=0.1)
+    other = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.ones(3, 4)).sum()).backward()
+    with pytest.raises(overlapkit.ConfigurationError, match="stepped twice"):
+        scaler.step(other)
+    opt.release()
+
+
 def test_a_grad_scaler_is_refused_on_a_plain_module() -> None:
     model = nn.Linear(4, 2)
     opt = overlapkit.optimizer_in_backward(model, torch.optim.AdamW, lr=0.1)

@@ -30,7 +30,9 @@ from overlapkit.errors import ConfigurationError
 __all__ = ["guard_param_groups", "hand_inf_check", "refuse_scaler_step", "scaler_refusal"]
 
 _UNSCALE_GRADS = torch.amp.GradScaler._unscale_grads_.__code__
-_UNSCALE = torch.amp.GradScaler.unscale_.__code__
+#: torch's own (the plain-step guard wraps it, :mod:`overlapkit.overlap.plain_step_guard`)
+_UNSCALE = getattr(torch.amp.GradScaler.unscale_, "__wrapped__",
+                   torch.amp.GradScaler.unscale_).__code__
 
 
 def scaler_refusal(technique: str) -> ConfigurationError:
