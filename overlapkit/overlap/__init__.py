@@ -16,7 +16,10 @@ One sub-package per concept (0.4), each importing only the ones listed before it
 The modules at this level assemble a technique from them: the set-up pass
 (:mod:`~overlapkit.overlap.resolved`: resolve, check, build, with
 :mod:`~overlapkit.overlap.setup` and :mod:`~overlapkit.overlap.adopt`), the facade
-users get back (:mod:`~overlapkit.overlap.facade`), the two public calls
+users get back (:mod:`~overlapkit.overlap.facade`), the guards against a plain
+optimizer (:mod:`~overlapkit.overlap.plain_step_guard`) or a ``GradScaler``
+(:mod:`~overlapkit.overlap.scaler_guard`) driving what the technique steps, the two
+public calls
 (:mod:`~overlapkit.overlap.techniques`) and the built-in plugin ``overlapkit.overlap``
 (:mod:`~overlapkit.overlap.plugin`).
 """

@@ -28,21 +28,11 @@ backward that stepped, it would step the parameters again from the gradients
 ``overlap_ddp`` keeps (measured before this check: AdamW 0.081 off the plain loop after 4
 steps, silently), and it would pass by the clipping, the loss scaler and the loop's
 step accounting of the overlapped optimizer's ``step()``.
-
-A ``torch.amp.GradScaler`` driving such an optimizer (``scaler.step(optimizer)``,
-``scaler.unscale_(optimizer)`` on the adopted one or a plain one over claimed
-parameters) unscaled the gradients ``overlap_ddp`` keeps in place before that refusal
-came, and under ``optimizer_in_backward`` (the gradients freed) ended in torch's bare
-``AssertionError: No inf checks were recorded for this optimizer``: the same install
-wraps ``GradScaler.step`` and ``unscale_`` (:func:`refuse_scaler_on_plain`), one look-up
-per call, refusing before the scaler touches a gradient.
 """
 
 from __future__ import annotations
 
-import functools
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,7 +44,7 @@ from overlapkit.overlap.core.direct_step import PASSING_PRE_HOOKS
 from overlapkit.overlap.rules.late_clipping import current_stepper
 
 __all__ = ["adopted_step_refusal", "claims_changed", "install", "refuse_plain_step",
-           "refuse_scaler_on_plain", "release_advice"]
+           "release_advice"]
 
 _installed: list[Any] = []
 #: bumped at every claim: a plain optimizer checked before it is checked again
@@ -82,47 +72,6 @@ def install() -> None:
         # it passes the engines' optimizers: their steps still skip torch's wrapper
         PASSING_PRE_HOOKS.add(refuse_plain_step)
         _installed.append(register_optimizer_step_pre_hook(refuse_plain_step))
-        for name in ("step", "unscale_"):
-            setattr(torch.amp.GradScaler, name,
-                    _scaler_guarded(getattr(torch.amp.GradScaler, name), name))
-
-
-def _scaler_guarded(method: Callable[..., Any], name: str) -> Callable[..., Any]:
-    """``GradScaler.<name>`` refusing first what :func:`refuse_scaler_on_plain` does."""
-    @functools.wraps(method)
-    def guarded(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        refuse_scaler_on_plain(optimizer, name)
-        return method(self, optimizer, *args, **kwargs)
-    return guarded
-
-
-def refuse_scaler_on_plain(optimizer: Any, name: str) -> None:
-    """Called first by ``GradScaler.step`` / ``unscale_`` (``name``) once installed.
-
-    :raises ConfigurationError: ``optimizer`` is the real optimizer a live technique
-        adopted, or a plain optimizer over parameters one steps: the scaler would
-        unscale gradients already stepped (``overlap_ddp`` keeps them) or find none
-        (``optimizer_in_backward`` freed them: torch's bare ``AssertionError``), then
-        step them a second time. Raised before the scaler touches anything.
-    """
-    if isinstance(optimizer, OptimizerWrapper) or not isinstance(
-            optimizer, torch.optim.Optimizer):
-        return
-    groups = optimizer.param_groups
-    stepper = current_stepper(groups[0]["params"][0]) if groups[0]["params"] else None
-    if stepper is None or adopted_step_refusal(optimizer, groups) is None:
-        refuse_plain_step(optimizer, (), {})  # a plain one over claimed parameters
-        return
-    technique = stepper.technique
-    raise ConfigurationError(
-        f"scaler.{name}(optimizer) was called on the {type(optimizer).__qualname__} that "
-        f"{technique} adopted, not on the optimizer {technique} returned: it steps this "
-        "one during backward itself, so the scaler would unscale gradients already "
-        "stepped with and step them a second time. Nothing was changed. Pass the scaler "
-        f"when setting up, opt = overlapkit.{technique}(model, optimizer, "
-        "grad_scaler=scaler), and call scaler.step(opt) and scaler.update() on the "
-        "optimizer it returned (leave out scaler.unscale_: clip with clip_grad_norm=)."
-    )
 
 
 def claims_changed() -> None:

@@ -26,6 +26,7 @@ from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.overlap.plain_step_guard import claims_changed, release_advice
 from overlapkit.overlap.plain_step_guard import install as install_plain_step_guard
 from overlapkit.overlap.rules.late_clipping import stepper_gone, unwatch
+from overlapkit.overlap.scaler_guard import install as install_scaler_guard
 from overlapkit.plugin.manager import get_plugin_manager
 
 __all__ = ["build_optimizer", "check_params_belong", "check_unclaimed", "claim_params",
@@ -262,6 +263,7 @@ def claim_params(params: Iterable[torch.Tensor], technique: str) -> None:
     """Record that ``technique`` steps ``params`` during backward from now on; a plain
     optimizer stepping them is refused (:mod:`~overlapkit.overlap.plain_step_guard`)."""
     install_plain_step_guard()
+    install_scaler_guard()
     claims_changed()
     for param in params:
         _CLAIMS[param] = technique

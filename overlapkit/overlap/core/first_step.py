@@ -81,6 +81,9 @@ def end_first_window(steps: Any, names: Mapping[int, str], params: list[torch.Te
             used.append(f"{window.backwards} backwards ran before one optimizer.step() "
                         "(gradient accumulation outside accelerator.accumulate)")
         edited = window.edited(dict(names), params)
+        if window.scaler is not None:
+            used.append(f"a torch.amp.GradScaler drove the {window.scaler}, unscaling the "
+                        "gradients")
         if edited:
             used.append(f"the gradients of {shown_names(edited)} were changed")
         changed = window.changed_settings()

@@ -159,6 +159,10 @@ class FirstWindow:
     #: the parameters watched for those reads, and their watched class
     params_watched: list[torch.Tensor] = attrs.field(factory=list)
     params_class: type | None = None
+    #: what a ``torch.amp.GradScaler`` drove around the optimizer (a wrapper: its
+    #: unscale writes the gradients bumping no version counter), or None
+    #: (:mod:`~overlapkit.overlap.scaler_guard`)
+    scaler: str | None = None
     #: the loop's writes through ``.data`` since the end of the last backward
     #: (:mod:`~overlapkit.overlap.core.data_writes`), or None
     data_writes: DataWrites | None = None

@@ -1,0 +1,143 @@
+"""A ``torch.amp.GradScaler`` driving something other than the overlapped optimizer:
+the optimizer handed in, a plain one over the same parameters, or a wrapper around the
+overlapped one (Accelerate's ``AcceleratedOptimizer``).
+
+The overlapped optimizer's own rules (``grad_scaler=``, its ``step()`` and
+``param_groups`` seeing the scaler) are in :mod:`~overlapkit.overlap.rules.amp_scaler`.
+A scaler given another object passed by them (measured on 0.4.0 before this module):
+
+- ``scaler.step(optimizer)`` / ``scaler.unscale_(optimizer)`` on the instance adopted
+  (``overlap_ddp(model, optimizer)``, a kept reference) or a plain optimizer over
+  claimed parameters: under ``optimizer_in_backward`` (the gradients freed) torch's bare
+  ``AssertionError: No inf checks were recorded for this optimizer``; under
+  ``overlap_ddp`` the kept gradients unscaled in place, silently for ``unscale_``,
+  ``step`` then refused as a plain step. Refused here, before the scaler touches a
+  gradient (:func:`~overlapkit.overlap.plain_step_guard.adopted_step_refusal`'s test).
+- the same on a wrapper whose ``.optimizer`` is the overlapped one (a hand-written AMP
+  loop under ``overlapkit.integrations.accelerate.prepare``): the scaler unscales the
+  gradients in place with ``torch._amp_foreach_non_finite_check_and_unscale_``, which
+  bumps no version counter, so the window saw nothing: ``overlap_ddp`` stepped the
+  scaled gradients during backward from the second step on, 0.030 off the plain run
+  after 4 AdamW steps, silently. While the loop's first step is learnt
+  (``learn_first_step``, as the integrations set up) that is the window used: noted
+  (:attr:`~overlapkit.overlap.core.window.FirstWindow.scaler`), every step at
+  ``step()`` in the plain order, bitwise, one warning; a scaler first seen once the
+  steps happen during backward is refused before it touches a gradient.
+
+:func:`install` wraps ``GradScaler.step`` and ``unscale_`` once (with the plain-step
+guard, at the first claim of parameters): a few attribute reads per scaler call,
+nothing per parameter.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from overlapkit.errors import ConfigurationError
+from overlapkit.optimizer_wrapper import OptimizerWrapper
+from overlapkit.overlap.plain_step_guard import adopted_step_refusal, refuse_plain_step
+from overlapkit.overlap.rules.late_clipping import current_stepper
+
+__all__ = ["check_scaler_call", "install"]
+
+_installed: list[bool] = []
+
+
+def install() -> None:
+    """Wrap ``torch.amp.GradScaler.step`` and ``unscale_`` (once; idempotent)."""
+    if not _installed:
+        _installed.append(True)
+        for name in ("step", "unscale_"):
+            setattr(torch.amp.GradScaler, name,
+                    _guarded(getattr(torch.amp.GradScaler, name), name))
+
+
+def _guarded(method: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``GradScaler.<name>`` after :func:`check_scaler_call`."""
+    @functools.wraps(method)
+    def guarded(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        check_scaler_call(optimizer, name)
+        return method(self, optimizer, *args, **kwargs)
+    return guarded
+
+
+def _facade_behind(optimizer: Any) -> Any | None:
+    """The overlapped optimizer (an overlapkit wrapper with a step account, the facade:
+    not imported here, it imports the set-up that installs this) a wrapper holds as
+    ``.optimizer`` (Accelerate's) or ``._optimizer`` (Lightning's), a few levels deep,
+    or None."""
+    for _ in range(4):
+        optimizer = getattr(optimizer, "optimizer", getattr(optimizer, "_optimizer", None))
+        if isinstance(optimizer, OptimizerWrapper):
+            return optimizer if hasattr(optimizer, "_steps") else None
+        if optimizer is None:
+            return None
+    return None
+
+
+def check_scaler_call(optimizer: Any, name: str) -> None:
+    """Called first by ``GradScaler.step`` / ``unscale_`` (``name``) once installed.
+
+    :raises ConfigurationError: ``optimizer`` is the real optimizer a live technique
+        adopted, a plain optimizer over parameters one steps, or a wrapper around an
+        overlapped optimizer whose steps are taken during backward (not learning its
+        first step, not in the plain order) or that has ``grad_scaler=`` (which would
+        unscale a second time). Raised before the scaler touches anything.
+    """
+    if isinstance(optimizer, OptimizerWrapper):
+        return  # the overlapped optimizer's own rules (rules.amp_scaler)
+    facade = _facade_behind(optimizer)
+    if facade is not None:
+        _check_wrapper(optimizer, facade, name)
+        return
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return
+    groups = optimizer.param_groups
+    first = next((p for group in groups for p in group["params"]), None)
+    stepper = None if first is None else current_stepper(first)
+    if stepper is None or adopted_step_refusal(optimizer, groups) is None:
+        refuse_plain_step(optimizer, (), {})  # a plain one over claimed parameters
+        return
+    technique = stepper.technique
+    raise ConfigurationError(
+        f"scaler.{name}(optimizer) was called on the {type(optimizer).__qualname__} that "
+        f"{technique} adopted, not on the optimizer {technique} returned: it steps this "
+        "one during backward itself, so the scaler would unscale gradients already "
+        "stepped with and step them a second time. Nothing was changed. Pass the scaler "
+        f"when setting up, opt = overlapkit.{technique}(model, optimizer, "
+        "grad_scaler=scaler), and call scaler.step(opt) and scaler.update() on the "
+        "optimizer it returned (leave out scaler.unscale_: clip with clip_grad_norm=)."
+    )
+
+
+def _check_wrapper(wrapper: Any, facade: Any, name: str) -> None:
+    """A scaler driving ``wrapper``, around ``facade``: honoured while the steps are
+    taken at ``step()`` (the first step learnt, or the plain order kept), else refused."""
+    steps = facade._steps
+    if getattr(steps, "retired_by", None) is not None:
+        return  # released or replaced: its own step() says so
+    rule = steps.full_step
+    window = steps.first_window
+    given = rule is not None and rule.grad_scaler is not None
+    if not given and window is not None and steps.deferring:
+        if not window.plain_order and window.scaler is None:  # the first step: the window
+            # used (one warning at its step()); step() runs unscale_ first: named first
+            window.scaler = f"{type(wrapper).__qualname__} (scaler.{name})"
+        return
+    technique = facade._technique
+    why = ("its grad_scaler= already unscales and checks them at the end of backward, "
+           "so this scaler would unscale them a second time" if given else
+           "it steps during backward, on the scaled gradients with no inf check")
+    raise ConfigurationError(
+        f"a torch.amp.GradScaler drives the {type(wrapper).__qualname__} around the "
+        f"optimizer of {technique} (scaler.{name}): {why}. Nothing was changed. Pass the "
+        f"scaler when setting up, {technique}(..., grad_scaler=scaler), and call "
+        f"scaler.step(opt) on the optimizer {technique} returned; with Accelerate or "
+        "OverlapTrainer, train in bf16 (mixed_precision='bf16'), or give the scaler "
+        "from the first step (the integrations then take every step at step(), in the "
+        "plain order)."
+    )

@@ -1,0 +1,109 @@
+"""A hand-written fp16-style AMP loop with its own ``torch.amp.GradScaler`` driving the
+optimizer ``overlapkit.integrations.accelerate.prepare`` returns (Accelerate's
+``AcceleratedOptimizer`` around the overlapped one): ``scaler.scale(loss).backward()``,
+``scaler.unscale_(optimizer)`` and a clip, ``scaler.step(optimizer)``,
+``scaler.update()``. The scaler's unscale writes the gradients bumping no version
+counter: before, ``overlap_ddp`` stepped the scaled gradients during backward from the
+second step on, silently (0.030 off the plain run after 4 AdamW steps; NaN parameters
+after an overflowing step the scaler would skip), and ``optimizer_in_backward`` ended a
+scaler first used at a later step in torch's bare ``AssertionError``. Run with the plain
+``accelerator.prepare`` and with overlapkit's, on gloo ranks (``run``) or in the test
+process (``loop``)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+
+CASES = ("a scaler from the first step", "unscale_ and clip", "an overflow at the second step",
+         "a scaler from the third step")
+STEPS, MAX_NORM = 4, 0.5
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def loop(case: str, technique: str | None, rank: int = 0) -> dict[str, Any]:
+    """STEPS steps of ``case``: the parameters, the scales, the warnings and the error
+    (with whether the gradients and parameters were left as they were)."""
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True)
+    model, optimizer = _model(), None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    clip = MAX_NORM if case == "unscale_ and clip" else None
+    if technique is None:
+        model, optimizer = accelerator.prepare(model, optimizer)
+    else:
+        from overlapkit.integrations.accelerate import prepare
+
+        model, optimizer = prepare(accelerator, model, optimizer, technique=technique,
+                                   clip_grad_norm=clip)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    out: dict[str, Any] = {"error": None, "scales": []}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(STEPS):
+            batch = torch.Generator().manual_seed(100 * rank + step)
+            x, y = torch.randn(8, 8, generator=batch), torch.randn(8, 4, generator=batch)
+            loss = (model(x) - y).square().mean()
+            if case == "an overflow at the second step" and step == 1:
+                loss = loss * float("inf")  # the scaler skips this step
+            if case == "a scaler from the third step" and step < 2:
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+                continue
+            scaler.scale(loss).backward()
+            if case == "a scaler from the third step":  # read in the window only here
+                grads = [None if p.grad is None else p.grad.clone()
+                         for p in model.parameters()]
+                params = [p.detach().clone() for p in model.parameters()]
+            try:
+                if clip is not None:
+                    scaler.unscale_(optimizer)
+                    accelerator.clip_grad_norm_(model.parameters(), clip)
+                scaler.step(optimizer)
+            except Exception as error:  # reported to the test
+                out["error"] = {"type": type(error).__name__, "message": str(error)}
+                out["unchanged"] = all(
+                    ((g is None and p.grad is None)
+                     or (g is not None and p.grad is not None and torch.equal(g, p.grad)))
+                    and torch.equal(q, p)
+                    for g, q, p in zip(grads, params, model.parameters(), strict=True))
+                break
+            scaler.update()
+            optimizer.zero_grad()
+            out["scales"].append(scaler.get_scale())
+    out["params"] = [p.detach().clone() for p in model.parameters()]
+    out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, UserWarning)
+                       and "takes every step" in str(w.message)]
+    return out
+
+
+def compare(case: str, techniques: tuple[str, ...], rank: int = 0) -> dict[str, Any]:
+    """Per technique: (bitwise the plain run, its difference, the warnings, the error)."""
+    plain = loop(case, None, rank)
+    out = {}
+    for technique in techniques:
+        got = loop(case, technique, rank)
+        diff = max(float((a - b).abs().max()) for a, b in
+                   zip(plain["params"], got["params"], strict=True))
+        same = (all(torch.equal(a, b) for a, b in zip(plain["params"], got["params"],
+                                                       strict=True))
+                and plain["scales"] == got["scales"])
+        out[technique] = {"same": same, "diff": diff, "warnings": got["warnings"],
+                          "error": got["error"], "unchanged": got.get("unchanged")}
+    return out
+
+
+def run(rank: int, world_size: int) -> dict[str, Any]:
+    """Every case with both techniques on a gloo rank (Accelerate wraps the model in
+    DDP)."""
+    return {case: compare(case, ("overlap_ddp", "optimizer_in_backward"), rank)
+            for case in CASES}

@@ -1,0 +1,65 @@
+"""A hand-written AMP loop's own ``torch.amp.GradScaler`` driving the optimizer
+``overlapkit.integrations.accelerate.prepare`` returned (the ninth trainers round; see
+``accelerate_scaler_runs``). Before: ``overlap_ddp`` silently 0.030 off the plain run
+after 4 AdamW steps (2 gloo ranks: 0.030), NaN parameters after an overflowing step
+the scaler skips, 0.021 off with the scaler first used at the third step;
+``optimizer_in_backward`` bitwise from the first step (the gradient reads seen), torch's
+bare ``AssertionError`` from the third. Now: from the first step, the plain order,
+bitwise (parameters and scales), one warning naming the scaler; first used once the
+steps happen during backward, a ``ConfigurationError`` before the scaler touches a
+gradient."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from accelerate_scaler_runs import CASES, compare, run
+
+from overlapkit.distributed import run_distributed
+
+pytestmark = pytest.mark.trainers
+
+HONOURED = CASES[:3]
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, Any]]:
+    return run_distributed(run, 2, timeout=300)
+
+
+def _honoured(result: dict[str, Any]) -> None:
+    assert result["error"] is None, result["error"]
+    assert result["same"], result["diff"]
+    assert len(result["warnings"]) == 1, result["warnings"]
+    assert "a torch.amp.GradScaler drove the AcceleratedOptimizer" in result["warnings"][0]
+
+
+def _refused(result: dict[str, Any]) -> None:
+    error = result["error"]
+    assert error is not None and error["type"] == "ConfigurationError", error
+    assert "GradScaler drives the AcceleratedOptimizer" in error["message"]
+    assert "Nothing was changed" in error["message"] and "grad_scaler=" in error["message"]
+    assert result["unchanged"]
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+@pytest.mark.parametrize("case", HONOURED)
+def test_two_ranks_a_scaler_from_the_first_step_is_the_plain_run_with_one_warning(
+        two_ranks: list[dict[str, Any]], case: str, technique: str) -> None:
+    for rank_results in two_ranks:
+        _honoured(rank_results[case][technique])
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+def test_two_ranks_a_scaler_first_used_once_overlapping_is_refused_changing_nothing(
+        two_ranks: list[dict[str, Any]], technique: str) -> None:
+    for rank_results in two_ranks:
+        _refused(rank_results["a scaler from the third step"][technique])
+
+
+def test_one_process_optimizer_in_backward() -> None:
+    for case in HONOURED:
+        _honoured(compare(case, ("optimizer_in_backward",))["optimizer_in_backward"])
+    _refused(compare("a scaler from the third step",
+                     ("optimizer_in_backward",))["optimizer_in_backward"])
