@@ -79,6 +79,15 @@ def _facade_behind(optimizer: Any) -> Any | None:
     return None
 
 
+def _path(wrapper: Any, facade: Any) -> str:
+    """How to reach ``facade`` from ``wrapper``: ``optimizer.optimizer``, ..."""
+    path, here = "optimizer", wrapper
+    while here is not facade:
+        name = "optimizer" if hasattr(here, "optimizer") else "_optimizer"
+        here, path = getattr(here, name), f"{path}.{name}"
+    return path
+
+
 def check_scaler_call(optimizer: Any, name: str) -> None:
     """Called first by ``GradScaler.step`` / ``unscale_`` (``name``) once installed.
 
@@ -136,7 +145,8 @@ def _check_wrapper(wrapper: Any, facade: Any, name: str) -> None:
         f"a torch.amp.GradScaler drives the {type(wrapper).__qualname__} around the "
         f"optimizer of {technique} (scaler.{name}): {why}. Nothing was changed. Pass the "
         f"scaler when setting up, {technique}(..., grad_scaler=scaler), and call "
-        f"scaler.step(opt) on the optimizer {technique} returned; with Accelerate or "
+        f"scaler.step(opt) on the optimizer {technique} returned (inside this one: "
+        f"scaler.step({_path(wrapper, facade)})); with Accelerate or "
         "OverlapTrainer, train in bf16 (mixed_precision='bf16'), or give the scaler "
         "from the first step (the integrations then take every step at step(), in the "
         "plain order)."
