@@ -37,7 +37,30 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
         opt.release()
     for technique in ("overlap_ddp", "optimizer_in_backward"):
         _adopted(rank, technique, out)
+        _sharded_scaler(rank, technique, out)
     return out
+
+
+def _sharded_scaler(rank: int, technique: str, out: dict[str, Any]) -> None:
+    """FSDP's ShardedGradScaler (its own unscale_) on the overlapped optimizer, with
+    grad_scaler= and without: before, its unscale_ was not seen (the kept gradients
+    unscaled in place under overlap_ddp, silently)."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    for given in (False, True):
+        torch.manual_seed(0)
+        ddp = DDP(nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4)))
+        scaler = ShardedGradScaler("cpu", init_scale=1024.0)
+        opt = getattr(overlapkit, technique)(
+            ddp, torch.optim.SGD, lr=0.1, **({"grad_scaler": scaler} if given else {}))
+        scaler.scale(ddp(rank_batches(rank, 1)[0]).square().mean()).backward()
+        grads = [None if p.grad is None else p.grad.clone() for p in ddp.parameters()]
+        key = f"{technique} ShardedGradScaler unscale_ {'with' if given else 'without'}"
+        out[key] = error_of(lambda scaler=scaler, opt=opt: scaler.unscale_(opt))
+        out[f"{key} unchanged"] = all(
+            (g is None and p.grad is None) or (g is not None and torch.equal(g, p.grad))
+            for g, p in zip(grads, ddp.parameters(), strict=True))
+        opt.release()
 
 
 def _adopted(rank: int, technique: str, out: dict[str, Any]) -> None:

@@ -55,6 +55,21 @@ def test_a_grad_scaler_on_the_adopted_optimizer_is_refused_on_ddp(
         assert rank_results[f"{key} attrs"] == []
 
 
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+@pytest.mark.parametrize("given", ["with", "without"])
+def test_sharded_grad_scaler_unscale_is_refused_on_ddp(
+        results: list[dict[str, Any]], technique: str, given: str) -> None:
+    """FSDP's ShardedGradScaler has its own unscale_: before, not seen (the kept gradients
+    unscaled in place under overlap_ddp, silently)."""
+    for rank_results in results:
+        key = f"{technique} ShardedGradScaler unscale_ {given}"
+        error = rank_results[key]
+        assert error is not None and error["type"] == "ConfigurationError", error
+        assert ("grad_scaler=scaler" if given == "without" else "clip_grad_norm=") in (
+            error["message"])
+        assert rank_results[f"{key} unchanged"]
+
+
 def test_a_grad_scaler_on_a_second_plain_optimizer_is_refused() -> None:
     """A plain optimizer over parameters optimizer_in_backward steps (freed gradients):
     before, torch's bare AssertionError from scaler.step."""

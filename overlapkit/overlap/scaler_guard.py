@@ -40,6 +40,7 @@ import torch
 from overlapkit.errors import ConfigurationError
 from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.overlap.plain_step_guard import adopted_step_refusal, refuse_plain_step
+from overlapkit.overlap.rules.amp_scaler import SCALERS
 from overlapkit.overlap.rules.late_clipping import current_stepper
 
 __all__ = ["check_scaler_call", "install"]
@@ -48,12 +49,14 @@ _installed: list[bool] = []
 
 
 def install() -> None:
-    """Wrap ``torch.amp.GradScaler.step`` and ``unscale_`` (once; idempotent)."""
+    """Wrap ``torch.amp.GradScaler.step`` and ``unscale_``, and FSDP's
+    ``ShardedGradScaler.unscale_`` (once; idempotent)."""
     if not _installed:
         _installed.append(True)
-        for name in ("step", "unscale_"):
-            setattr(torch.amp.GradScaler, name,
-                    _guarded(getattr(torch.amp.GradScaler, name), name))
+        for cls in SCALERS:  # GradScaler, and ShardedGradScaler's own unscale_
+            for name in ("step", "unscale_"):
+                if name in vars(cls):
+                    setattr(cls, name, _guarded(vars(cls)[name], name))
 
 
 def _guarded(method: Callable[..., Any], name: str) -> Callable[..., Any]:

@@ -15,7 +15,9 @@ changes anything:
 ``GradScaler.unscale_`` has no hook, but it reads ``optimizer.param_groups`` from
 ``GradScaler._unscale_grads_`` before touching a gradient: :func:`guard_param_groups`
 recognises that caller by its code object (one frame look-up per ``param_groups``
-read).
+read), FSDP's ``ShardedGradScaler``'s own as well (0.4.0 recognised only
+``GradScaler``'s: ``ShardedGradScaler.unscale_(opt)`` unscaled the kept gradients in
+place, silently).
 """
 
 from __future__ import annotations
@@ -27,12 +29,28 @@ import torch
 
 from overlapkit.errors import ConfigurationError
 
-__all__ = ["guard_param_groups", "hand_inf_check", "refuse_scaler_step", "scaler_refusal"]
+__all__ = ["SCALERS", "guard_param_groups", "hand_inf_check", "refuse_scaler_step",
+           "scaler_refusal"]
 
-_UNSCALE_GRADS = torch.amp.GradScaler._unscale_grads_.__code__
-#: torch's own (the plain-step guard wraps it, :mod:`overlapkit.overlap.plain_step_guard`)
-_UNSCALE = getattr(torch.amp.GradScaler.unscale_, "__wrapped__",
-                   torch.amp.GradScaler.unscale_).__code__
+
+def _scalers() -> list[type[torch.amp.GradScaler]]:
+    """``torch.amp.GradScaler`` and FSDP's ``ShardedGradScaler`` (its own ``unscale_``
+    and ``_unscale_grads_``: 0.4.0 did not see it unscale the kept gradients in place),
+    where torch has it."""
+    try:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    except ImportError:  # a torch built without distributed
+        return [torch.amp.GradScaler]
+    return [torch.amp.GradScaler, ShardedGradScaler]
+
+
+#: the scaler classes whose unscale is recognised
+SCALERS = tuple(_scalers())
+#: their ``_unscale_grads_`` and torch's own ``unscale_`` (:mod:`overlapkit.overlap.
+#: scaler_guard` wraps it), which calls it
+_UNSCALE_GRADS = frozenset(cls._unscale_grads_.__code__ for cls in SCALERS)
+_UNSCALE = frozenset(getattr(cls.unscale_, "__wrapped__", cls.unscale_).__code__
+                     for cls in SCALERS)
 
 
 def scaler_refusal(technique: str) -> ConfigurationError:
@@ -56,10 +74,10 @@ def guard_param_groups(caller: FrameType | None, technique: str,
         user meant to do between ``unscale_`` and ``step`` (clip) would change nothing.
         Raised before any gradient is touched.
     """
-    if caller is None or caller.f_code is not _UNSCALE_GRADS:
+    if caller is None or caller.f_code not in _UNSCALE_GRADS:
         return
     outer = caller.f_back
-    if outer is None or outer.f_code is not _UNSCALE:
+    if outer is None or outer.f_code not in _UNSCALE:
         return  # GradScaler.step's own inf check: step() answers it
     if grad_scaler is None:
         raise scaler_refusal(technique)
