@@ -83,6 +83,23 @@ def test_a_grad_scaler_on_a_second_plain_optimizer_is_refused() -> None:
     opt.release()
 
 
+@pytest.mark.parametrize("call", ["step", "unscale_"])
+def test_a_scaler_other_than_the_one_set_up_is_refused_at_its_call(call: str) -> None:
+    """Two scalers (one given as grad_scaler=, another driving the loop): before, the
+    step taken and torch's bare AssertionError ("No inf checks were recorded prior to
+    update.") at the loop scaler's update()."""
+    model = nn.Linear(4, 2)
+    set_up = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    loop = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    opt = overlapkit.optimizer_in_backward(model, torch.optim.AdamW, lr=0.1,
+                                           grad_scaler=set_up)
+    loop.scale(model(torch.ones(3, 4)).sum()).backward()
+    with pytest.raises(overlapkit.ConfigurationError,
+                       match=r"other than the one optimizer_in_backward was set up with"):
+        getattr(loop, call)(opt)
+    opt.release()
+
+
 def test_a_grad_scaler_is_refused_on_a_plain_module() -> None:
     model = nn.Linear(4, 2)
     opt = overlapkit.optimizer_in_backward(model, torch.optim.AdamW, lr=0.1)

@@ -63,7 +63,7 @@ def _guarded(method: Callable[..., Any], name: str) -> Callable[..., Any]:
     """``GradScaler.<name>`` after :func:`check_scaler_call`."""
     @functools.wraps(method)
     def guarded(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        check_scaler_call(optimizer, name)
+        check_scaler_call(optimizer, name, self)
         return method(self, optimizer, *args, **kwargs)
     return guarded
 
@@ -91,17 +91,20 @@ def _path(wrapper: Any, facade: Any) -> str:
     return path
 
 
-def check_scaler_call(optimizer: Any, name: str) -> None:
-    """Called first by ``GradScaler.step`` / ``unscale_`` (``name``) once installed.
+def check_scaler_call(optimizer: Any, name: str, scaler: Any = None) -> None:
+    """Called first by ``scaler.step`` / ``scaler.unscale_`` (``name``) once installed.
 
     :raises ConfigurationError: ``optimizer`` is the real optimizer a live technique
         adopted, a plain optimizer over parameters one steps, or a wrapper around an
         overlapped optimizer whose steps are taken during backward (not learning its
         first step, not in the plain order) or that has ``grad_scaler=`` (which would
-        unscale a second time). Raised before the scaler touches anything.
+        unscale a second time). Raised before the scaler touches anything. Or
+        ``optimizer`` is an overlapped one set up with another ``grad_scaler=``
+        (:func:`_other_scaler`).
     """
     if isinstance(optimizer, OptimizerWrapper):
-        return  # the overlapped optimizer's own rules (rules.amp_scaler)
+        _other_scaler(optimizer, name, scaler)
+        return  # else the overlapped optimizer's own rules (rules.amp_scaler)
     facade = _facade_behind(optimizer)
     if facade is not None:
         _check_wrapper(optimizer, facade, name)
@@ -123,6 +126,29 @@ def check_scaler_call(optimizer: Any, name: str) -> None:
         f"when setting up, opt = overlapkit.{technique}(model, optimizer, "
         "grad_scaler=scaler), and call scaler.step(opt) and scaler.update() on the "
         "optimizer it returned (leave out scaler.unscale_: clip with clip_grad_norm=)."
+    )
+
+
+def _other_scaler(optimizer: Any, name: str, scaler: Any) -> None:
+    """:raises ConfigurationError: ``optimizer`` was set up with ``grad_scaler=`` another
+    scaler than ``scaler``, which drives it: the steps were unscaled with the set-up
+    scaler's scale, the loss scaled with this one's, and this one's ``update()`` would
+    find no inf check (0.4.0: torch's bare ``AssertionError: No inf checks were recorded
+    prior to update.``, the step taken)."""
+    rule = getattr(getattr(optimizer, "_steps", None), "full_step", None)
+    given = getattr(rule, "grad_scaler", None)
+    if given is None or scaler is None or given is scaler:
+        return
+    technique = getattr(optimizer, "_technique", type(optimizer).__name__)
+    raise ConfigurationError(
+        f"scaler.{name}(opt) by a torch.amp.GradScaler other than the one {technique} was "
+        f"set up with (grad_scaler=): the steps during backward unscale the gradients "
+        f"with that one's scale ({given.get_scale():g}) and hand it their inf check, "
+        f"where this one scaled the loss ({scaler.get_scale():g}) and its update() would "
+        "find no inf check. The backward before this call has been stepped with that "
+        "scale. Use one scaler: the one passed as grad_scaler=, for scaler.scale(loss), "
+        "scaler.step(opt) and scaler.update() (restart from the last checkpoint if the "
+        "scales differed)."
     )
 
 
