@@ -100,6 +100,41 @@ def test_a_scaler_other_than_the_one_set_up_is_refused_at_its_call(call: str) ->
     opt.release()
 
 
+def test_learn_first_step_with_grad_scaler_keeps_the_overlap_bitwise() -> None:
+    """learn_first_step (what the integrations call) with grad_scaler=: before, the
+    scaler's own inf check in scaler.step(opt) (GradScaler._check_inf_per_device) was
+    taken for the loop reading the gradients: the plain order, with a warning saying so."""
+    import warnings
+
+    def loop(overlapped: bool) -> tuple[list[torch.Tensor], list[str], bool]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        opt: Any = torch.optim.AdamW(model.parameters(), lr=0.1)
+        if overlapped:
+            opt = overlapkit.optimizer_in_backward(model, opt, grad_scaler=scaler)
+            opt.learn_first_step(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(3):
+                batch = torch.Generator().manual_seed(step)
+                scaler.scale(model(torch.randn(3, 4, generator=batch)).square().sum()).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+        learned = overlapped and opt._steps.learned
+        if overlapped:
+            opt.release()
+        return ([p.detach().clone() for p in model.parameters()],
+                [str(w.message) for w in caught if "takes every step" in str(w.message)],
+                learned)
+
+    plain, _, _ = loop(False)
+    got, warned, learned = loop(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, got, strict=True))
+    assert warned == [] and learned
+
+
 def test_a_grad_scaler_is_refused_on_a_plain_module() -> None:
     model = nn.Linear(4, 2)
     opt = overlapkit.optimizer_in_backward(model, torch.optim.AdamW, lr=0.1)

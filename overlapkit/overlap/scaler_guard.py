@@ -39,6 +39,7 @@ import torch
 
 from overlapkit.errors import ConfigurationError
 from overlapkit.optimizer_wrapper import OptimizerWrapper
+from overlapkit.overlap.core.watched_reads import quiet_reads
 from overlapkit.overlap.plain_step_guard import adopted_step_refusal, refuse_plain_step
 from overlapkit.overlap.rules.amp_scaler import SCALERS
 from overlapkit.overlap.rules.late_clipping import current_stepper
@@ -64,8 +65,21 @@ def _guarded(method: Callable[..., Any], name: str) -> Callable[..., Any]:
     @functools.wraps(method)
     def guarded(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         check_scaler_call(optimizer, name, self)
+        if name == "step" and _set_up_with(optimizer) is self:
+            # its own inf check (GradScaler._check_inf_per_device) reads the gradients:
+            # not the loop's read (step() hands it the check of the step taken)
+            with quiet_reads():
+                return method(self, optimizer, *args, **kwargs)
         return method(self, optimizer, *args, **kwargs)
     return guarded
+
+
+def _set_up_with(optimizer: Any) -> Any | None:
+    """The ``grad_scaler=`` of an overlapped ``optimizer``, else None."""
+    if not isinstance(optimizer, OptimizerWrapper):
+        return None
+    rule = getattr(getattr(optimizer, "_steps", None), "full_step", None)
+    return getattr(rule, "grad_scaler", None)
 
 
 def _facade_behind(optimizer: Any) -> Any | None:
@@ -135,8 +149,7 @@ def _other_scaler(optimizer: Any, name: str, scaler: Any) -> None:
     scaler's scale, the loss scaled with this one's, and this one's ``update()`` would
     find no inf check (0.4.0: torch's bare ``AssertionError: No inf checks were recorded
     prior to update.``, the step taken)."""
-    rule = getattr(getattr(optimizer, "_steps", None), "full_step", None)
-    given = getattr(rule, "grad_scaler", None)
+    given = _set_up_with(optimizer)
     if given is None or scaler is None or given is scaler:
         return
     technique = getattr(optimizer, "_technique", type(optimizer).__name__)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from accelerate_scaler_runs import CASES, REFUSED, compare, run
+from accelerate_scaler_runs import CASES, KEPT, REFUSED, compare, run
 
 from overlapkit.distributed import run_distributed
 
@@ -59,6 +59,18 @@ def test_two_ranks_a_scaler_first_used_once_overlapping_or_unscaling_twice_is_re
         two_ranks: list[dict[str, Any]], case: str, technique: str) -> None:
     for rank_results in two_ranks:
         _refused(rank_results[case][technique])
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+def test_two_ranks_the_scaler_set_up_driving_the_optimizer_inside_keeps_the_overlap(
+        two_ranks: list[dict[str, Any]], technique: str) -> None:
+    """The refusal's advice (grad_scaler= to prepare, scaler.step(optimizer.optimizer)):
+    before, the scaler's own inf check was taken for a read of the gradients in the
+    learnt first step, and the run turned to the plain order with a warning saying so."""
+    for rank_results in two_ranks:
+        result = rank_results[KEPT][technique]
+        assert result["error"] is None and result["same"], result
+        assert result["warnings"] == [] and result["overlapping"]
 
 
 def test_one_process_optimizer_in_backward() -> None:
