@@ -64,11 +64,13 @@ from overlapkit.overlap.sharded.state_dicts import (
 )
 from overlapkit.overlap.sharded.stepper import ShardedBucketStepper
 from overlapkit.overlap.sharded.torch_api import (
+    dcp_stateful_call,
     in_torch_s_initialising_step,
     initialising_step_kept,
     load_template,
     offloaded_refusal,
     offloaded_to,
+    share_for_dcp,
     torch_s_broadcast_load,
     torch_s_load_template,
     torch_s_offloaded_get,
@@ -278,6 +280,8 @@ class ShardedOverlapOptimizer(ShardedHooks, OverlappedOptimizerFacade):
             return self._engine.state_dict()
         if (given := torch_s_load_template()) is not None:
             return load_template(self._engine.state_dict(), self._ownership, given)
+        if dcp_stateful_call():  # dcp.save/load({"optim": opt}), every rank: its share
+            return share_for_dcp(self._engine.state_dict(), self._ownership)
         held, rank = self._consolidated, self._ownership.rank
         current = held is not None and held.generation == self._stepper.generation
         if torch_s_offloaded_get():  # the whole state on global rank 0, {} elsewhere

@@ -152,13 +152,23 @@ def not_gathered_refusal(gathered_on: int | None, rank: int) -> ConfigurationErr
     """``state_dict()`` at more than one rank without the whole state gathered on this
     rank (``gathered_on``: where it was, or None)."""
     where = "" if gathered_on is None else f" (it was gathered on rank {gathered_on})"
+    # state_dict() on every rank after a gathering on one: a collective save (DCP's) of
+    # what each returns would leave rank `gathered_on` waiting in it for this one
+    collective = "" if gathered_on is None else (
+        f" If every rank is calling state_dict() (or torch's get_state_dict / "
+        "get_optimizer_state_dict) for a collective save such as "
+        f"torch.distributed.checkpoint.save, rank {gathered_on} holds the whole state and "
+        "waits in that save for this rank until the process group's timeout: call "
+        f"state_dict() on rank {gathered_on} alone (torch.save), or pass the optimizer "
+        "itself to the collective save on every rank (dcp.save({'optim': optimizer}) "
+        "saves each rank's share, the plain optimizer's checkpoint).")
     return ConfigurationError(
         "the optimizer state is sharded across ranks, so state_dict() returns the whole "
         "state once it has been gathered on this rank, and it has not "
         f"been{where}. Call optimizer.consolidate_state_dict(to={rank}) on every rank "
         f"first (the same `to` on each), then state_dict() on rank {rank}; or save with "
         "overlapkit.checkpoint.save(path, model, optimizer) on every rank (no gathering, "
-        "loads at any world size); local_state_dict() is this rank's share.")
+        "loads at any world size); local_state_dict() is this rank's share." + collective)
 
 
 def stale_refusal() -> ConfigurationError:

@@ -17,6 +17,7 @@ optimizer would end up: :func:`in_torch_s_initialising_step`,
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import sys
 from collections.abc import Iterator, Mapping
@@ -29,22 +30,22 @@ import torch.distributed as dist
 from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.sharded.ownership import Ownership
 
-__all__ = ["TEMPLATE_DEVICE_KEY", "in_torch_s_initialising_step", "initialising_step_kept",
-           "load_template",
+__all__ = ["TEMPLATE_DEVICE_KEY", "dcp_stateful_call", "in_torch_s_initialising_step",
+           "initialising_step_kept", "load_template", "share_for_dcp",
            "offloaded_refusal", "offloaded_to", "torch_s_broadcast_load",
            "torch_s_load_template", "torch_s_offloaded_get"]
 
 
-def _torch_frame(name: str, depth: int) -> Any:
+def _torch_frame(name: str, depth: int, module: str = "state_dict") -> Any:
     """The frame of ``torch.distributed.checkpoint.state_dict``'s function ``name`` among
     the ``depth`` callers of this function's caller, or None (looked up by its code:
     torch may wrap the functions between, so an ordinary call is never mistaken for
     it)."""
     try:
-        from torch.distributed.checkpoint import state_dict as torch_state_dict
+        torch_module = importlib.import_module(f"torch.distributed.checkpoint.{module}")
     except ImportError:  # pragma: no cover - torch without torch.distributed
         return None
-    function = getattr(torch_state_dict, name, None)
+    function = getattr(torch_module, name, None)
     # torch.no_grad() wraps some of them: their own code, not the shared wrapper's
     code = getattr(inspect.unwrap(function), "__code__", None) if function else None
     if code is None:
@@ -223,6 +224,32 @@ def offloaded_refusal(to: int | None) -> ConfigurationError:
         f"its share of the state, so the whole of it is gathered first; {how}. Or save "
         "with overlapkit.checkpoint.save(path, model, optimizer) on every rank (no "
         "gathering, loads at any world size).")
+
+
+def dcp_stateful_call() -> bool:
+    """Whether ``state_dict()`` is being called by ``torch.distributed.checkpoint.save``
+    (or ``async_save``) or ``load`` on the optimizer itself, passed in the dict it saves
+    or loads (``dcp.save({"optim": optimizer})``: a ``Stateful``, whose ``state_dict()``
+    DCP calls on every rank and consumes itself; the loop never sees that dict).
+
+    A DCP checkpoint is the union of what the ranks hand it, so each rank's share
+    (:func:`share_for_dcp`) saves the plain optimizer's checkpoint, and as the template
+    of a load, reads each rank's share back, at any world size. Answered as any
+    ``state_dict()`` (up to 0.4.0): refused on every rank without a gathering, and after
+    ``consolidate_state_dict(to=0)`` the whole state on rank 0 and refused on the others,
+    so rank 0 went on into DCP's collectives and waited there for the others (measured:
+    2 gloo ranks, killed after 40 s; the default group's timeout is 30 minutes)."""
+    return (_torch_frame("_stateful_to_state_dict", 6, "state_dict_saver") is not None
+            or _torch_frame("load", 3, "state_dict_loader") is not None)
+
+
+def share_for_dcp(local: dict[str, Any], ownership: Ownership) -> dict[str, Any]:
+    """What a rank hands DCP's save or load (:func:`dcp_stateful_call`): ``local`` (the
+    real optimizer's ``state_dict()``) with the state of this rank's parameters only (an
+    entry written on another rank, ``opt.state[p] = ...``, is its owner's to save)."""
+    owned = ownership.my_indices()
+    return {**local, "state": {index: value for index, value in local["state"].items()
+                               if index in owned}}
 
 
 def torch_s_broadcast_load() -> bool:

@@ -1,0 +1,124 @@
+"""The rank side of tests/test_sharded_dcp.py: a sharded optimizer handed to
+``torch.distributed.checkpoint`` itself (``dcp.save({"optim": optimizer})``, a
+``Stateful``), after ``consolidate_state_dict(0)`` as a ZeRO loop has it, saved on 2 of 3
+gloo ranks and loaded on all 3, against plain DDP + AdamW saved and loaded the same way;
+and torch's ``get_state_dict`` + ``dcp.save`` after that gathering (the whole state on
+rank 0 only), on groups timing out in :data:`TIMEOUT_SECONDS`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from helpers import compare, error_of, values
+from sharded_state_ranks import LR, _loss, batches, build, build_reference
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+import overlapkit
+
+#: the groups' timeout: what a rank left waiting in a collective save would take
+TIMEOUT_SECONDS = 8
+
+
+def _train(ddp: Any, opt: Any, data: list[torch.Tensor]) -> None:
+    for tokens in data:
+        _loss(ddp, tokens).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _pair(group: Any) -> tuple[Any, Any, Any, Any]:
+    reference, ddp = build_reference(process_group=group), build(process_group=group)
+    plain = torch.optim.AdamW(reference.parameters(), lr=LR)
+    opt = overlapkit.overlap_ddp(ddp, torch.optim.AdamW, lr=LR, shard_optimizer_state=True)
+    return reference, plain, ddp, opt
+
+
+def _timed(call: Any) -> tuple[dict[str, Any] | None, float]:
+    started = time.monotonic()
+    error = error_of(call)
+    return error, time.monotonic() - started
+
+
+def _files_equal(sharded: str, plain: str) -> Any:
+    """The two DCP checkpoints read back whole (on one process): the sharded one's
+    optimizer state against the plain one's, bitwise."""
+    dcp_to_torch_save(sharded, sharded + ".pt")
+    dcp_to_torch_save(plain, plain + ".pt")
+    mine = torch.load(sharded + ".pt", weights_only=False)["optim"]
+    theirs = torch.load(plain + ".pt", weights_only=False)["optim"]
+    if mine["param_groups"] != theirs["param_groups"]:
+        return compare([torch.zeros(1)], [torch.ones(1)])
+    return compare({f"{k}.{n}": v for k, s in theirs["state"].items() for n, v in s.items()},
+                   {f"{k}.{n}": v for k, s in mine["state"].items() for n, v in s.items()})
+
+
+def dcp_stateful(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    timeout = datetime.timedelta(seconds=TIMEOUT_SECONDS)
+    everyone = dist.new_group(list(range(world_size)), timeout=timeout)
+    pair = dist.new_group([0, 1], timeout=timeout)
+    out: dict[str, Any] = {}
+    data = batches(rank, 4)
+    if rank < 2:  # saved at 2 ranks, after the gathering a ZeRO loop does
+        reference, plain, ddp, opt = _pair(pair)
+        _train(reference, plain, data[:2])
+        _train(ddp, opt, data[:2])
+        opt.consolidate_state_dict(0)
+        out["save"], out["seconds"] = _timed(lambda: dcp.save(
+            {"optim": opt}, checkpoint_id=f"{path}/sharded", process_group=pair))
+        dcp.save({"optim": plain}, checkpoint_id=f"{path}/plain", process_group=pair)
+        saved = values(reference)
+    dist.barrier()
+    if rank == 0 and out["save"] is None:
+        out["file"] = _files_equal(f"{path}/sharded", f"{path}/plain")
+    shared = [saved if rank == 0 else None]
+    dist.broadcast_object_list(shared, 0)
+    if rank < 2 and out["save"] is not None:
+        return out
+    # loaded at 3 ranks, into optimizers holding state (as DCP loads into a template)
+    reference, plain, ddp, opt = _pair(everyone)
+    other = batches(rank, 1, seed=7)
+    _train(reference, plain, other)
+    _train(ddp, opt, other)
+    with torch.no_grad():
+        for model in (reference, ddp):
+            for param, value in zip(model.parameters(), shared[0], strict=True):
+                param.copy_(value)
+    out["load"] = error_of(lambda: dcp.load({"optim": opt}, checkpoint_id=f"{path}/sharded",
+                                            process_group=everyone))
+    dcp.load({"optim": plain}, checkpoint_id=f"{path}/plain", process_group=everyone)
+    _train(reference, plain, data[2:])
+    _train(ddp, opt, data[2:])
+    out["values"] = compare(values(reference), values(ddp))
+    opt.consolidate_state_dict(0)
+    if rank == 0:
+        expected, got = plain.state_dict(), opt.state_dict()
+        out["state"] = compare(
+            [t for s in expected["state"].values() for t in s.values()],
+            [t for s in got["state"].values() for t in s.values()])
+    return out
+
+
+def get_state_dict_after_gathering(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    """torch's recipe (``get_state_dict`` on every rank, then ``dcp.save``) after
+    ``consolidate_state_dict(0)``: rank 0 gets the whole state, the others are refused;
+    what each is told and how long rank 0 waits in the save."""
+    group = dist.new_group(list(range(world_size)),
+                           timeout=datetime.timedelta(seconds=TIMEOUT_SECONDS))
+    _, _, ddp, opt = _pair(group)
+    _train(ddp, opt, batches(rank, 2))
+    opt.consolidate_state_dict(0)
+
+    def save() -> None:
+        model_sd, optim_sd = get_state_dict(ddp, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path,
+                 process_group=group)
+
+    error, seconds = _timed(save)
+    return {"error": error, "seconds": seconds}

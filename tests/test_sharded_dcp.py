@@ -1,0 +1,53 @@
+"""A sharded optimizer handed to ``torch.distributed.checkpoint`` itself
+(``dcp.save({"optim": optimizer})`` / ``dcp.load``): each rank's share is saved, the plain
+optimizer's checkpoint, bitwise, also after ``consolidate_state_dict(0)``; saved at 2
+gloo ranks, loaded at 3 and trained bitwise as plain DDP + AdamW loading the plain
+checkpoint. And torch's ``get_state_dict`` + ``dcp.save`` after that gathering: the
+ranks that cannot answer say that rank 0 waits in the save for them.
+
+Was (0.4.x): ``state_dict()`` answered DCP as any caller: refused on every rank without
+a gathering, and after ``consolidate_state_dict(0)`` the whole state on rank 0 and
+refused on the others, so rank 0 went on into DCP's collectives and waited there until
+the group's timeout (8.0 s at an 8 s group; the default group: 30 minutes)."""
+
+from __future__ import annotations
+
+import pytest
+import sharded_dcp_ranks as ranks_
+from helpers import failures
+
+from overlapkit.distributed import run_distributed
+
+
+@pytest.fixture(scope="module")
+def stateful(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    path = str(tmp_path_factory.mktemp("dcp"))
+    return run_distributed(ranks_.dcp_stateful, 3, args=(path,), timeout=300)
+
+
+def test_dcp_save_of_the_optimizer_writes_the_plain_optimizer_s_checkpoint(
+        stateful: list[dict]) -> None:
+    for rank in (0, 1):
+        assert stateful[rank]["save"] is None, stateful[rank]["save"]
+        assert stateful[rank]["seconds"] < ranks_.TIMEOUT_SECONDS, stateful[rank]
+    assert stateful[0]["file"], stateful[0]["file"]
+
+
+def test_dcp_load_of_the_optimizer_at_another_world_size_resumes_bitwise(
+        stateful: list[dict]) -> None:
+    for rank, result in enumerate(stateful):
+        assert result["load"] is None, (rank, result["load"])
+    assert not failures(stateful, "values")
+    assert stateful[0]["state"], stateful[0]["state"]
+
+
+def test_a_collective_save_of_the_gathered_dict_says_rank_0_waits(tmp_path) -> None:
+    results = run_distributed(ranks_.get_state_dict_after_gathering, 2,
+                              args=(str(tmp_path),), timeout=120)
+    refused = results[1]["error"]
+    assert refused is not None and refused["type"] == "ConfigurationError", refused
+    assert "rank 0 holds the whole state and waits" in refused["message"]
+    assert "dcp.save({'optim': optimizer})" in refused["message"]
+    assert results[1]["seconds"] < 1.0
+    # rank 0 cannot tell without a collective: it waits in DCP's until the timeout
+    assert results[0]["seconds"] < ranks_.TIMEOUT_SECONDS + 5
