@@ -95,6 +95,15 @@ def dcp_stateful(rank: int, world_size: int, path: str) -> dict[str, Any]:
     dcp.load({"optim": plain}, checkpoint_id=f"{path}/plain", process_group=everyone)
     _train(reference, plain, data[2:])
     _train(ddp, opt, data[2:])
+    # a save between a stepping backward and step() (as overlapkit.checkpoint's)
+    _loss(ddp, data[0]).backward()
+    out["in the window"] = error_of(lambda: dcp.save(
+        {"optim": opt}, checkpoint_id=f"{path}/window", process_group=everyone))
+    opt.step()
+    opt.zero_grad()
+    _loss(reference, data[0]).backward()
+    plain.step()
+    plain.zero_grad()
     out["values"] = compare(values(reference), values(ddp))
     opt.consolidate_state_dict(0)
     if rank == 0:

@@ -41,6 +41,14 @@ def test_dcp_load_of_the_optimizer_at_another_world_size_resumes_bitwise(
     assert stateful[0]["state"], stateful[0]["state"]
 
 
+def test_dcp_save_of_the_optimizer_between_backward_and_step_is_refused_on_every_rank(
+        stateful: list[dict]) -> None:
+    for rank, result in enumerate(stateful):
+        refused = result["in the window"]
+        assert refused is not None and refused["type"] == "ConfigurationError", (rank, refused)
+        assert "between backward() and optimizer.step()" in refused["message"]
+
+
 def test_a_collective_save_of_the_gathered_dict_says_rank_0_waits(tmp_path) -> None:
     results = run_distributed(ranks_.get_state_dict_after_gathering, 2,
                               args=(str(tmp_path),), timeout=120)

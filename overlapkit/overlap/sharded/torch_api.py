@@ -226,9 +226,10 @@ def offloaded_refusal(to: int | None) -> ConfigurationError:
         "gathering, loads at any world size).")
 
 
-def dcp_stateful_call() -> bool:
-    """Whether ``state_dict()`` is being called by ``torch.distributed.checkpoint.save``
-    (or ``async_save``) or ``load`` on the optimizer itself, passed in the dict it saves
+def dcp_stateful_call() -> str | None:
+    """``"save"`` or ``"load"`` when ``state_dict()`` is being called by
+    ``torch.distributed.checkpoint.save`` (or ``async_save``) or ``load`` on the optimizer
+    itself, passed in the dict it saves
     or loads (``dcp.save({"optim": optimizer})``: a ``Stateful``, whose ``state_dict()``
     DCP calls on every rank and consumes itself; the loop never sees that dict).
 
@@ -238,15 +239,28 @@ def dcp_stateful_call() -> bool:
     ``state_dict()`` (up to 0.4.0): refused on every rank without a gathering, and after
     ``consolidate_state_dict(to=0)`` the whole state on rank 0 and refused on the others,
     so rank 0 went on into DCP's collectives and waited there for the others (measured:
-    2 gloo ranks, killed after 40 s; the default group's timeout is 30 minutes)."""
-    return (_torch_frame("_stateful_to_state_dict", 6, "state_dict_saver") is not None
-            or _torch_frame("load", 3, "state_dict_loader") is not None)
+    2 gloo ranks: until the group's timeout, then gloo's bare ``RuntimeError``; the default
+    group's timeout is 30 minutes), else None."""
+    if _torch_frame("_stateful_to_state_dict", 6, "state_dict_saver") is not None:
+        return "save"
+    return "load" if _torch_frame("load", 3, "state_dict_loader") is not None else None
 
 
-def share_for_dcp(local: dict[str, Any], ownership: Ownership) -> dict[str, Any]:
+def share_for_dcp(local: dict[str, Any], ownership: Ownership, refusal: str | None
+                  ) -> dict[str, Any]:
     """What a rank hands DCP's save or load (:func:`dcp_stateful_call`): ``local`` (the
     real optimizer's ``state_dict()``) with the state of this rank's parameters only (an
-    entry written on another rank, ``opt.state[p] = ...``, is its owner's to save)."""
+    entry written on another rank, ``opt.state[p] = ...``, is its owner's to save).
+
+    :raises ConfigurationError: ``refusal``, why a checkpoint cannot be taken now
+        (between a stepping backward and ``step()``, as ``overlapkit.checkpoint``'s):
+        every rank is there alike, and DCP has not started its collectives. A save
+        there held this backward's update where the plain optimizer's holds the last
+        step's (measured: 2 gloo ranks, AdamW, the checkpoint's ``exp_avg`` not the
+        plain one's, with a warning only)."""
+    if refusal is not None:
+        raise ConfigurationError(f"torch.distributed.checkpoint of the optimizer: {refusal} "
+                                 "Nothing was written or read.")
     owned = ownership.my_indices()
     return {**local, "state": {index: value for index, value in local["state"].items()
                                if index in owned}}
