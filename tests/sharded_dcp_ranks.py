@@ -8,6 +8,7 @@ rank 0 only), on groups timing out in :data:`TIMEOUT_SECONDS`.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import time
 from typing import Any
@@ -131,3 +132,38 @@ def get_state_dict_after_gathering(rank: int, world_size: int, path: str) -> dic
 
     error, seconds = _timed(save)
     return {"error": error, "seconds": seconds}
+
+
+def ported_from_zero(rank: int, world_size: int) -> dict[str, Any]:
+    """A loop ported from ``ZeroRedundancyOptimizer``: its arguments passed on to
+    ``overlap_ddp``, and its consolidated state dict loaded, then trained, against
+    ZeRO going on from the same point."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    group = dist.new_group(list(range(world_size)),
+                           timeout=datetime.timedelta(seconds=TIMEOUT_SECONDS))
+    out: dict[str, Any] = {}
+    for name, value in (("process_group", group), ("overlap_with_ddp", False)):
+        ported = build(process_group=group)
+        out[name] = error_of(lambda: overlapkit.overlap_ddp(
+            ported, torch.optim.AdamW, lr=LR, shard_optimizer_state=True,  # noqa: B023
+            **{name: value}))  # noqa: B023
+    reference = build_reference(process_group=group)
+    zero = ZeroRedundancyOptimizer(reference.parameters(), torch.optim.AdamW, lr=LR,
+                                   process_group=group)
+    data = batches(rank, 4)
+    _train(reference, zero, data[:2])
+    zero.consolidate_state_dict(0)
+    saved = [zero.state_dict() if rank == 0 else None]
+    dist.broadcast_object_list(saved, 0)
+    ddp = build(process_group=group)
+    opt = overlapkit.overlap_ddp(ddp, torch.optim.AdamW, lr=LR, shard_optimizer_state=True)
+    with torch.no_grad():
+        for mine, theirs in zip(ddp.parameters(), reference.parameters(), strict=True):
+            mine.copy_(theirs)
+    # (ZeRO's dict holds rank 0's live state: a copy, as torch's load keeps what it gets)
+    out["load"] = error_of(lambda: opt.load_state_dict(copy.deepcopy(saved[0])))
+    _train(reference, zero, data[2:])
+    _train(ddp, opt, data[2:])
+    out["values"] = compare(values(reference), values(ddp))
+    return out

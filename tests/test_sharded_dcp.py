@@ -3,7 +3,9 @@
 optimizer's checkpoint, bitwise, also after ``consolidate_state_dict(0)``; saved at 2
 gloo ranks, loaded at 3 and trained bitwise as plain DDP + AdamW loading the plain
 checkpoint. And torch's ``get_state_dict`` + ``dcp.save`` after that gathering: the
-ranks that cannot answer say that rank 0 waits in the save for them.
+ranks that cannot answer say that rank 0 waits in the save for them. And a loop ported
+from ``ZeroRedundancyOptimizer``: its arguments refused saying what to do, its
+consolidated state dict loaded (bitwise ZeRO going on).
 
 Was (0.4.x): ``state_dict()`` answered DCP as any caller: refused on every rank without
 a gathering, and after ``consolidate_state_dict(0)`` the whole state on rank 0 and
@@ -59,3 +61,26 @@ def test_a_collective_save_of_the_gathered_dict_says_rank_0_waits(tmp_path) -> N
     assert results[1]["seconds"] < 1.0
     # rank 0 cannot tell without a collective: it waits in DCP's until the timeout
     assert results[0]["seconds"] < ranks_.TIMEOUT_SECONDS + 5
+
+
+@pytest.fixture(scope="module")
+def ported() -> list[dict]:
+    return run_distributed(ranks_.ported_from_zero, 2, timeout=120)
+
+
+def test_zero_s_arguments_are_refused_saying_what_overlap_ddp_does_instead(
+        ported: list[dict]) -> None:
+    # was: "AdamW rejected the arguments ... Fix the optimizer arguments", naming
+    # neither the DDP model's process group nor that the step overlaps already
+    for rank, result in enumerate(ported):
+        for name in ("process_group", "overlap_with_ddp"):
+            refused = result[name]
+            assert refused is not None and refused["type"] == "ConfigurationError", refused
+            assert "ZeroRedundancyOptimizer's" in refused["message"], (rank, refused)
+            assert "pass process_group= to DistributedDataParallel" in refused["message"]
+
+
+def test_zero_s_consolidated_dict_loads_and_trains_on_bitwise(ported: list[dict]) -> None:
+    for rank, result in enumerate(ported):
+        assert result["load"] is None, (rank, result["load"])
+    assert not failures(ported, "values")

@@ -190,7 +190,7 @@ def build_optimizer(
         raise ConfigurationError(
             f"{optim_cls.__qualname__} rejected the arguments {technique} passed on"
             f"{which}: {type(exc).__name__}: {exc}. Fix the optimizer arguments (they are "
-            "the plain optimizer's)."
+            "the plain optimizer's)." + _zero_s_arguments(optim_kwargs)
         ) from exc
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise UnsupportedOptimizerError(
@@ -198,6 +198,23 @@ def build_optimizer(
             "pass an optimizer class."
         )
     return optimizer
+
+
+#: ``ZeroRedundancyOptimizer``'s own arguments, which a port of a ZeRO loop passes on
+ZERO_ARGUMENTS = ("process_group", "parameters_as_bucket_view", "overlap_with_ddp")
+
+
+def _zero_s_arguments(optim_kwargs: Mapping[str, Any]) -> str:
+    """What to do with ``ZeroRedundancyOptimizer``'s arguments among ``optim_kwargs``
+    (which reached the optimizer as its own: its bare ``TypeError``), or ``""``."""
+    named = [name for name in ZERO_ARGUMENTS if name in optim_kwargs]
+    if not named:
+        return ""
+    return (f" {', '.join(named)} {'is' if len(named) == 1 else 'are'} "
+            "ZeroRedundancyOptimizer's: overlap_ddp(..., shard_optimizer_state=True) "
+            "shards over the DDP model's process group (pass process_group= to "
+            "DistributedDataParallel) and overlaps the step with backward itself, so "
+            "drop them.")
 
 
 def _rejected_argument(optim_cls: type[torch.optim.Optimizer], params: Sequence[Any],
