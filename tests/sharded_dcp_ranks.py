@@ -167,3 +167,37 @@ def ported_from_zero(rank: int, world_size: int) -> dict[str, Any]:
     _train(ddp, opt, data[2:])
     out["values"] = compare(values(reference), values(ddp))
     return out
+
+
+def two_optimizers_gathered_crosswise(rank: int, world_size: int) -> dict[str, Any]:
+    """Two sharded optimizers on one process group (a GAN's), each gathered on the
+    ranks in another order (rank 0 the first one first, rank 1 the second): what each
+    ``consolidate_state_dict`` raises, then both gathered in order on every rank, the
+    first one's dict against plain DDP + AdamW's."""
+    group = dist.new_group(list(range(world_size)),
+                           timeout=datetime.timedelta(seconds=TIMEOUT_SECONDS))
+    reference, plain, first, opt = _pair(group)
+    torch.manual_seed(3)
+    small = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(6, 6),
+                                                      process_group=group)
+    other = overlapkit.overlap_ddp(small, torch.optim.AdamW, lr=LR,
+                                   shard_optimizer_state=True)
+    for tokens in batches(rank, 2):
+        for model, optimizer in ((reference, plain), (first, opt)):
+            _loss(model, tokens).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        small(tokens[:, :6].float()).square().mean().backward()
+        other.step()
+        other.zero_grad()
+    order = (opt, other) if rank == 0 else (other, opt)
+    out = {"crosswise": [error_of(lambda: each.consolidate_state_dict(0))  # noqa: B023
+                         for each in order]}
+    opt.consolidate_state_dict(0)
+    other.consolidate_state_dict(0)
+    if rank == 0:
+        expected, got = plain.state_dict(), opt.state_dict()
+        out["state"] = compare(
+            {f"{k}.{n}": v for k, s in expected["state"].items() for n, v in s.items()},
+            {f"{k}.{n}": v for k, s in got["state"].items() for n, v in s.items()})
+    return out

@@ -84,3 +84,15 @@ def test_zero_s_consolidated_dict_loads_and_trains_on_bitwise(ported: list[dict]
     for rank, result in enumerate(ported):
         assert result["load"] is None, (rank, result["load"])
     assert not failures(ported, "values")
+
+
+def test_two_optimizers_gathered_crosswise_are_refused_on_every_rank() -> None:
+    # was: gathered, silently, the first optimizer's dict on rank 0 holding the second
+    # one's state under its indices (a (6,) exp_avg for a (16,) parameter, 5 of 9)
+    results = run_distributed(ranks_.two_optimizers_gathered_crosswise, 2, timeout=120)
+    for rank, result in enumerate(results):
+        for refused in result["crosswise"]:
+            assert refused is not None and refused["type"] == "ConfigurationError", (
+                rank, refused)
+            assert "for different optimizers" in refused["message"]
+    assert results[0]["state"], results[0]["state"]

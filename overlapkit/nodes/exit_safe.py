@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["EXIT_SECONDS", "RELEASE_SECONDS", "DestinationsDifferError", "Hold",
+__all__ = ["EXIT_SECONDS", "RELEASE_SECONDS", "DestinationsDifferError", "Hold", "TagsDifferError",
            "broadcast_text", "gather_object",
            "parked", "references", "release_parked", "wait_until_released"]
 
@@ -245,7 +245,19 @@ class DestinationsDifferError(ValueError):
         self.destinations = destinations
 
 
-def gather_object(obj: Any, dst: int = 0, group: Any = None) -> list[Any] | None:
+class TagsDifferError(ValueError):
+    """:func:`gather_object` called with different ``tag`` on different ranks (each
+    rank gathering something else), raised on every rank before anything is gathered.
+    ``tags``: each rank's, in group order."""
+
+    def __init__(self, tags: list[int]) -> None:
+        super().__init__(f"gather_object(tag=...) got different tags on the ranks of the "
+                         f"group: {tags} (in group order)")
+        self.tags = tags
+
+
+def gather_object(obj: Any, dst: int = 0, group: Any = None, *, tag: int = 0
+                  ) -> list[Any] | None:
     """Every rank's ``obj`` of ``group``, in group order, on global rank ``dst``; None
     elsewhere. What ``dist.gather_object(obj, gathered, dst, group)`` leaves in
     ``gathered``: the same pickling, on the device it would use, with gloo's threads
@@ -255,6 +267,9 @@ def gather_object(obj: Any, dst: int = 0, group: Any = None) -> list[Any] | None
     :raises DestinationsDifferError: on every rank, the ranks named different ``dst``
         (learnt from the sizes every rank sends first: torch's own waited until the
         group's timeout, each rank for the gather it named).
+    :raises TagsDifferError: on every rank, the ranks gave different ``tag`` (an
+        integer naming what is gathered, sent with the sizes): torch's own paired
+        whatever the ranks sent.
     """
     import torch.distributed as dist
 
@@ -264,22 +279,25 @@ def gather_object(obj: Any, dst: int = 0, group: Any = None) -> list[Any] | None
     buffer = io.BytesIO()
     pickle.Pickler(buffer).dump(obj)
     with torch.inference_mode(False):  # a tensor made in inference mode cannot be held
-        return _gather_bytes(buffer.getvalue(), dst, group, device)
+        return _gather_bytes(buffer.getvalue(), dst, group, device, tag)
 
 
-def _gather_bytes(data: bytes, dst: int, group: Any, device: torch.device
+def _gather_bytes(data: bytes, dst: int, group: Any, device: torch.device, tag: int
                   ) -> list[Any] | None:
     import torch.distributed as dist
 
     ranks = dist.get_world_size(group)
-    size = torch.tensor([len(data), dst], dtype=torch.int64, device=device)
-    sizes = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(ranks)]
+    size = torch.tensor([len(data), dst, tag], dtype=torch.int64, device=device)
+    sizes = [torch.zeros(3, dtype=torch.int64, device=device) for _ in range(ranks)]
     with Hold([size, *sizes], group):
         dist.all_gather(sizes, size, group=group)
     lengths = [int(each[0].item()) for each in sizes]
     destinations = [int(each[1].item()) for each in sizes]
     if len(set(destinations)) > 1:  # gloo would pair the gathers wrongly, or hang
         raise DestinationsDifferError(destinations)
+    tags = [int(each[2].item()) for each in sizes]
+    if len(set(tags)) > 1:  # each rank gathering something else
+        raise TagsDifferError(tags)
     payload = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
     if data:
         payload[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)

@@ -17,6 +17,7 @@ rank's share to one DCP checkpoint and reads it back at any world size.
 
 from __future__ import annotations
 
+import hashlib
 import operator
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -27,7 +28,11 @@ import torch
 import torch.distributed as dist
 
 from overlapkit.errors import ConfigurationError
-from overlapkit.nodes.exit_safe import DestinationsDifferError, gather_object
+from overlapkit.nodes.exit_safe import (
+    DestinationsDifferError,
+    TagsDifferError,
+    gather_object,
+)
 from overlapkit.nodes.failed_collective import collective_failure
 from overlapkit.overlap.core.watched_reads import quiet_reads
 from overlapkit.overlap.sharded.ownership import Ownership
@@ -258,7 +263,17 @@ def gather_state_dict(local: dict[str, Any], ownership: Ownership, group: Any,
     # the collective a ZeRO script ends with before rank ``to`` saves: gloo's threads
     # must not need the GIL for its tensors (overlapkit.nodes.exit_safe)
     try:
-        gathered = gather_object(mine, dst=dist.get_global_rank(group, to), group=group)
+        gathered = gather_object(mine, dst=dist.get_global_rank(group, to), group=group,
+                                 tag=_which_optimizer(ownership))
+    except TagsDifferError:
+        raise ConfigurationError(
+            "consolidate_state_dict() was called for different optimizers on the ranks "
+            "of the DDP model's process group (their parameters' shapes and owners "
+            f"differ; this rank's has {len(ownership.params)} parameters), so nothing "
+            "was gathered: the whole state dict would have mixed their states. Call it "
+            "for the same optimizer on every rank, in the same order (every rank "
+            "gathers one optimizer, then the next)."
+        ) from None
     except DestinationsDifferError as error:
         named = [dist.get_group_rank(group, each) for each in error.destinations]
         raise ConfigurationError(
@@ -280,6 +295,19 @@ def gather_state_dict(local: dict[str, Any], ownership: Ownership, group: Any,
         state.update(share)
     return {"state": dict(sorted(state.items())),
             "param_groups": _to_cpu(local["param_groups"])}
+
+
+def _which_optimizer(ownership: Ownership) -> int:
+    """What every rank of one sharded optimizer knows alike of it (its parameters'
+    shapes and dtypes, their owners), as a tag for the gathering: two sharded optimizers
+    on the same process group (a GAN's), each gathered on some ranks at once, were
+    paired (measured: 2 gloo ranks, the gathered dict of one held the other's state
+    under its indices, a (6,) ``exp_avg`` for a (16,) parameter, silently). Two
+    optimizers over parameters of the same shapes and owners are not told apart."""
+    described = [(tuple(p.shape), str(p.dtype), owner)
+                 for p, owner in zip(ownership.params, ownership.owners, strict=True)]
+    digest = hashlib.sha256(repr(described).encode()).digest()
+    return int.from_bytes(digest[:7], "big")
 
 
 def sharded_state_dict(local: dict[str, Any], ownership: Ownership) -> dict[str, Any]:
