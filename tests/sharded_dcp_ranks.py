@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from helpers import compare, error_of, values
 from sharded_state_ranks import LR, _loss, batches, build, build_reference
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import overlapkit
 
@@ -200,4 +200,59 @@ def two_optimizers_gathered_crosswise(rank: int, world_size: int) -> dict[str, A
         out["state"] = compare(
             {f"{k}.{n}": v for k, s in expected["state"].items() for n, v in s.items()},
             {f"{k}.{n}": v for k, s in got["state"].items() for n, v in s.items()})
+    return out
+
+
+class AppState:
+    """torch's DCP recipe: a ``Stateful`` handing DCP ``get_state_dict`` of the model and
+    the optimizer, and loading through ``set_state_dict``."""
+
+    def __init__(self, model: Any, optimizer: Any) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
+                       optim_state_dict=state_dict["optim"])
+
+
+def app_state_recipe(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    """torch's ``AppState`` recipe around the sharded optimizer (after
+    ``consolidate_state_dict(0)``), saved and loaded at 2 ranks into a fresh model and
+    optimizer, against plain DDP + AdamW the same way."""
+    group = dist.new_group(list(range(world_size)),
+                           timeout=datetime.timedelta(seconds=TIMEOUT_SECONDS))
+    reference, plain, ddp, opt = _pair(group)
+    data = batches(rank, 4)
+    _train(reference, plain, data[:2])
+    _train(ddp, opt, data[:2])
+    opt.consolidate_state_dict(0)
+    out: dict[str, Any] = {}
+    out["save"], out["seconds"] = _timed(lambda: dcp.save(
+        {"app": AppState(ddp, opt)}, checkpoint_id=f"{path}/sharded", process_group=group))
+    dcp.save({"app": AppState(reference, plain)}, checkpoint_id=f"{path}/plain",
+             process_group=group)
+    if out["save"] is not None:
+        return out
+    dist.barrier()
+    if rank == 0:
+        for name in ("sharded", "plain"):
+            dcp_to_torch_save(f"{path}/{name}", f"{path}/{name}.pt")
+        mine, theirs = (torch.load(f"{path}/{name}.pt", weights_only=False)["app"]["optim"]
+                        for name in ("sharded", "plain"))
+        out["file"] = compare(
+            {f"{k}.{n}": v for k, s in theirs["state"].items() for n, v in s.items()},
+            {f"{k}.{n}": v for k, s in mine["state"].items() for n, v in s.items()})
+    reference, plain, ddp, opt = _pair(group)
+    out["load"] = error_of(lambda: dcp.load({"app": AppState(ddp, opt)},
+                                            checkpoint_id=f"{path}/sharded",
+                                            process_group=group))
+    dcp.load({"app": AppState(reference, plain)}, checkpoint_id=f"{path}/plain",
+             process_group=group)
+    _train(reference, plain, data[2:])
+    _train(ddp, opt, data[2:])
+    out["values"] = compare(values(reference), values(ddp))
     return out

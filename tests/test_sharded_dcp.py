@@ -96,3 +96,16 @@ def test_two_optimizers_gathered_crosswise_are_refused_on_every_rank() -> None:
                 rank, refused)
             assert "for different optimizers" in refused["message"]
     assert results[0]["state"], results[0]["state"]
+
+
+def test_torch_s_app_state_recipe_saves_the_plain_checkpoint_and_resumes_bitwise(
+        tmp_path) -> None:
+    # was: after consolidate_state_dict(0) rank 1 refused and rank 0 waited in the save
+    # until the group's timeout (without the gathering: refused on every rank)
+    results = run_distributed(ranks_.app_state_recipe, 2, args=(str(tmp_path),),
+                              timeout=120)
+    for rank, result in enumerate(results):
+        assert result["save"] is None, (rank, result["save"])
+        assert result["load"] is None, (rank, result["load"])
+    assert results[0]["file"], results[0]["file"]
+    assert not failures(results, "values")

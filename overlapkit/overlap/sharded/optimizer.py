@@ -280,9 +280,10 @@ class ShardedOverlapOptimizer(ShardedHooks, OverlappedOptimizerFacade):
             return self._engine.state_dict()
         if (given := torch_s_load_template()) is not None:
             return load_template(self._engine.state_dict(), self._ownership, given)
-        if dcp := dcp_stateful_call():  # dcp.save/load({"optim": opt}), every rank: share
+        if (dcp := dcp_stateful_call()) and not torch_s_offloaded_get():  # DCP's: shares
+            loading = dcp == "load"
             return share_for_dcp(self._engine.state_dict(), self._ownership,
-                                 self.checkpoint_refusal(loading=dcp == "load"))
+                                 self.checkpoint_refusal(loading=loading), loading=loading)
         held, rank = self._consolidated, self._ownership.rank
         current = held is not None and held.generation == self._stepper.generation
         if torch_s_offloaded_get():  # the whole state on global rank 0, {} elsewhere

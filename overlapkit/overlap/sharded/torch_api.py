@@ -231,7 +231,9 @@ def dcp_stateful_call() -> str | None:
     ``torch.distributed.checkpoint.save`` (or ``async_save``) or ``load`` on the optimizer
     itself, passed in the dict it saves
     or loads (``dcp.save({"optim": optimizer})``: a ``Stateful``, whose ``state_dict()``
-    DCP calls on every rank and consumes itself; the loop never sees that dict).
+    DCP calls on every rank and consumes itself; the loop never sees that dict), also
+    through a ``Stateful`` of the loop's own calling it or torch's ``get_state_dict``
+    (torch's ``AppState`` recipe).
 
     A DCP checkpoint is the union of what the ranks hand it, so each rank's share
     (:func:`share_for_dcp`) saves the plain optimizer's checkpoint, and as the template
@@ -241,16 +243,21 @@ def dcp_stateful_call() -> str | None:
     so rank 0 went on into DCP's collectives and waited there for the others (measured:
     2 gloo ranks: until the group's timeout, then gloo's bare ``RuntimeError``; the default
     group's timeout is 30 minutes), else None."""
-    if _torch_frame("_stateful_to_state_dict", 6, "state_dict_saver") is not None:
+    # (a Stateful of the loop's own may call it, or torch's get_state_dict, between)
+    if _torch_frame("_stateful_to_state_dict", 16, "state_dict_saver") is not None:
         return "save"
-    return "load" if _torch_frame("load", 3, "state_dict_loader") is not None else None
+    return "load" if _torch_frame("load", 16, "state_dict_loader") is not None else None
 
 
-def share_for_dcp(local: dict[str, Any], ownership: Ownership, refusal: str | None
-                  ) -> dict[str, Any]:
+def share_for_dcp(local: dict[str, Any], ownership: Ownership, refusal: str | None, *,
+                  loading: bool) -> dict[str, Any]:
     """What a rank hands DCP's save or load (:func:`dcp_stateful_call`): ``local`` (the
     real optimizer's ``state_dict()``) with the state of this rank's parameters only (an
-    entry written on another rank, ``opt.state[p] = ...``, is its owner's to save).
+    entry written on another rank, ``opt.state[p] = ...``, is its owner's to save). As
+    the template of a load (``loading``), the other ranks' parameters have an empty
+    entry, which DCP reads nothing into: torch's ``set_state_dict`` in a ``Stateful``
+    (its ``AppState`` recipe) refuses a dict without an entry for every parameter
+    ("Missing optimizer state for parameter 'embed.weight' in checkpoint").
 
     :raises ConfigurationError: ``refusal``, why a checkpoint cannot be taken now
         (between a stepping backward and ``step()``, as ``overlapkit.checkpoint``'s):
@@ -262,8 +269,11 @@ def share_for_dcp(local: dict[str, Any], ownership: Ownership, refusal: str | No
         raise ConfigurationError(f"torch.distributed.checkpoint of the optimizer: {refusal} "
                                  "Nothing was written or read.")
     owned = ownership.my_indices()
-    return {**local, "state": {index: value for index, value in local["state"].items()
-                               if index in owned}}
+    state = {index: value for index, value in local["state"].items() if index in owned}
+    if loading:  # an empty entry per other rank's parameter: DCP reads nothing for it
+        state.update({index: {} for index in range(len(ownership.params))
+                      if index not in owned})
+    return {**local, "state": dict(sorted(state.items()))}
 
 
 def torch_s_broadcast_load() -> bool:
