@@ -17,7 +17,7 @@ while backward goes on. Split by the question each part answers:
 - :mod:`~overlapkit.overlap.sharded.state_dicts`: whole and per-rank state dicts;
 - :mod:`~overlapkit.overlap.sharded.misfit`: whether a state dict fits, before loading;
 - :mod:`~overlapkit.overlap.sharded.torch_api`: what it answers torch's
-  ``get/set_optimizer_state_dict``.
+  ``get/set_optimizer_state_dict`` and DCP's ``save`` / ``load`` of it.
 
 The engine, the bucket stepper, global clipping, the GradScaler rules and the loop
 conventions are ``overlap_ddp``'s own; ``overlapkit.checkpoint`` saves each rank's share

@@ -10,7 +10,8 @@ only, so it looks up the caller (by torch's function's own code, a few frames up
 ordinary call is never mistaken for one of these) and answers each as the plain
 optimizer would end up: :func:`in_torch_s_initialising_step`,
 :func:`torch_s_load_template` with :func:`load_template`, and
-:func:`torch_s_offloaded_get`.
+:func:`torch_s_offloaded_get`. DCP's ``save`` / ``load`` handed the optimizer itself (a
+``Stateful``) get each rank's share: :func:`dcp_stateful_call`, :func:`share_for_dcp`.
 
 .. versionadded:: 0.4
 """
@@ -37,7 +38,7 @@ __all__ = ["TEMPLATE_DEVICE_KEY", "dcp_stateful_call", "in_torch_s_initialising_
 
 
 def _torch_frame(name: str, depth: int, module: str = "state_dict") -> Any:
-    """The frame of ``torch.distributed.checkpoint.state_dict``'s function ``name`` among
+    """The frame of ``torch.distributed.checkpoint.<module>``'s function ``name`` among
     the ``depth`` callers of this function's caller, or None (looked up by its code:
     torch may wrap the functions between, so an ordinary call is never mistaken for
     it)."""
@@ -229,9 +230,9 @@ def offloaded_refusal(to: int | None) -> ConfigurationError:
 def dcp_stateful_call() -> str | None:
     """``"save"`` or ``"load"`` when ``state_dict()`` is being called by
     ``torch.distributed.checkpoint.save`` (or ``async_save``) or ``load`` on the optimizer
-    itself, passed in the dict it saves
-    or loads (``dcp.save({"optim": optimizer})``: a ``Stateful``, whose ``state_dict()``
-    DCP calls on every rank and consumes itself; the loop never sees that dict), also
+    itself, passed in the dict it saves or loads (``dcp.save({"optim": optimizer})``: a
+    ``Stateful``, whose ``state_dict()`` DCP calls on every rank and consumes itself;
+    the loop never sees that dict), also
     through a ``Stateful`` of the loop's own calling it or torch's ``get_state_dict``
     (torch's ``AppState`` recipe).
 
