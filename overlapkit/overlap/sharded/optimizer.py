@@ -343,10 +343,10 @@ class ShardedOverlapOptimizer(ShardedHooks, OverlappedOptimizerFacade):
             raise misfit
         with hooks_run:
             self._engine.load_state_dict(share)
-        # a whole dict without state empties the plain optimizer's (torch's
-        # initialising step then steps it on every rank); a share alone cannot tell
+        # a whole dict without state (DCP's template: empty entries) empties the plain
+        # optimizer's (torch's initialising step then steps it on every rank)
         self._stepper.advance(holds_state="state" not in state_dict or torch_s_broadcast_load()
-                              or bool(state_dict["state"]))
+                              or any(map(bool, state_dict["state"].values())))
         self._consolidated = None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
