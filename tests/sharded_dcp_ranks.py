@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from helpers import compare, error_of, values
-from sharded_state_ranks import LR, _loss, batches, build, build_reference
+from sharded_state_ranks import LR, AllOnLastRank, _loss, batches, build, build_reference
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -34,10 +34,10 @@ def _train(ddp: Any, opt: Any, data: list[torch.Tensor]) -> None:
         opt.zero_grad()
 
 
-def _pair(group: Any) -> tuple[Any, Any, Any, Any]:
+def _pair(group: Any, policy: Any = True) -> tuple[Any, Any, Any, Any]:
     reference, ddp = build_reference(process_group=group), build(process_group=group)
     plain = torch.optim.AdamW(reference.parameters(), lr=LR)
-    opt = overlapkit.overlap_ddp(ddp, torch.optim.AdamW, lr=LR, shard_optimizer_state=True)
+    opt = overlapkit.overlap_ddp(ddp, torch.optim.AdamW, lr=LR, shard_optimizer_state=policy)
     return reference, plain, ddp, opt
 
 
@@ -60,14 +60,17 @@ def _files_equal(sharded: str, plain: str) -> Any:
                    {f"{k}.{n}": v for k, s in mine["state"].items() for n, v in s.items()})
 
 
-def dcp_stateful(rank: int, world_size: int, path: str) -> dict[str, Any]:
+def dcp_stateful(rank: int, world_size: int, path: str, owning_nothing: bool
+                 ) -> dict[str, Any]:
+    """``owning_nothing``: every parameter on the last rank (the others own nothing)."""
+    policy = AllOnLastRank() if owning_nothing else True
     timeout = datetime.timedelta(seconds=TIMEOUT_SECONDS)
     everyone = dist.new_group(list(range(world_size)), timeout=timeout)
     pair = dist.new_group([0, 1], timeout=timeout)
     out: dict[str, Any] = {}
     data = batches(rank, 4)
     if rank < 2:  # saved at 2 ranks, after the gathering a ZeRO loop does
-        reference, plain, ddp, opt = _pair(pair)
+        reference, plain, ddp, opt = _pair(pair, policy)
         _train(reference, plain, data[:2])
         _train(ddp, opt, data[:2])
         opt.consolidate_state_dict(0)
@@ -83,7 +86,7 @@ def dcp_stateful(rank: int, world_size: int, path: str) -> dict[str, Any]:
     if rank < 2 and out["save"] is not None:
         return out
     # loaded at 3 ranks, into optimizers holding state (as DCP loads into a template)
-    reference, plain, ddp, opt = _pair(everyone)
+    reference, plain, ddp, opt = _pair(everyone, policy)
     other = batches(rank, 1, seed=7)
     _train(reference, plain, other)
     _train(ddp, opt, other)

@@ -2,7 +2,7 @@
 (``dcp.save({"optim": optimizer})`` / ``dcp.load``): each rank's share is saved, the plain
 optimizer's checkpoint, bitwise, also after ``consolidate_state_dict(0)``; saved at 2
 gloo ranks, loaded at 3 and trained bitwise as plain DDP + AdamW loading the plain
-checkpoint. And torch's ``get_state_dict`` + ``dcp.save`` after that gathering: the
+checkpoint (also with ranks owning nothing). And torch's ``get_state_dict`` + ``dcp.save`` after that gathering: the
 ranks that cannot answer say that rank 0 waits in the save for them. And a loop ported
 from ``ZeroRedundancyOptimizer``: its arguments refused saying what to do, its
 consolidated state dict loaded (bitwise ZeRO going on).
@@ -21,10 +21,11 @@ from helpers import failures
 from overlapkit.distributed import run_distributed
 
 
-@pytest.fixture(scope="module")
-def stateful(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+@pytest.fixture(scope="module", params=[False, True], ids=["balanced", "owning nothing"])
+def stateful(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+             ) -> list[dict]:
     path = str(tmp_path_factory.mktemp("dcp"))
-    return run_distributed(ranks_.dcp_stateful, 3, args=(path,), timeout=300)
+    return run_distributed(ranks_.dcp_stateful, 3, args=(path, request.param), timeout=300)
 
 
 def test_dcp_save_of_the_optimizer_writes_the_plain_optimizer_s_checkpoint(
