@@ -2,10 +2,12 @@
 (``dcp.save({"optim": optimizer})`` / ``dcp.load``): each rank's share is saved, the plain
 optimizer's checkpoint, bitwise, also after ``consolidate_state_dict(0)``; saved at 2
 gloo ranks, loaded at 3 and trained bitwise as plain DDP + AdamW loading the plain
-checkpoint (also with ranks owning nothing). And torch's ``get_state_dict`` + ``dcp.save`` after that gathering: the
-ranks that cannot answer say that rank 0 waits in the save for them. And a loop ported
-from ``ZeroRedundancyOptimizer``: its arguments refused saying what to do, its
-consolidated state dict loaded (bitwise ZeRO going on).
+checkpoint (also with ranks owning nothing); torch's ``AppState`` recipe the same. And
+torch's ``get_state_dict`` + ``dcp.save`` after that gathering: the ranks that cannot
+answer say that rank 0 waits in the save for them. A loop ported from
+``ZeroRedundancyOptimizer``: its arguments refused saying what to do, its consolidated
+state dict loaded (bitwise ZeRO going on). Two sharded optimizers gathered crosswise:
+refused on every rank.
 
 Was (0.4.x): ``state_dict()`` answered DCP as any caller: refused on every rank without
 a gathering, and after ``consolidate_state_dict(0)`` the whole state on rank 0 and
