@@ -89,10 +89,14 @@ def test_zero_s_consolidated_dict_loads_and_trains_on_bitwise(ported: list[dict]
     assert not failures(ported, "values")
 
 
-def test_two_optimizers_gathered_crosswise_are_refused_on_every_rank() -> None:
+@pytest.mark.parametrize("same_model", [False, True], ids=["other model", "same model"])
+def test_two_optimizers_gathered_crosswise_are_refused_on_every_rank(same_model: bool
+                                                                     ) -> None:
     # was: gathered, silently, the first optimizer's dict on rank 0 holding the second
-    # one's state under its indices (a (6,) exp_avg for a (16,) parameter, 5 of 9)
-    results = run_distributed(ranks_.two_optimizers_gathered_crosswise, 2, timeout=120)
+    # one's state under its indices (a (6,) exp_avg for a (16,) parameter, 5 of 9; of
+    # the same model under SGD, momentum buffers for Adam's state)
+    results = run_distributed(ranks_.two_optimizers_gathered_crosswise, 2,
+                              args=(same_model,), timeout=120)
     for rank, result in enumerate(results):
         for refused in result["crosswise"]:
             assert refused is not None and refused["type"] == "ConfigurationError", (

@@ -264,11 +264,11 @@ def gather_state_dict(local: dict[str, Any], ownership: Ownership, group: Any,
     # must not need the GIL for its tensors (overlapkit.nodes.exit_safe)
     try:
         gathered = gather_object(mine, dst=dist.get_global_rank(group, to), group=group,
-                                 tag=_which_optimizer(ownership))
+                                 tag=_which_optimizer(ownership, local["param_groups"]))
     except TagsDifferError:
         raise ConfigurationError(
             "consolidate_state_dict() was called for different optimizers on the ranks "
-            "of the DDP model's process group (their parameters' shapes and owners "
+            "of the DDP model's process group (their parameters, owners or settings "
             f"differ; this rank's has {len(ownership.params)} parameters), so nothing "
             "was gathered: the whole state dict would have mixed their states. Call it "
             "for the same optimizer on every rank, in the same order (every rank "
@@ -297,15 +297,18 @@ def gather_state_dict(local: dict[str, Any], ownership: Ownership, group: Any,
             "param_groups": _to_cpu(local["param_groups"])}
 
 
-def _which_optimizer(ownership: Ownership) -> int:
+def _which_optimizer(ownership: Ownership, groups: list[dict[str, Any]]) -> int:
     """What every rank of one sharded optimizer knows alike of it (its parameters'
-    shapes and dtypes, their owners), as a tag for the gathering: two sharded optimizers
+    shapes and dtypes, their owners, the settings its param groups have: which
+    optimizer), as a tag for the gathering: two sharded optimizers
     on the same process group (a GAN's), each gathered on some ranks at once, were
     paired (measured: 2 gloo ranks, the gathered dict of one held the other's state
     under its indices, a (6,) ``exp_avg`` for a (16,) parameter, silently). Two
-    optimizers over parameters of the same shapes and owners are not told apart."""
-    described = [(tuple(p.shape), str(p.dtype), owner)
-                 for p, owner in zip(ownership.params, ownership.owners, strict=True)]
+    optimizers of one class over parameters of the same shapes and owners are not told
+    apart."""
+    described: list[Any] = [(tuple(p.shape), str(p.dtype), owner)
+                            for p, owner in zip(ownership.params, ownership.owners, strict=True)]
+    described += [sorted(key for key in group if key != "params") for group in groups]
     digest = hashlib.sha256(repr(described).encode()).digest()
     return int.from_bytes(digest[:7], "big")
 
