@@ -299,7 +299,8 @@ class StepAccount:
             marks.open_data_writes(params)
             marks.mark_state(self.technique if self.calls_step else None)
             if self.calls_step:
-                marks.watch_reads(params, self.technique, self.settings_of or self)
+                marks.watch_reads(params, self.technique, self.settings_of or self,
+                                  freed)
             self.stepped_marks = marks
 
     def release_state(self) -> None:

@@ -25,6 +25,7 @@ hook) is not a read; overlapkit's own work runs under
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -33,6 +34,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from overlapkit.overlap.core.watched_reads import (
+    _NOT_THE_LOOP,
     METADATA_METHODS,
     VALUE_PROPERTIES,
     loop_stacklevel,
@@ -40,8 +42,8 @@ from overlapkit.overlap.core.watched_reads import (
     run_noting,
 )
 
-__all__ = ["ParameterReadInWindowWarning", "ParameterReads", "unwatch_params",
-           "watch_params", "watched_class"]
+__all__ = ["FreedGradientReadWarning", "ParameterReadInWindowWarning", "ParameterReads",
+           "unwatch_params", "watch_params", "watched_class"]
 
 
 class _Window(Protocol):
@@ -71,6 +73,12 @@ def _note_read(arg: Any) -> None:
         window.note_param_read(arg)
 
 
+def _reads_grad(func: Any) -> bool:
+    """``func`` is ``Tensor.grad.__get__`` (``param.grad`` read)."""
+    return (getattr(func, "__name__", "") == "__get__"
+            and getattr(getattr(func, "__self__", None), "__name__", "") == "grad")
+
+
 class _WatchesParameterReads:
     """What every watched parameter class shares (a plain parameter's, a ``DTensor``
     parameter's): a torch operation reading its values notes it in the class's
@@ -83,7 +91,12 @@ class _WatchesParameterReads:
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        return run_noting(func, args, kwargs, _reads_values, _note_read)
+        found = run_noting(func, args, kwargs, _reads_values, _note_read)
+        if found is None and _reads_grad(func) and not quiet():  # a freed gradient
+            note = getattr(cls._window, "note_grad_read", None)
+            if note is not None:
+                note()
+        return found
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         """A plain parameter (``copy.deepcopy(model)`` in the window: an EMA's copy), the
@@ -173,8 +186,16 @@ class ParameterReadInWindowWarning(UserWarning):
     hold this step's update already, the plain loop's the last step's."""
 
 
-#: the optimizers (or step accounts) whose loop was warned, once each
+class FreedGradientReadWarning(UserWarning):
+    """The loop read ``.grad`` of parameters ``optimizer_in_backward`` had stepped and
+    freed, between that backward and ``step()``: None, where the plain loop's hold the
+    gradients; a change of them there (noise, masking, a scale) was not in the step."""
+
+
+#: the optimizers (or step accounts) whose loop was warned, once each (of freed
+#: gradients read: or no longer watched for them)
 _WARNED: weakref.WeakSet[Any] = weakref.WeakSet()
+_GRADS_WARNED: weakref.WeakSet[Any] = weakref.WeakSet()
 #: ``owner`` -> its class of watched parameters (:class:`ParameterReads`)
 _CLASSES: weakref.WeakKeyDictionary[Any, type[_WatchedParameter]] = (
     weakref.WeakKeyDictionary())
@@ -192,32 +213,107 @@ def parameter_read_warning(technique: str) -> str:
         "once.")
 
 
+def freed_gradient_read_warning(technique: str, reads: int) -> str:
+    return (
+        f"the loop read .grad of parameters {technique} had stepped and freed during "
+        f"backward ({reads} reads between backward() and optimizer.step()): they were "
+        "None, where the plain loop's hold this backward's gradients. A change made to "
+        "them there (noise, masking, a scale, a clip by hand: `if p.grad is not None`) "
+        "was skipped and is not in the step, which was taken with the gradients as "
+        "backward left them; a log of them is empty. Change gradients before they are "
+        "stepped (a hook registered with register_post_accumulate_grad_hook on the "
+        "parameter, a DDP comm hook, clip_grad_norm= of the optimizer), or call "
+        "optimizer.learn_first_step(model) once before the loop (a loop using the "
+        "gradients there at its first step then takes every step at optimizer.step(), "
+        "in the plain order, bitwise the plain loop). Shown once.")
+
+
+def _loop_frame() -> tuple[str, int, dict[str, Any]]:
+    """Where the loop reads (past overlapkit's and torch's frames:
+    :func:`loop_stacklevel`): its file, line and globals."""
+    frame = sys._getframe(loop_stacklevel() - 1)
+    return frame.f_code.co_filename, frame.f_lineno, frame.f_globals
+
+
 class ParameterReads:
     """The parameters a backward stepped, from its end to ``step()`` (or the next
     backward, a ``zero_grad()``), in a loop known to call ``step()``: the loop's first
     read of their values there is warned of (:class:`ParameterReadInWindowWarning`),
-    once per ``owner`` (the optimizer), and nothing is watched for it after that.
+    once per ``owner`` (the optimizer). ``freed``: the backward freed their gradients
+    (``optimizer_in_backward``): reads of ``.grad`` that find None are counted, and
+    warned of as the window closes (:class:`FreedGradientReadWarning`, once per
+    ``owner``) unless a clip of the parameters with a gradient, answered for the freed
+    ones (:func:`~overlapkit.overlap.rules.clip_halves.given_or_freed`), was what read
+    them (:meth:`answered`). Nothing is watched once both were warned of, nor for
+    gradients after a window without such a read once the values were warned of (a
+    loop reading them every step would pay for the watching every step: a gradient
+    edit it starts later is not seen).
     Watching costs two class switches per parameter and step (about 0.15 µs for both on
     the 2-core test machine), and nothing to an operation that does not touch a
     parameter."""
 
-    def __init__(self, params: list[torch.Tensor], technique: str, owner: Any) -> None:
+    def __init__(self, params: list[torch.Tensor], technique: str, owner: Any,
+                 freed: bool = False) -> None:
         self.technique, self.owner, self.params = technique, owner, params
         self.watched: type[_WatchedParameter] | None = None
-        if owner not in _WARNED:
+        self.values = owner not in _WARNED
+        self.grads = freed and owner not in _GRADS_WARNED
+        #: reads of a freed ``.grad`` not answered by a clip, and the first one's frame
+        self.grad_reads = 0
+        self.first_read: Any = None
+        if self.values or self.grads:
             self.watched = _CLASSES.get(owner)
             if self.watched is None:
                 self.watched = _CLASSES[owner] = watched_class()
             watch_params(params, self.watched, self)
 
     def note_param_read(self, param: torch.Tensor) -> None:
-        self.release()
+        if not self.values:
+            return
+        self.values = False
+        if not self.grads:
+            self._unwatch()
         if self.owner not in _WARNED:
             _WARNED.add(self.owner)
             warnings.warn(parameter_read_warning(self.technique),
                           ParameterReadInWindowWarning, stacklevel=loop_stacklevel())
 
-    def release(self) -> None:
-        """Give the parameters back their plain class (``step()``, the next backward)."""
+    def note_grad_read(self) -> None:
+        """``.grad`` of a watched parameter read, None (freed)."""
+        # the frame reading: the loop's, not overlapkit's or torch's own (a clip answered)
+        if self.grads and not sys._getframe(2).f_code.co_filename.startswith(_NOT_THE_LOOP):
+            self.grad_reads += 1
+            if self.first_read is None:
+                self.first_read = _loop_frame()
+
+    def answered(self) -> None:
+        """A clip of the parameters with a gradient (``[p for p in params if p.grad is
+        not None]``, one read of each) was answered for the freed ones: not a skipped
+        change."""
+        self.grad_reads = max(0, self.grad_reads - len(self.params))
+        if not self.grad_reads:
+            self.first_read = None
+
+    def _unwatch(self) -> None:
         if self.watched is not None and self.watched._window is self:
             unwatch_params(self.params, self.watched)
+
+    def release(self) -> None:
+        """Give the parameters back their plain class (``step()``, the next backward),
+        and warn of the freed gradients read, once."""
+        self._unwatch()
+        reads, frame, self.grad_reads, self.first_read = (
+            self.grad_reads, self.first_read, 0, None)
+        if self.grads and not reads and self.owner in _WARNED:
+            # a loop reading the values there (an EMA, a validation forward) is not
+            # watched on after a window without a freed gradient read: its operations
+            # on the parameters would go through the watched class every step
+            _GRADS_WARNED.add(self.owner)
+        if reads and self.owner not in _GRADS_WARNED:
+            _GRADS_WARNED.add(self.owner)
+            self.grads = False
+            filename, line, globs = frame
+            warnings.warn_explicit(
+                freed_gradient_read_warning(self.technique, reads), FreedGradientReadWarning,
+                filename, line, module=globs.get("__name__"),
+                registry=globs.setdefault("__warningregistry__", {}))

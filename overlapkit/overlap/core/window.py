@@ -219,10 +219,11 @@ class FirstWindow:
             self.state_writes = StateWrites(self.optimizer, warn_reads)
 
     def watch_reads(self, params: list[torch.Tensor], technique: str,
-                    owner: Any) -> None:
+                    owner: Any, freed: bool = False) -> None:
         """Warn of the loop's first read of the values of ``params`` (stepped by the
-        backward that ended: :class:`ParameterReads`) until :meth:`release_state`."""
-        self.param_reads = ParameterReads(params, technique, owner)
+        backward that ended: :class:`ParameterReads`) until :meth:`release_state`, and
+        (``freed``: it freed their gradients) of its reads of their ``.grad``."""
+        self.param_reads = ParameterReads(params, technique, owner, freed)
 
     def release_state(self) -> None:
         """Stop watching the state and the parameters (``step()``, the next backward);

@@ -95,6 +95,7 @@ def guarded_get_total_norm(tensors: Any, norm_type: float = 2.0,
         if steppers:
             for stepper in steppers:  # a zero_grad() with no step() is refused
                 stepper.freed_norm_read = True
+                _answered(stepper)  # the loop's reads of .grad for it: warned of here
             freeing = steppers[0].technique
             warnings.warn(
                 f"torch.nn.utils.get_total_norm asked for the norm of gradients that "
@@ -130,4 +131,16 @@ def given_or_freed(params: list[torch.Tensor]) -> list[torch.Tensor]:
     if not steppers:
         return params
     last = max(steppers, key=lambda stepper: getattr(stepper, "freed_order", 0))
-    return list(last.freed) if last.stepped_since_step else params
+    if not last.stepped_since_step:
+        return params
+    _answered(last)  # the loop's filter read each freed .grad: answered here
+    return list(last.freed)
+
+
+def _answered(stepper: Any) -> None:
+    """A pass of the loop's reads of the gradients ``stepper`` freed went to a clip or a
+    norm answered here: not a skipped change
+    (:class:`~overlapkit.overlap.core.watched_params.FreedGradientReadWarning`)."""
+    marks = stepper.stepped_marks
+    if marks is not None and marks.param_reads is not None:
+        marks.param_reads.answered()
