@@ -12,6 +12,7 @@ from its first step, or refuses a change after a stepping backward.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -37,6 +38,26 @@ class _TensorSetting:
                 and bool(torch.equal(now, self.value)))
 
 
+class _Params:
+    """A param group's ``params`` as recorded: the list and its length (the parameters
+    a step takes). One removed or added, or the list replaced by one of other
+    parameters: a step taken during backward stepped the group as it was. The list
+    itself is kept, not copied: one replaced still holds the parameters it had (an
+    item of the same list set in place, its length kept, is not seen)."""
+
+    __slots__ = ("count", "params")
+
+    def __init__(self, params: list[Any]) -> None:
+        self.params, self.count = params, len(params)
+
+    def same_as(self, now: Any) -> bool:
+        was = self.params
+        if now is was:
+            return len(now) == self.count
+        return (isinstance(now, list | tuple) and len(now) == self.count == len(was)
+                and all(map(operator.is_, now, was)))
+
+
 def _copied(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return _TensorSetting(value)
@@ -44,7 +65,7 @@ def _copied(value: Any) -> Any:
 
 
 def _same(was: Any, now: Any) -> bool:
-    if isinstance(was, _TensorSetting):
+    if isinstance(was, _TensorSetting | _Params):
         return was.same_as(now)
     if isinstance(now, torch.Tensor):
         return False
@@ -53,16 +74,16 @@ def _same(was: Any, now: Any) -> bool:
     return bool(was == now)
 
 
-#: group entries no step reads: the parameters, and ``initial_lr``, which an LR
-#: scheduler adds when it is built (one built between backward and ``step()`` changes
-#: nothing the step reads)
-_NOT_READ = frozenset({"params", "initial_lr"})
+#: group entries no step reads: ``initial_lr``, which an LR scheduler adds when it is
+#: built (one built between backward and ``step()`` changes nothing the step reads)
+_NOT_READ = frozenset({"initial_lr"})
 
 
 def settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Each param group's settings but its parameters (``lr``, ``betas``, ...), as a
-    step taken now reads them."""
-    return [{key: _copied(value) for key, value in group.items() if key not in _NOT_READ}
+    """Each param group's settings (``lr``, ``betas``, ...) and parameters, as a step
+    taken now reads them."""
+    return [{key: _Params(value) if key == "params" else _copied(value)
+             for key, value in group.items() if key not in _NOT_READ}
             for group in optimizer.param_groups]
 
 

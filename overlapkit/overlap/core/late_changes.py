@@ -30,6 +30,20 @@ def refuse_changed_gradients(marks: FirstWindow, names: Mapping[int, str],
     backward that stepped it, before this ``step()``: the change missed that step."""
     learn = "." if marks.learned else f", or keep the loop and call {LEARN} once before it."
     changed = marks.changed_settings() + marks.state_reset()
+    dropped = [name for name in changed if name.startswith("params of ")]
+    if dropped:
+        raise ConfigurationError(
+            f"the parameters of {shown_names([n[len('params of '):] for n in dropped])} "
+            "were changed between backward() and optimizer.step() (a parameter removed "
+            "from its group, added to it, or the list replaced), after "
+            f"{technique} had already stepped the parameters the group held before during "
+            "backward, where the plain step takes the group as it is now. The parameters "
+            "have taken it: restart from the last checkpoint after fixing the loop. To "
+            "stop stepping a parameter (freezing a layer), call requires_grad_(False) on "
+            "it before the forward (a parameter without a gradient is not stepped), or "
+            "build a new optimizer after optimizer.step() (release() this one first); to "
+            f"add parameters, call add_param_group() on the optimizer {technique} "
+            "returned")
     if changed:
         raise ConfigurationError(
             f"the optimizer's settings ({shown_names(changed)}) were changed between "
