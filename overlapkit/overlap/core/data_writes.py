@@ -86,6 +86,21 @@ class _Data:
 
 
 _DATA = _Data()
+#: torch's own ``Tensor.numpy`` (a C method of ``TensorBase``)
+_BASE_NUMPY: Any = torch._C.TensorBase.__dict__["numpy"]
+
+
+def _numpy(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+    """``torch.Tensor.numpy`` once a window has opened: torch's, noting the tensor in
+    each open :class:`DataWrites` (an array on its memory writes it, bumping no version:
+    ``p.grad.numpy()[...] *= 0.5``)."""
+    for window in _OPEN:
+        window.note_numpy(tensor)
+    return _BASE_NUMPY(tensor, *args, **kwargs)
+
+
+_numpy.__name__ = _numpy.__qualname__ = "numpy"  # a watched tensor's reads see its name
+_numpy.__doc__ = _BASE_NUMPY.__doc__
 #: the references to a noted ``.data`` tensor when only :class:`DataWrites` holds it
 #: (its entry, ``getrefcount``'s argument; ``tests/test_window_data.py`` checks it)
 _ONLY_NOTED = 2
@@ -118,11 +133,17 @@ class DataWrites:
         self.sets: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         #: ``id`` of the tensors seen changed through a ``.data`` no longer kept
         self._changed: set[int] = set()
+        #: ``id(tensor)`` -> (tensor, its values when an array on its memory was handed
+        #: out: ``numpy()`` of it or of a view of it), and the tensors by storage
+        self.arrays: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._storages: dict[int, list[torch.Tensor]] | None = None
         self.open = False
         # another library's own Tensor.data left alone (nothing noted then)
         if torch.Tensor.__dict__.get("data", _DATA) is _DATA:
             if "data" not in torch.Tensor.__dict__:
                 torch.Tensor.data = _DATA  # once: see the module docstring
+            if "numpy" not in torch.Tensor.__dict__:
+                torch.Tensor.numpy = _numpy  # type: ignore[method-assign,assignment]
             _OPEN.append(self)
             self.open = True
 
@@ -143,6 +164,25 @@ class DataWrites:
                    and sys.getrefcount(entry[0]) > _ONLY_NOTED]
         kept.append((alias, alias._version))
 
+    def note_numpy(self, tensor: torch.Tensor) -> None:
+        """``tensor.numpy()``: when it shares memory with the window's tensors (a
+        gradient, ``p.detach()``, a state tensor), their values now, compared by
+        :meth:`changed`."""
+        if self._storages is None:
+            self._noted(tensor)  # the ids taken
+            self._storages = {}
+            tensors = [p for p in self.params] + [p.grad for p in self.params
+                                                    if p.grad is not None]
+            for found in tensors + optimizer_tensors(self.optimizer):
+                if found.device.type == "cpu":  # numpy() takes nothing else
+                    key = found.untyped_storage().data_ptr()
+                    self._storages.setdefault(key, []).append(found)
+        if tensor.device.type != "cpu":
+            return
+        for found in self._storages.get(tensor.untyped_storage().data_ptr(), ()):
+            if id(found) not in self.arrays:
+                self.arrays[id(found)] = (found, _BASE.__get__(found).clone())
+
     def note_set(self, tensor: torch.Tensor) -> None:
         if self._noted(tensor) and id(tensor) not in self.sets:
             self.sets[id(tensor)] = (tensor, _BASE.__get__(tensor))
@@ -156,7 +196,7 @@ class DataWrites:
     def forget(self, tensors: Iterable[torch.Tensor]) -> None:
         """Writes to ``tensors`` are not the loop's (overlapkit's own rewrites)."""
         for tensor in tensors:
-            for noted in (self.aliases, self.sets):
+            for noted in (self.aliases, self.sets, self.arrays):
                 noted.pop(id(tensor), None)
             self._changed.discard(id(tensor))
 
@@ -169,4 +209,6 @@ class DataWrites:
                      if any(alias._version != version for alias, version in kept))
         found.update(key for key, (tensor, before) in self.sets.items()
                      if not _same(before, _BASE.__get__(tensor)))
+        found.update(key for key, (tensor, before) in self.arrays.items()
+                     if not torch.equal(before, _BASE.__get__(tensor)))
         return found
