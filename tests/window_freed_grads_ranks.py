@@ -1,7 +1,8 @@
 """The rank side of tests/test_window_freed_grads.py: a DDP loop (2 gloo ranks, 4
 steps, SGD with momentum and AdamW) that reads or changes the gradients between backward
 and ``step()`` (``optimizer_in_backward`` has freed them), drops a parameter from its
-param group there, or writes gradients, parameters or state through ``numpy()``, plainly
+param group there, or writes gradients, parameters or state through ``numpy()``
+or DLPack, plainly
 and under each technique, learnt (``learn_first_step``) or not: what was raised where,
 the values, the largest difference from the plain loop after each step, the warnings."""
 
@@ -11,6 +12,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import numpy
 import torch
 from helpers import compare, error_of, max_diff, rank_batches, values
 from torch import nn
@@ -69,6 +71,17 @@ def _state_halved_through_numpy(ddp: DDP, opt: Any, step: int) -> None:
                     value.numpy()[...] *= 0.5
 
 
+def _grads_halved_through_dlpack(ddp: DDP, opt: Any, step: int) -> None:
+    for param in ddp.parameters():
+        if param.grad is not None:  # a tensor with a version counter of its own
+            torch.from_dlpack(param.grad).mul_(0.5)
+
+
+def _weights_scaled_through_dlpack(ddp: DDP, opt: Any, step: int) -> None:
+    for param in ddp.parameters():
+        numpy.from_dlpack(param.detach())[...] *= 0.9
+
+
 def _read_through_numpy(ddp: DDP, opt: Any, step: int) -> None:
     for param in ddp.parameters():
         float(param.detach().numpy().sum())
@@ -86,6 +99,8 @@ WINDOWS: dict[str, Callable[[DDP, Any, int], None]] = {
     "weights scaled through numpy": _weights_scaled_through_numpy,
     "state halved through numpy": _state_halved_through_numpy,
     "read through numpy": _read_through_numpy,
+    "grads halved through dlpack": _grads_halved_through_dlpack,
+    "weights scaled through dlpack": _weights_scaled_through_dlpack,
 }
 
 
