@@ -42,7 +42,7 @@ from overlapkit.overlap.rules.late_clipping import (
 )
 
 __all__ = ["given_or_freed", "guarded_clip_grads_with_norm_", "guarded_get_total_norm",
-           "unguarded_clip_grads_with_norm_", "unguarded_get_total_norm"]
+           "stepped_answered", "unguarded_clip_grads_with_norm_", "unguarded_get_total_norm"]
 
 # public as torch.nn.utils.clip_grads_with_norm_ / get_total_norm (torch 2.13)
 unguarded_clip_grads_with_norm_ = torch_clip_grad._clip_grads_with_norm_
@@ -60,7 +60,7 @@ def guarded_clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: 
         touches a gradient.
     """
     params = given_or_freed(_as_list(parameters))
-    steppers = _stepped(params) if params else []
+    steppers = stepped_answered(params)
     if not steppers:
         _refuse_other_clip_in_window(params, float(max_norm), 2.0)
         before = [state(p) for p in params]
@@ -133,7 +133,6 @@ def given_or_freed(params: list[torch.Tensor]) -> list[torch.Tensor]:
     last = max(steppers, key=lambda stepper: getattr(stepper, "freed_order", 0))
     if not last.stepped_since_step:
         return params
-    _answered(last)  # the loop's filter read each freed .grad: answered here
     return list(last.freed)
 
 
@@ -144,3 +143,15 @@ def _answered(stepper: Any) -> None:
     marks = stepper.stepped_marks
     if marks is not None and marks.param_reads is not None:
         marks.param_reads.answered()
+
+
+def stepped_answered(params: list[torch.Tensor]) -> list[Any]:
+    """The steppers that stepped some of ``params`` (a clip's, after
+    :func:`given_or_freed`) since their last ``step()``; the clip answers for them, so
+    one pass of the loop's reads of their freed gradients went to it (the filter of
+    ``[p for p in params if p.grad is not None]``, Accelerate's look at each gradient
+    before torch's clip): :func:`_answered`."""
+    steppers = _stepped(params) if params else []
+    for stepper in steppers:
+        _answered(stepper)
+    return steppers

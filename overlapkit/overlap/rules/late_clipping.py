@@ -312,11 +312,11 @@ def guarded_clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float =
     :raises ConfigurationError: a clip the optimizer stepping these parameters during
         backward did not apply (it would come after the step).
     """
-    from overlapkit.overlap.rules.clip_halves import given_or_freed
+    from overlapkit.overlap.rules.clip_halves import given_or_freed, stepped_answered
 
     is_generator = isinstance(parameters, types.GeneratorType)
     params = given_or_freed(_as_list(parameters))
-    steppers = _stepped(params) if params else []
+    steppers = stepped_answered(params)
     if not steppers:
         # an empty generator is handed on as one: torch warns that nothing is clipped
         given = (p for p in params) if is_generator else params
@@ -377,10 +377,10 @@ def guarded_clip_grad_value_(parameters: Any, clip_value: float,
 
     :raises ConfigurationError: any other clip of parameters already stepped.
     """
-    from overlapkit.overlap.rules.clip_halves import given_or_freed
+    from overlapkit.overlap.rules.clip_halves import given_or_freed, stepped_answered
 
     params = given_or_freed(_as_list(parameters))
-    steppers = _stepped(params) if params else []
+    steppers = stepped_answered(params)
     if not steppers:
         _refuse_other_value_clip_in_window(params, float(clip_value))
         before = [state(p) for p in params]
