@@ -206,3 +206,15 @@ def test_an_edit_next_to_a_filtered_clip_is_warned_of_at_its_line() -> None:
     with open(__file__) as source:
         line = source.read().splitlines()[caught[0].lineno - 1]
     assert "the line warned of" in line, line
+
+
+def test_a_look_at_each_gradient_before_a_clip_of_them_all_is_no_freed_gradient_read() -> None:
+    # Accelerate's clip_grad_norm_ sorts the parameters by their gradient's class (None
+    # skipped) before torch's clip of them all, answered: before this, warned of
+    def look_then_clip(module: Any) -> None:
+        looked = [p for p in module.parameters() if p.grad is not None]
+        del looked
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+
+    caught = _plain_module_loop(look_then_clip)
+    assert not [w for w in caught if w.category.__name__ == "FreedGradientReadWarning"]
