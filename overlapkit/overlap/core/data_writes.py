@@ -131,6 +131,15 @@ _dlpack.__doc__ = getattr(_BASE_DLPACK, "__doc__", None)
 _ONLY_NOTED = 2
 
 
+def _storage(tensor: torch.Tensor) -> tuple[str, int] | None:
+    """Where ``tensor``'s memory is (its device and storage's address), or None for a
+    tensor without a storage of its own (a wrapper subclass: FSDP2's ``DTensor``)."""
+    try:
+        return str(tensor.device), tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
 def _same(before: torch.Tensor, now: torch.Tensor) -> bool:
     if before.dtype != now.dtype or before.shape != now.shape or before.device != now.device:
         return False
@@ -161,7 +170,7 @@ class DataWrites:
         #: ``id(tensor)`` -> (tensor, its values when an array on its memory was handed
         #: out: ``numpy()`` of it or of a view of it), and the tensors by storage
         self.arrays: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._storages: dict[int, list[torch.Tensor]] | None = None
+        self._storages: dict[tuple[str, int] | None, list[torch.Tensor]] | None = None
         self.open = False
         # another library's own Tensor.data left alone (nothing noted then)
         if torch.Tensor.__dict__.get("data", _DATA) is _DATA:
@@ -193,23 +202,22 @@ class DataWrites:
         kept.append((alias, alias._version))
 
     def note_numpy(self, tensor: torch.Tensor) -> None:
-        """``tensor.numpy()``: when it shares memory with the window's tensors (a
-        gradient, ``p.detach()``, a state tensor), their values now, compared by
-        :meth:`changed`."""
-        if self._storages is None:
-            self._noted(tensor)  # the ids taken
-            self._storages = {}
-            tensors = [p for p in self.params] + [p.grad for p in self.params
-                                                    if p.grad is not None]
-            for found in tensors + optimizer_tensors(self.optimizer):
-                if found.device.type == "cpu":  # numpy() takes nothing else
-                    key = found.untyped_storage().data_ptr()
-                    self._storages.setdefault(key, []).append(found)
-        if tensor.device.type != "cpu":
-            return
-        for found in self._storages.get(tensor.untyped_storage().data_ptr(), ()):
-            if id(found) not in self.arrays:
-                self.arrays[id(found)] = (found, _BASE.__get__(found).clone())
+        """``tensor.numpy()`` (or ``__dlpack__``): when it shares memory with the
+        window's tensors (a gradient, ``p.detach()``, a state tensor), their values now,
+        compared by :meth:`changed`. Read past a watched class (no read of the loop's)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            if self._storages is None:
+                self._noted(tensor)  # the ids taken
+                self._storages = {}
+                tensors = [p for p in self.params] + [p.grad for p in self.params
+                                                        if p.grad is not None]
+                for found in tensors + optimizer_tensors(self.optimizer):
+                    key = _storage(found)
+                    if key is not None:
+                        self._storages.setdefault(key, []).append(found)
+            for found in self._storages.get(_storage(tensor), ()):
+                if id(found) not in self.arrays:
+                    self.arrays[id(found)] = (found, _BASE.__get__(found).clone())
 
     def note_set(self, tensor: torch.Tensor) -> None:
         if self._noted(tensor) and id(tensor) not in self.sets:
