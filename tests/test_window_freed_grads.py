@@ -218,3 +218,28 @@ def test_a_look_at_each_gradient_before_a_clip_of_them_all_is_no_freed_gradient_
 
     caught = _plain_module_loop(look_then_clip)
     assert not [w for w in caught if w.category.__name__ == "FreedGradientReadWarning"]
+
+
+class _Wrapper(torch.Tensor):
+    """A wrapper subclass without a storage of its own (as FSDP2's ``DTensor``)."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> Any:
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        raise NotImplementedError(func)
+
+
+def test_numpy_in_a_window_with_a_parameter_without_storage_is_noted_not_raised() -> None:
+    from overlapkit.overlap.core.data_writes import DataWrites
+
+    plain = torch.zeros(3)
+    writes = DataWrites([_Wrapper(torch.zeros(2)), plain])
+    try:
+        plain.numpy()[...] += 1.0  # the loop's write, through its own numpy()
+    finally:
+        writes.close()
+    assert writes.changed() == {id(plain)}
