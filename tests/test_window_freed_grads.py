@@ -243,3 +243,38 @@ def test_numpy_in_a_window_with_a_parameter_without_storage_is_noted_not_raised(
     finally:
         writes.close()
     assert writes.changed() == {id(plain)}
+
+
+def _diverging_loop(technique: str, window: Any) -> None:
+    """3 SGD steps, the second batch holding a NaN (the step during its backward makes
+    the weights NaN, as the plain loop's does), ``window(module)`` between backward
+    and ``step()`` each time, on a plain module (no process group)."""
+    torch.manual_seed(0)
+    module = nn.Linear(4, 2)
+    opt = getattr(overlapkit, technique)(module, torch.optim.SGD, lr=0.1)
+    for index, batch in enumerate(rank_batches(0, 3)):
+        batch = batch[:, :4].clone()
+        if index == 1:
+            batch[0, 0] = float("nan")
+        module(batch).sum().backward()
+        window(module)
+        opt.step()
+        opt.zero_grad()
+    assert bool(module.weight.isnan().any())  # diverged, as the plain loop's
+
+
+@pytest.mark.parametrize("window", ["numpy read", "data set to a copy", "double then float"])
+def test_nan_values_read_or_set_to_the_same_values_are_no_change(window: str) -> None:
+    # before: torch.equal calls NaN unequal to itself, so a diverged model's numpy() read
+    # (a histogram log) was refused at step() as "the values of weight were changed in
+    # place", and p.data = p.data.clone() / model.double().float() likewise
+    def touch(module: Any) -> None:
+        for param in module.parameters():
+            if window == "numpy read":
+                float(param.detach().numpy().sum())
+            elif window == "data set to a copy":
+                param.data = param.data.clone()
+        if window == "double then float":
+            module.double().float()
+
+    _diverging_loop("optimizer_in_backward", touch)

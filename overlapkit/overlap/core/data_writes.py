@@ -145,7 +145,23 @@ def _same(before: torch.Tensor, now: torch.Tensor) -> bool:
         return False
     if before.data_ptr() == now.data_ptr() and before.stride() == now.stride():
         return True
-    return bool(torch.equal(before, now))
+    return same_bits(before, now)
+
+
+def same_bits(before: torch.Tensor, now: torch.Tensor) -> bool:
+    """``now`` holds the bits ``before`` held (same dtype and shape assumed): equal
+    values, and NaN where NaN was — ``torch.equal`` alone calls a diverged model's
+    unchanged NaN values changed (0.4.0 development: a ``numpy()`` read of NaN
+    parameters in the window was refused as a write)."""
+    if torch.equal(before, now):
+        return True
+    if not (before.is_floating_point() or before.is_complex()):
+        return False
+    try:
+        return bool(torch.equal(before.reshape(-1).view(torch.uint8),
+                                now.reshape(-1).view(torch.uint8)))
+    except RuntimeError:  # a tensor whose elements cannot be viewed as bytes
+        return False
 
 
 class DataWrites:
@@ -246,5 +262,5 @@ class DataWrites:
         found.update(key for key, (tensor, before) in self.sets.items()
                      if not _same(before, _BASE.__get__(tensor)))
         found.update(key for key, (tensor, before) in self.arrays.items()
-                     if not torch.equal(before, _BASE.__get__(tensor)))
+                     if not same_bits(before, _BASE.__get__(tensor)))
         return found
