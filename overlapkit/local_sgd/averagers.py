@@ -47,6 +47,7 @@ __all__ = [
     "PeriodicAverager",
     "ReplicaGroup",
     "average_in_place",
+    "declares_before_step",
     "parameters_to_average",
     "validate_period_group_sizes",
 ]
@@ -86,6 +87,18 @@ def _require_initialized(what: str) -> None:
             f"{what} needs torch.distributed; call torch.distributed.init_process_group() "
             "first (torchrun sets up the environment it reads)."
         )
+
+
+def declares_before_step(averager: Any) -> bool:
+    """Whether ``averager`` says before which steps its ``before_step`` uses the
+    parameters (a ``before_step_at`` of its own; a :class:`ModelAverager` subclass that
+    overrides ``before_step`` but inherits ``before_step_at`` does not)."""
+    if not callable(getattr(averager, "before_step_at", None)):
+        return False
+    cls = type(averager)
+    return not (isinstance(averager, ModelAverager)
+                and cls.before_step is not ModelAverager.before_step
+                and cls.before_step_at is ModelAverager.before_step_at)
 
 
 class ModelAverager(abc.ABC):
@@ -147,6 +160,15 @@ class ModelAverager(abc.ABC):
         whose first round starts before the first step) overrides it. Not a
         collective."""
         return None  # deliberately empty: most averagers only act after the step
+
+    def before_step_at(self, step: int) -> bool:
+        """Whether :meth:`before_step` reads or writes the parameters before step
+        ``step``: an overlapped local optimizer (which steps during backward) takes
+        those steps at ``step()``, after it. ``False`` here, as :meth:`before_step`
+        does nothing; a subclass overriding :meth:`before_step` overrides this too
+        (else every step is taken at ``step()``, with a warning:
+        :func:`declares_before_step`)."""
+        return False
 
     def average_parameters(
         self, params: Iterable[torch.Tensor] | Iterable[Mapping[str, Any]]

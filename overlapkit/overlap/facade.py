@@ -199,6 +199,12 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
             loop_clips=loop_clips)
         steps.deferring = True
 
+    @property
+    def steps_in_plain_order(self) -> bool:
+        """Every step is taken at ``step()``, in the plain order (the loop used its window)."""
+        window = self._steps.first_window
+        return window is not None and window.plain_order
+
     def _parameter_names(self) -> dict[int, str]:
         """``id(param)`` -> the model's name for it, for the window's refusals: those
         :meth:`learn_first_step` was given, else the model's the technique was built

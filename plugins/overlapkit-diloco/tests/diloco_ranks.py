@@ -135,14 +135,18 @@ def _nesterov_by_hand(rank: int, world_size: int) -> dict[str, Any]:
     return {"nesterov_max_error": worst}
 
 
-def _overlapped_inner_steps(rank: int) -> tuple[torch.Tensor, list[str]]:
+def _overlapped_inner_steps(rank: int, warmup: int = 0,
+                            overlapped: bool = True) -> tuple[torch.Tensor, list[str]]:
     """No warm-up, the inner AdamW stepped during backward (``optimizer_in_backward``)
     under ``PostLocalSGDOptimizer``: the first round starts before the first inner step,
     which the overlapped optimizer then takes at ``step()`` (0.4.0: during backward,
-    so the round started after it, 0.030 off the paper's run, silently)."""
+    so the round started after it, 0.030 off the paper's run, silently). With warm-up
+    the round starts at its end (9b5962c: again before the step ``warmup``, which had
+    been taken during backward: 0.011 off the plain inner AdamW, only warned of)."""
     model = _ddp().module
-    inner = overlapkit.optimizer_in_backward(model, torch.optim.AdamW, lr=0.01)
-    opt = overlapkit.PostLocalSGDOptimizer(inner, DiLoCoAverager(PERIOD, 0))
+    inner = (overlapkit.optimizer_in_backward(model, torch.optim.AdamW, lr=0.01) if overlapped
+             else torch.optim.AdamW(model.parameters(), lr=0.01))
+    opt = overlapkit.PostLocalSGDOptimizer(inner, DiLoCoAverager(PERIOD, warmup))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(STEPS):
@@ -167,4 +171,7 @@ def run_all(rank: int, world_size: int) -> dict[str, Any]:
     }
     results.update(_nesterov_by_hand(rank, world_size))
     results["overlapped"], results["overlapped warnings"] = _overlapped_inner_steps(rank)
+    results["overlapped warmup"], results["overlapped warmup warnings"] = (
+        _overlapped_inner_steps(rank, WARMUP))
+    results["plain warmup"], _ = _overlapped_inner_steps(rank, WARMUP, overlapped=False)
     return results

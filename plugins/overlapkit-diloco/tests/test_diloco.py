@@ -43,6 +43,15 @@ def test_an_overlapped_inner_optimizer_starts_the_first_round_before_its_first_s
         assert result["overlapped warnings"] == []
 
 
+def test_an_overlapped_inner_optimizer_with_warmup_starts_the_round_at_its_end(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for result in ranks:
+        assert torch.equal(result["overlapped warmup"], result["plain warmup"]), _difference(
+            result["overlapped warmup"], result["plain warmup"])
+        assert result["overlapped warmup warnings"] == []
+
+
 def test_first_round_without_warmup_or_start_is_refused(ranks: list[dict[str, Any]]) -> None:
     assert "before_step" in ranks[0]["unstarted_error"]
 
