@@ -47,6 +47,7 @@ __all__ = [
     "PeriodicAverager",
     "ReplicaGroup",
     "average_in_place",
+    "check_averager",
     "declares_before_step",
     "parameters_to_average",
     "validate_period_group_sizes",
@@ -89,10 +90,26 @@ def _require_initialized(what: str) -> None:
         )
 
 
+def check_averager(averager: Any, built_as: str | None = None) -> None:
+    """A ConfigurationError unless ``averager`` has what PostLocalSGDOptimizer drives
+    (``built_as``: the name whose builder returned it)."""
+    missing = [m for m in ("average_parameters", "state_dict", "load_state_dict")
+               if not callable(getattr(averager, m, None))]
+    if not missing and hasattr(averager, "step"):
+        return
+    lacks, what = f"(it lacks {missing or ['step']})", type(averager).__name__
+    if built_as is None:
+        raise ConfigurationError(f"{what} is not a model averager {lacks}; build one "
+                                 "with overlapkit.create_averager(name, ...).")
+    raise ConfigurationError(
+        f"the builder of the averager {built_as!r} returned a {type(averager).__name__}, "
+        f"not a model averager {lacks}; the plugin's builder must return the averager "
+        "(a ModelAverager). Nothing was set up.")
+
+
 def declares_before_step(averager: Any) -> bool:
     """Whether ``averager`` says before which steps its ``before_step`` uses the
-    parameters (a ``before_step_at`` of its own; a :class:`ModelAverager` subclass that
-    overrides ``before_step`` but inherits ``before_step_at`` does not)."""
+    parameters (not a subclass overriding ``before_step`` alone)."""
     if not callable(getattr(averager, "before_step_at", None)):
         return False
     cls = type(averager)
@@ -162,12 +179,9 @@ class ModelAverager(abc.ABC):
         return None  # deliberately empty: most averagers only act after the step
 
     def before_step_at(self, step: int) -> bool:
-        """Whether :meth:`before_step` reads or writes the parameters before step
-        ``step``: an overlapped local optimizer (which steps during backward) takes
-        those steps at ``step()``, after it. ``False`` here, as :meth:`before_step`
-        does nothing; a subclass overriding :meth:`before_step` overrides this too
-        (else every step is taken at ``step()``, with a warning:
-        :func:`declares_before_step`)."""
+        """Whether :meth:`before_step` uses the parameters before step ``step`` (an
+        overlapped local optimizer takes those steps at ``step()``); override it with
+        :meth:`before_step` (else every step is: :func:`declares_before_step`)."""
         return False
 
     def average_parameters(

@@ -28,6 +28,7 @@ from overlapkit.errors import (
 from overlapkit.ft.refusals import refuse_torchft_ddp
 from overlapkit.local_sgd.averagers import (
     ModelAverager,
+    check_averager,
     check_period,
     check_warmup_steps,
     declares_before_step,
@@ -59,7 +60,9 @@ def create_averager(name: str, **options: Any) -> Any:
     :raises ConfigurationError: an unknown or invalid option.
     """
     spec = get_plugin_manager().registry.averager(name)
-    return spec.create(**options)
+    averager = spec.create(**options)
+    check_averager(averager, name)
+    return averager
 
 
 class PostLocalSGDOptimizer(OptimizerWrapper):
@@ -93,13 +96,7 @@ class PostLocalSGDOptimizer(OptimizerWrapper):
                 f"PostLocalSGDOptimizer wraps an optimizer instance, got "
                 f"{type(optim).__name__}; pass e.g. torch.optim.SGD(model.parameters(), lr=0.1)."
             )
-        missing = [m for m in ("average_parameters", "state_dict", "load_state_dict")
-                   if not callable(getattr(averager, m, None))]
-        if missing or not hasattr(averager, "step"):
-            raise ConfigurationError(
-                f"{type(averager).__name__} is not a model averager (it lacks "
-                f"{missing or ['step']}); build one with overlapkit.create_averager(name, ...)."
-            )
+        check_averager(averager)
         super().__init__(optim)
         self.averager = averager
         self.comm_hook_state = comm_hook_state
@@ -381,6 +378,7 @@ def post_local_sgd(
     options = {"period": period, "warmup_steps": warmup_steps, "process_group": group,
                **averager_options}
     model_averager = averager_spec.create(**options)
+    check_averager(model_averager, averager)  # before the hook changes the model
     # Built directly, not looked up: post_local_sgd needs exactly this hook (its state
     # is what the optimizer saves), so no plugin could stand in for it.
     hook_state, hook = build_post_local_sgd_hook(
