@@ -259,6 +259,15 @@ _HOOK_OPTIONS = ("start_localSGD_iter", "subgroup", "subgroup_size",
                  "post_local_gradient_allreduce")
 
 
+def overlapped_hook_state(optim: Any) -> PostLocalSGDHookState | None:
+    """The ``post_local_sgd`` comm hook's state of an ``overlap_ddp(...,
+    comm_hook="post_local_sgd")`` optimizer (its model's), else None."""
+    from overlapkit.overlap.ddp.setup import reduce_hook_state  # it imports the plugins
+
+    state = reduce_hook_state(getattr(optim, "_model", None))
+    return state if isinstance(state, PostLocalSGDHookState) else None
+
+
 def build_post_local_sgd_hook(
     *, process_group: dist.ProcessGroup | None = None, **options: Any
 ) -> tuple[PostLocalSGDHookState, Callable[..., Any]]:

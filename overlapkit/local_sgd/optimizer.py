@@ -39,6 +39,7 @@ from overlapkit.local_sgd.comm_hook import (
     agreed_default_subgroup_size,
     build_post_local_sgd_hook,
     check_subgroup_size,
+    overlapped_hook_state,
 )
 from overlapkit.nodes.lost_ranks import lost_ranks_named
 from overlapkit.optimizer_wrapper import OptimizerWrapper
@@ -99,7 +100,9 @@ class PostLocalSGDOptimizer(OptimizerWrapper):
         check_averager(averager)
         super().__init__(optim)
         self.averager = averager
-        self.comm_hook_state = comm_hook_state
+        # overlap_ddp(..., comm_hook="post_local_sgd"): its hook's, saved and restored
+        self.comm_hook_state = (comm_hook_state if comm_hook_state is not None
+                                else overlapped_hook_state(optim))
         learn_first_step = getattr(optim, "learn_first_step", None)
         #: the local optimizer's next step is deferred to step() for before_step
         self._first_step_deferred = False

@@ -109,6 +109,13 @@ def slot_comm_hook(state, bucket):  # type: ignore[no-untyped-def]
     return inner_hook(inner_state, bucket)
 
 
+def reduce_hook_state(model: Any) -> Any:
+    """The state of the comm hook (``comm_hook=``) overlapkit's hook on ``model``
+    reduces with, or None (no overlapkit comm hook on it)."""
+    slot = getattr(model, _MARKER, None)
+    return slot.reduce[0] if isinstance(slot, CommHookSlot) and slot.reduce else None
+
+
 def check_ddp_model(ddp_model: Any, technique: str) -> DistributedDataParallel:
     """:raises UnsupportedModelError: not DDP. :raises ConfigurationError: it already
     has a comm hook (overlapkit's or another)."""
