@@ -111,3 +111,27 @@ def test_a_model_averager_overriding_before_step_alone_does_not_declare_it() -> 
     assert not declares_before_step(Reads())
     assert declares_before_step(Says())
     assert not declares_before_step(Undeclared())
+
+
+def test_a_step_deferred_for_before_step_keeps_the_parameter_names_in_refusals() -> None:
+    # before: the deferral called learn_first_step() again, which forgot the model's
+    # names: a later refusal said "a parameter of shape (6, 4)" instead of "0.weight"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    local = overlapkit.optimizer_in_backward(model, torch.optim.SGD, lr=0.1)
+    local.learn_first_step(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = overlapkit.PostLocalSGDOptimizer(local, Lookahead())
+        gen = torch.Generator().manual_seed(1)
+        with pytest.raises(overlapkit.errors.ConfigurationError) as refused:
+            for step in range(STEPS):
+                x = torch.randn(3, 4, generator=gen)
+                model(x).square().mean().backward()
+                if step == PERIOD + 1:  # an overlapped step after a deferred one
+                    with torch.no_grad():
+                        model[0].weight.clamp_(-0.1, 0.1)
+                opt.step()
+                opt.zero_grad()
+    assert "0.weight" in str(refused.value), str(refused.value)
+    assert "a parameter of shape" not in str(refused.value), str(refused.value)

@@ -167,11 +167,11 @@ class PostLocalSGDOptimizer(OptimizerWrapper):
 
     def _defer_for_before_step(self) -> None:
         """An overlapped local optimizer's next step at step(), where before_step_at says."""
-        learn = getattr(self.optim, "learn_first_step", None)
-        if (learn is not None and declares_before_step(self.averager)
+        defer = getattr(self.optim, "defer_next_step", None)
+        if (defer is not None and declares_before_step(self.averager)
                 and self.averager.before_step_at(self.averager.step)
                 and not getattr(self.optim, "steps_in_plain_order", False)):
-            learn()
+            defer()  # the names and loop_clips learn_first_step was given kept
             self._first_step_deferred = True
 
     def state_dict(self) -> dict[str, Any]:

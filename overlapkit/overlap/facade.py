@@ -103,16 +103,10 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
     _step_supports_amp_scaling = True
 
     def _scaler_driving(self) -> Any | None:
-        """The ``grad_scaler=`` scaler when a ``GradScaler`` is calling :meth:`step`
-        (it set ``grad_scale``/``found_inf`` on the optimizer,
-        ``_step_supports_amp_scaling``), else None.
-
-        :raises ConfigurationError: a scaler drives an optimizer built without
-            ``grad_scaler=``: its steps were taken during backward on the *scaled*
-            gradients, with no inf check, and unscaling them now changes nothing
-            (measured: 1.7e15 off plain DDP after 3 steps)
-            (:func:`~overlapkit.overlap.rules.amp_scaler.refuse_scaler_step`).
-        """
+        """The ``grad_scaler=`` scaler when a ``GradScaler`` calls :meth:`step` (it set
+        ``grad_scale``/``found_inf``), else None; a ``ConfigurationError`` without one
+        (:func:`~overlapkit.overlap.rules.amp_scaler.refuse_scaler_step`: the steps took
+        the *scaled* gradients, 1.7e15 off plain DDP after 3 steps)."""
         rule = self._steps.full_step
         return refuse_scaler_step(self, self._technique,
                                   None if rule is None else rule.grad_scaler)
@@ -188,16 +182,23 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
             return
         if accumulate is not None:
             steps.accumulate = accumulate
-        self._names = {} if model is None else {
-            id(p): name for name, p in model.named_parameters()}
+        if model is not None:  # else the names given before, or the model's
+            self._names = {id(p): name for name, p in model.named_parameters()}
         # a gradient read in the window is the plain loop's only while the technique
         # keeps it unclipped (overlap_ddp without clipping or a loss scaler)
         reads_matter = self._technique == "optimizer_in_backward" or steps.full_step is not None
         steps.first_window = FirstWindow(
-            watching=dict(self._names) if reads_matter and not plain_order else None,
+            watching=dict(self._parameter_names()) if reads_matter and not plain_order
+            else None,
             optimizer=self._engine.optimizer, plain_order=plain_order,
             loop_clips=loop_clips)
         steps.deferring = True
+
+    def defer_next_step(self) -> None:
+        """:meth:`learn_first_step` again, with the ``loop_clips`` it was given: a model
+        averager's ``before_step`` uses the parameters before the next step."""
+        window = self._steps.first_window
+        self.learn_first_step(loop_clips=None if window is None else window.loop_clips)
 
     @property
     def steps_in_plain_order(self) -> bool:
