@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DataWrites", "optimizer_tensors", "plain_state"]
+__all__ = ["DataWrites", "optimizer_tensors", "plain_state", "same_bits"]
 
 #: torch's own ``Tensor.data`` (a C getset descriptor of ``TensorBase``)
 _BASE: Any = torch._C.TensorBase.__dict__["data"]

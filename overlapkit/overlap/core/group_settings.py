@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["changed_settings", "settings"]
+from overlapkit.overlap.core.data_writes import same_bits
+
+__all__ = ["changed_params", "changed_settings", "settings"]
 
 
 class _TensorSetting:
@@ -35,7 +37,7 @@ class _TensorSetting:
         if now is self.tensor and now._version == self.version:
             return True  # untouched: no comparison of values (a host sync on an accelerator)
         return (isinstance(now, torch.Tensor) and now.shape == self.value.shape
-                and bool(torch.equal(now, self.value)))
+                and same_bits(self.value, now))
 
 
 class _Params:
@@ -100,3 +102,10 @@ def changed_settings(before: list[dict[str, Any]],
             if key not in was or key not in group or not _same(was[key], group[key]):
                 found.append(f"{key} of param group {index}")
     return found
+
+
+def changed_params(changed: list[str]) -> list[str]:
+    """The param groups (``"param group 0"``) among ``changed`` (the names
+    :func:`changed_settings` gives) whose parameters changed: one removed, added or
+    the list replaced."""
+    return [name[len("params of "):] for name in changed if name.startswith("params of ")]

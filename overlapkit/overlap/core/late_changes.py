@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from overlapkit.errors import ConfigurationError
+from overlapkit.overlap.core.group_settings import changed_params
 from overlapkit.overlap.core.window import LEARN, FirstWindow, shown_names
 
 __all__ = ["accept_unchanged_rewrites", "refuse_changed_gradients"]
@@ -30,10 +31,10 @@ def refuse_changed_gradients(marks: FirstWindow, names: Mapping[int, str],
     backward that stepped it, before this ``step()``: the change missed that step."""
     learn = "." if marks.learned else f", or keep the loop and call {LEARN} once before it."
     changed = marks.changed_settings() + marks.state_reset()
-    dropped = [name for name in changed if name.startswith("params of ")]
+    dropped = changed_params(changed)
     if dropped:
         raise ConfigurationError(
-            f"the parameters of {shown_names([n[len('params of '):] for n in dropped])} "
+            f"the parameters of {shown_names(dropped)} "
             "were changed between backward() and optimizer.step() (a parameter removed "
             "from its group, added to it, or the list replaced), after "
             f"{technique} had already stepped the parameters the group held before during "
