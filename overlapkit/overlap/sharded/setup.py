@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.errors import ConfigurationError, UnsupportedOptimizerError
-from overlapkit.overlap.core.step_hooks import step_override
+from overlapkit.overlap.core.step_hooks import sharded_override_refusal, step_override
 from overlapkit.overlap.ddp.setup import set_up_on_ddp
 from overlapkit.overlap.resolved import ResolvedSetup
 from overlapkit.overlap.rules.clipping import GradClipping
@@ -135,19 +135,13 @@ def check_shardable(optim_cls: type[torch.optim.Optimizer], args: Sequence[Any],
     _refuse_override(optim_cls)
 
 
-def _refuse_override(optim_cls: type[torch.optim.Optimizer]) -> None:
-    """:raises UnsupportedOptimizerError: ``optim_cls`` overrides the ``step()`` of the
-    class it derives from (see :func:`check_shardable`)."""
-    override = step_override(optim_cls)
+def _refuse_override(optim: type[torch.optim.Optimizer] | torch.optim.Optimizer) -> None:
+    """:raises UnsupportedOptimizerError: ``optim`` (a class, or an adopted instance)
+    overrides the ``step()`` of the class it derives from, or has ``step`` patched on the
+    instance (see :func:`check_shardable`)."""
+    override = step_override(optim)
     if override is not None:
-        raise UnsupportedOptimizerError(
-            f"{override}, and with shard_optimizer_state=True each rank steps only its "
-            "share of the parameters, part by part during backward: the override would run "
-            "on each part of each rank's share instead of once per step over every "
-            "parameter. Use overlap_ddp without shard_optimizer_state (after "
-            "opt.learn_first_step(model) it takes every step at step(), in the plain "
-            "order), or do the override's work in the loop after optimizer.step()."
-        )
+        raise sharded_override_refusal(override)
 
 
 def _refuse_options(step_thread: str, clipping: GradClipping, *,
@@ -232,6 +226,7 @@ def shard_on_ddp(setup: ResolvedSetup) -> ShardedOverlapOptimizer:
     _refuse_options(setup.step_thread, setup.clipping,
                     find_unused_parameters=bool(model.find_unused_parameters))
     check_shardable(setup.optim_cls, setup.args, setup.optim_kwargs, setup.params)
+    _refuse_override(setup.optimizer)
     flat = setup.stepped
     group = model.process_group
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
