@@ -43,6 +43,7 @@ class Fail:
             self(real, args, kwargs)
             return step(*args, **kwargs)
 
+        failing_step.overlapkit_per_part = True  # type: ignore[attr-defined]
         real.step = failing_step
 
 

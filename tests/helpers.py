@@ -185,8 +185,9 @@ class FailsInBackward(torch.autograd.Function):
 def on_each_real_step(opt: Any, record: Callable[[torch.optim.Optimizer], Any]) -> None:
     """Have ``record(real)`` run at each step of the real optimizer behind the overlapped
     ``opt`` — each partial step inside backward, a full step at ``step()`` — by patching
-    its ``step`` on the instance (a step hook would have every step taken at ``step()``,
-    in the plain order: ``overlap/core/step_hooks.py``)."""
+    its ``step`` on the instance, marked to run per part (a step hook, or an unmarked
+    patch, would have every step taken at ``step()``, in the plain order:
+    ``overlap/core/step_hooks.py``)."""
     real = opt.optimizer
     step = real.step
 
@@ -194,6 +195,7 @@ def on_each_real_step(opt: Any, record: Callable[[torch.optim.Optimizer], Any]) 
         record(real)
         return step(*args, **kwargs)
 
+    recorded.overlapkit_per_part = True  # type: ignore[attr-defined]
     real.step = recorded
 
 

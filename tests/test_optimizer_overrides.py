@@ -19,6 +19,7 @@ stepped in it."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -143,3 +144,32 @@ def test_a_backward_only_loop_with_a_step_hook_from_its_first_backward_is_refuse
     assert "before its first step()" in error["message"]
     assert compare(before, values(model)) and runs == []
     opt.release()
+
+
+def test_a_step_patched_on_the_instance_marked_per_part_runs_per_part() -> None:
+    """``patch.overlapkit_per_part = True`` (a profiler's, a counter of partial steps):
+    no plain order, no warning; the patch runs where the parts are stepped, during
+    backward, not at ``step()``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    saved, parts = optimizer.step, []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        parts.append(1)
+        return saved(*args, **kwargs)
+
+    counted.overlapkit_per_part = True  # type: ignore[attr-defined]
+    optimizer.step = counted  # type: ignore[method-assign]
+    opt = overlapkit.optimizer_in_backward(model, optimizer)  # each parameter a part
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(STEPS):
+            model(x).pow(2).mean().backward()
+            in_backward = len(parts)
+            opt.step()
+            assert len(parts) == in_backward, "run at step()"
+            opt.zero_grad()
+    opt.release()
+    assert len(parts) >= STEPS, parts

@@ -24,7 +24,8 @@ step (:mod:`~overlapkit.overlap.core.window`, the end of a learnt first step:
 copied with it as no-ops (:mod:`~overlapkit.overlap.core.own_hooks`), the step hooks
 kept behind the loop's own gradient hooks (:mod:`~overlapkit.overlap.core.hook_order`),
 the plain order while the optimizer has step hooks
-(:mod:`~overlapkit.overlap.core.step_hooks`), and parameters added to the real optimizer
+(:mod:`~overlapkit.overlap.core.step_hooks`), the state's entries in the plain order
+(:mod:`~overlapkit.overlap.core.state_order`), and parameters added to the real optimizer
 behind the overlapped one (:mod:`~overlapkit.overlap.core.groups_behind`), and a
 loaded state dict of other param-group sizes (:mod:`~overlapkit.overlap.core.group_sizes`).
 It imports nothing else of :mod:`overlapkit.overlap`.

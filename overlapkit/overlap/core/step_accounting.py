@@ -48,6 +48,7 @@ import torch
 from overlapkit.errors import ConfigurationError, OverlapkitError
 from overlapkit.overlap.core.first_step import follow_kept_gradients
 from overlapkit.overlap.core.foreign_loop import foreign_trainer_refusal
+from overlapkit.overlap.core.state_order import PlainStateOrder
 from overlapkit.overlap.core.step_hooks import backward_refusal, follow_step_hooks
 from overlapkit.overlap.core.window import FirstWindow
 
@@ -210,6 +211,8 @@ class StepAccount:
         #: (:mod:`~overlapkit.overlap.core.step_hooks`), warned once
         self.plain_for_step_hooks = False
         self.warned_step_hooks = False
+        #: the real optimizer's state kept in the plain order (:meth:`stepped_backward_ended`)
+        self.state_order = PlainStateOrder()
         #: what :meth:`backward_starts` changed, for :meth:`backward_stepped_nothing`
         self._before_backward: tuple[bool, bool, bool, list[torch.Tensor] | None] = (
             False, False, False, None)
@@ -288,6 +291,8 @@ class StepAccount:
         stepping backward), mark their gradients (kept, or freed: None), the param-group
         settings and the state, so that ``step()`` sees one the loop changed or set in
         between — too late for the step it was meant for."""
+        self.release_state()  # the plain dict, to be put in the plain order
+        self.state_order.follow(engine.optimizer)
         params = engine.parameters()
         self.freed = params if freed else None
         self.freed_order = next(_FREEING) if freed else 0
@@ -295,7 +300,6 @@ class StepAccount:
             marks = FirstWindow(optimizer=self.settings_of, learned=self.learned)
             marks.mark(params)
             marks.mark_settings()
-            self.release_state()
             marks.open_data_writes(params)
             marks.mark_state(self.technique if self.calls_step else None)
             if self.calls_step:

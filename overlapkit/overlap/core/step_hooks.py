@@ -68,8 +68,9 @@ from overlapkit.overlap.core.first_step import plain_order_warning
 from overlapkit.overlap.core.groups_behind import groups_changed_refusal
 from overlapkit.overlap.core.window import FirstWindow
 
-__all__ = ["backward_refusal", "follow_step_hooks", "hooks_without_step_refusal",
-           "override_refusal", "override_warning",
+__all__ = ["PER_PART_MARK", "backward_refusal", "follow_step_hooks",
+           "hooks_without_step_refusal", "instance_override", "override_refusal",
+           "override_warning", "sharded_override_refusal", "sharded_patch_refusal",
            "registered_step_hooks", "sharded_post_hook_refusal", "sharded_step_hook_refusal",
            "step_called", "step_override"]
 
@@ -140,6 +141,9 @@ def step_override(optimizer: torch.optim.Optimizer | type | None) -> str | None:
         optimizer if isinstance(optimizer, type) else type(optimizer))
 
 
+#: the attribute, true on a ``step`` patched on the instance, that has it run once per
+#: part stepped during backward (as overlapkit's tests count partial steps), by choice
+PER_PART_MARK = "overlapkit_per_part"
 #: attributes marking the instance ``step`` wrappers that only note the call and step
 #: the class's own ``step()``: torch's LR scheduler (it sets ``_opt_called``)
 _TRANSPARENT_WRAPPERS = ("_wrapped_by_lr_sched",)
@@ -157,9 +161,11 @@ def instance_override(optimizer: torch.optim.Optimizer) -> str | None:
     silently). Seen
     through, as the class's own ``step()``: a bound method of it (Accelerate keeps and
     restores one) and torch's LR-scheduler wrapper around it, which only notes the call.
-    A few attribute reads, asked as each backward that would step starts."""
+    A patch meant to run per part stepped (a profiler's, a counter of partial steps)
+    says so with ``patch.overlapkit_per_part = True`` (:data:`PER_PART_MARK`). A few
+    attribute reads, asked as each backward that would step starts."""
     patched = vars(optimizer).get("step") if hasattr(optimizer, "__dict__") else None
-    if patched is None:
+    if patched is None or getattr(patched, PER_PART_MARK, False):
         return None
     own = inspect.unwrap(type(optimizer).step)
     function = patched
