@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from helpers import compare, rank_batches, values
+from helpers import compare, error_of, max_diff, rank_batches, values
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -21,12 +21,36 @@ def model() -> nn.Module:
                          nn.Linear(32, 4))
 
 
-def _train(ddp: nn.Module, opt: Any, rank: int) -> list[torch.Tensor]:
-    for x in rank_batches(rank, STEPS):
-        ddp(x).square().mean().backward()
+def _train(ddp: nn.Module, opt: Any, rank: int, *,
+           compiled_step: bool = False) -> list[torch.Tensor]:
+    """``STEPS`` steps; ``compiled_step``: ``opt.step()`` and ``zero_grad()`` called
+    from a ``torch.compile``'d function, as torch's "compiling the optimizer" recipe
+    does."""
+
+    def step() -> None:
         opt.step()
         opt.zero_grad()
+
+    stepping = torch.compile(step, backend="aot_eager") if compiled_step else step
+    for x in rank_batches(rank, STEPS):
+        ddp(x).square().mean().backward()
+        stepping()
     return values(ddp)
+
+
+def _compiled_step(rank: int, technique: str, options: dict[str, Any],
+                   plain: dict[bool, list[torch.Tensor]]) -> dict[str, Any]:
+    """The technique's ``step()`` called from a compiled function, against the plain
+    loop's eager step (``plain[False]``: overlapkit steps eagerly during backward) and
+    its compiled one (``plain[True]``: the compiled AdamW rounds otherwise)."""
+    ddp = DDP(model())
+    build = getattr(overlapkit, "overlap_ddp" if technique == "sharded" else technique)
+    opt = build(ddp, torch.optim.AdamW, lr=0.01, **options)
+    found: list[Any] = []
+    error = error_of(lambda: found.append(_train(ddp, opt, rank, compiled_step=True)))
+    opt.release()
+    return {"error": error, "bitwise": compare(plain[False], found[0]) if found else None,
+            "off compiled": max_diff(plain[True], found[0]) if found else None}
 
 
 def run(rank: int, world_size: int) -> dict[str, Any]:
@@ -38,4 +62,10 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
         ddp = DDP(torch.compile(model(), backend="aot_eager"))
         opt = getattr(overlapkit, technique)(ddp, torch.optim.AdamW, lr=0.01)
         out[technique] = compare(expected, _train(ddp, opt, rank))
+    plain = {compiled: _train(ddp, torch.optim.AdamW(ddp.parameters(), lr=0.01), rank,
+                              compiled_step=compiled)
+             for compiled in (False, True) for ddp in [DDP(model())]}
+    for technique, options in (("overlap_ddp", {}), ("optimizer_in_backward", {}),
+                               ("sharded", {"shard_optimizer_state": True})):
+        out[technique, "compiled step"] = _compiled_step(rank, technique, options, plain)
     return out

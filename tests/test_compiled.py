@@ -1,6 +1,7 @@
 """torch.compile'd modules: overlap_ddp and optimizer_in_backward on DDP(compiled module)
 (2 gloo ranks) and optimizer_in_backward on a compiled plain module equal the plain
-compiled run bitwise."""
+compiled run bitwise; so does each technique's ``step()`` called from a compiled
+function."""
 
 from __future__ import annotations
 
@@ -23,6 +24,22 @@ def results() -> list[dict[str, Any]]:
 @pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
 def test_ddp_of_a_compiled_module(results: list[dict[str, Any]], technique: str) -> None:
     assert failures(results, technique) == {}
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward", "sharded"])
+def test_step_called_from_a_compiled_function(results: list[dict[str, Any]],
+                                              technique: str) -> None:
+    """torch's recipe for compiling the optimizer (``torch.compile`` of a function calling
+    ``opt.step()``): before, dynamo traced into overlapkit and failed with a bare
+    ``AssertionError: expected WrapperDescriptorType`` (sharded: a false refusal of
+    parameters "changed in place"); now ``step()`` runs eagerly there (a graph break):
+    the steps are the ones taken during backward, bitwise the plain loop's eager steps,
+    and within the compiled AdamW's rounding of the plain loop's compiled step
+    (``aot_eager``: 1.6e-6 after 4 steps)."""
+    for ranks in results:
+        found = ranks[technique, "compiled step"]
+        assert found["error"] is None and found["bitwise"], found
+        assert found["off compiled"] < 1e-5, found
 
 
 def test_optimizer_in_backward_on_a_compiled_plain_module() -> None:

@@ -62,13 +62,8 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
     :param check_params: validates a param group given to :meth:`add_param_group`.
     """
 
-    def __init__(
-        self,
-        engine: OverlapEngine,
-        steps: BackwardSteps,
-        technique: str,
-        check_params: Callable[[list[Any]], None] | None = None,
-    ) -> None:
+    def __init__(self, engine: OverlapEngine, steps: BackwardSteps, technique: str,
+                 check_params: Callable[[list[Any]], None] | None = None) -> None:
         super().__init__(engine.optimizer)
         self._engine = engine
         self._steps = steps
@@ -270,13 +265,16 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
 
     # -- the Optimizer API ------------------------------------------------------
 
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+    @torch.compiler.disable  # called from a compiled function: run eagerly (a graph break)
+    def step(self, closure: Any = None) -> None:
         """Nothing to do after a backward that stepped: its parameters were stepped
         as their gradients arrived. Otherwise (no stepping backward since the last
         ``step()``: only ``no_sync()``/``no_step()`` backwards, or ``.grad`` set by
         hand) an ordinary step of every parameter with a gradient, as the plain
         optimizer would take, with the same clipping and loss-scaler rules as the steps
-        in backward (:func:`~overlapkit.overlap.rules.global_step.step_rules`).
+        in backward (:func:`~overlapkit.overlap.rules.global_step.step_rules`). Called
+        from a ``torch.compile``'d function (torch's recipe for compiling the optimizer)
+        it runs eagerly, a graph break: the steps are the eager ones taken in backward.
 
         :raises ConfigurationError: a closure was passed; a ``GradScaler`` that was
             not passed as ``grad_scaler=`` calls it; it ends a window of several

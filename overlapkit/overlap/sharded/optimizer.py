@@ -204,7 +204,8 @@ class ShardedOverlapOptimizer(ShardedHooks, OverlappedOptimizerFacade):
 
     # -- the Optimizer API --------------------------------------------------------
 
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+    @torch.compiler.disable  # called from a compiled function: run eagerly (a graph break)
+    def step(self, closure: Any = None) -> None:
         """As ``overlap_ddp``'s ``step()``: nothing to do after a backward that
         stepped (it returns once the other ranks' updates have landed). A full step (no
         stepping backward since the last ``step()``) steps this rank's share, then
@@ -395,6 +396,5 @@ class ShardedOverlapOptimizer(ShardedHooks, OverlappedOptimizerFacade):
         )
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}({self._engine.optimizer!r}, rank "
-                f"{self._ownership.rank} of {self._ownership.world_size}, "
-                f"{self._policy!r})")
+        return (f"{type(self).__name__}({self._engine.optimizer!r}, rank {self._ownership.rank}"
+                f" of {self._ownership.world_size}, {self._policy!r})")
