@@ -116,6 +116,56 @@ def test_an_overlapped_optimizer_is_refused_as_an_instance_to_adopt() -> None:
         overlapkit.optimizer_in_backward(_model(1), overlapped)
 
 
+class Lookahead(torch.optim.Optimizer):
+    """timm's Lookahead, cut down: a base optimizer stepped from its own ``step()``, then
+    every ``k`` steps the parameters pulled halfway back to slow copies."""
+
+    def __init__(self, base: torch.optim.Optimizer, k: int = 2) -> None:
+        super().__init__([p for group in base.param_groups for p in group["params"]], {})
+        self._base_optimizer, self.k, self.steps = base, k, 0
+        self.param_groups = base.param_groups
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = self._base_optimizer.step(closure)
+        self.steps += 1
+        for p in (p for group in self.param_groups for p in group["params"]):
+            slow = self.state[p].setdefault("slow", p.detach().clone())
+            if self.steps % self.k == 0:
+                slow.add_(p - slow, alpha=0.5)
+                p.copy_(slow)
+        return loss
+
+
+@pytest.mark.parametrize("technique", ["optimizer_in_backward", "overlap_ddp"])
+def test_an_optimizer_stepping_another_over_the_same_parameters_is_refused_at_set_up(
+        technique: str) -> None:
+    """Each part stepped would step the whole base optimizer (before: refused only inside
+    the first backward, as "this AdamW steps a parameter ... already stepped", after the
+    set-up had claimed the parameters)."""
+    if technique == "overlap_ddp":
+        error = run_distributed(_adopt_lookahead, 1, timeout=120)[0]
+        assert error is not None and "wraps another optimizer (AdamW, its attribute "\
+            "'_base_optimizer')" in error, error
+        return
+    model = _model()
+    optimizer = Lookahead(torch.optim.AdamW(model.parameters(), lr=0.01))
+    with pytest.raises(UnsupportedOptimizerError, match=r"wraps another optimizer \(AdamW"):
+        overlapkit.optimizer_in_backward(model, optimizer)
+    # nothing claimed: the base optimizer is adopted as it is, and trains
+    overlapkit.optimizer_in_backward(model, optimizer._base_optimizer).release()
+
+
+def _adopt_lookahead(rank: int, world_size: int) -> str | None:
+    model = DistributedDataParallel(_model())
+    optimizer = Lookahead(torch.optim.AdamW(model.parameters(), lr=0.01))
+    try:
+        overlapkit.overlap_ddp(model, optimizer)
+    except UnsupportedOptimizerError as error:
+        return str(error)
+    return None
+
+
 def test_an_instance_keeps_its_loaded_state() -> None:
     model = _model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)

@@ -66,6 +66,18 @@ def check_adoptable(optimizer: Any, args: Sequence[Any], optim_kwargs: Mapping[s
             "parameters to step (optimizer.add_param_group for more), and leave params "
             "out."
         )
+    wrapped = _wrapped_optimizer(optimizer)
+    if wrapped is not None:
+        attribute, inner = wrapped
+        raise UnsupportedOptimizerError(
+            f"the {name} wraps another optimizer ({inner}, its attribute {attribute!r}) "
+            "over the same parameters and steps it from its own step() (as a Lookahead or a SAM "
+            f"does): {technique} steps part by part during backward, so each part's step "
+            f"would step the whole {inner}, once per part. Pass the {inner} itself "
+            f"(optimizer.{attribute}) and do the {name}'s work in the loop after "
+            "optimizer.step() (every parameter holds its update then), or train without "
+            "overlap."
+        )
     if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
         raise ConfigurationError(
             f"the {name} has step hooks (register_step_pre_hook / "
@@ -74,6 +86,21 @@ def check_adoptable(optimizer: Any, args: Sequence[Any], optim_kwargs: Mapping[s
             "are registered; remove them and do that work after optimizer.step() in the "
             "loop (or register them after set-up to accept the plain order)."
         )
+
+
+def _wrapped_optimizer(optimizer: Any) -> tuple[str, str] | None:
+    """``(attribute, class name)`` of another optimizer ``optimizer`` holds over the
+    same parameters (a Lookahead's base optimizer, torch's ``PostLocalSGDOptimizer``'s
+    ``optim``), else None. An optimizer stepped part by part must step only the part
+    asked; one stepping another steps all of that one's parameters (measured before
+    this check: a timm-style Lookahead over AdamW under ``optimizer_in_backward`` was
+    refused in backward as "this AdamW steps a parameter ... already stepped")."""
+    own = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for attribute, value in vars(optimizer).items():
+        if isinstance(value, torch.optim.Optimizer) and value is not optimizer and any(
+                id(p) in own for group in value.param_groups for p in group["params"]):
+            return attribute, type(value).__name__
+    return None
 
 
 def check_adopted(built: torch.optim.Optimizer, optimizer: torch.optim.Optimizer) -> None:
