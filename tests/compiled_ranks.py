@@ -53,6 +53,23 @@ def _compiled_step(rank: int, technique: str, options: dict[str, Any],
             "off compiled": max_diff(plain[True], found[0]) if found else None}
 
 
+def _local_sgd(rank: int, overlapped: bool, compiled_step: bool) -> list[torch.Tensor]:
+    """Post-local SGD (period 2 after 1 warm-up step): a plain local AdamW, or an
+    ``optimizer_in_backward`` one under a ``PostLocalSGDOptimizer``."""
+    ddp = DDP(model())
+    if overlapped:
+        local = overlapkit.optimizer_in_backward(ddp, torch.optim.AdamW, lr=0.01)
+        opt: Any = overlapkit.PostLocalSGDOptimizer(local, overlapkit.create_averager(
+            "periodic", period=2, warmup_steps=1))
+    else:
+        opt = overlapkit.post_local_sgd(ddp, torch.optim.AdamW(ddp.parameters(), lr=0.01),
+                                        period=2, warmup_steps=1)
+    found = _train(ddp, opt, rank, compiled_step=compiled_step)
+    if overlapped:
+        local.release()
+    return found
+
+
 def run(rank: int, world_size: int) -> dict[str, Any]:
     torch._dynamo.reset()
     plain = DDP(torch.compile(model(), backend="aot_eager"))
@@ -68,4 +85,11 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
     for technique, options in (("overlap_ddp", {}), ("optimizer_in_backward", {}),
                                ("sharded", {"shard_optimizer_state": True})):
         out[technique, "compiled step"] = _compiled_step(rank, technique, options, plain)
+    for overlapped in (False, True):
+        eager = _local_sgd(rank, overlapped, False)
+        found: list[Any] = []
+        error = error_of(lambda: found.append(_local_sgd(rank, overlapped, True)))  # noqa: B023
+        out["post-local SGD", overlapped] = {
+            "error": error, "bitwise": compare(eager, found[0]) if found else None,
+            "off eager": max_diff(eager, found[0]) if found else None}
     return out

@@ -42,6 +42,23 @@ def test_step_called_from_a_compiled_function(results: list[dict[str, Any]],
         assert found["off compiled"] < 1e-5, found
 
 
+@pytest.mark.parametrize("overlapped", [False, True], ids=["plain local", "overlapped local"])
+def test_post_local_sgd_step_called_from_a_compiled_function(
+        results: list[dict[str, Any]], overlapped: bool) -> None:
+    """Before: dynamo traced the averaging and failed (``InternalTorchDynamoError``:
+    ``_get_backend`` of a process group; torch's own ``PostLocalSGDOptimizer`` runs
+    there). Now the averager's work runs eagerly: an overlapped local optimizer's steps
+    are the eager ones (bitwise); a plain local AdamW's step is compiled, as torch's is
+    (the compiled AdamW's rounding off the eager run)."""
+    for ranks in results:
+        found = ranks["post-local SGD", overlapped]
+        assert found["error"] is None, found
+        if overlapped:
+            assert found["bitwise"], found
+        else:
+            assert found["off eager"] < 1e-5, found
+
+
 def test_optimizer_in_backward_on_a_compiled_plain_module() -> None:
     torch._dynamo.reset()
     runs = []

@@ -90,6 +90,7 @@ class FaultTolerantLocalSGD(PostLocalSGDOptimizer):
             return True, True
         return bool(starts(step)), bool(ends(step))
 
+    @torch.compiler.disable  # called from a compiled function: run eagerly (a graph break)
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         """Step the local optimizer (torchft may not read the state meanwhile), then,
         on an averaging step, run the quorum, the averaging and the commit decision.

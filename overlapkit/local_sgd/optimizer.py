@@ -85,13 +85,8 @@ class PostLocalSGDOptimizer(OptimizerWrapper):
         counter is saved and restored too; :func:`post_local_sgd` passes it for you.
     """
 
-    def __init__(
-        self,
-        optim: torch.optim.Optimizer,
-        averager: ModelAverager,
-        *,
-        comm_hook_state: PostLocalSGDHookState | None = None,
-    ) -> None:
+    def __init__(self, optim: torch.optim.Optimizer, averager: ModelAverager, *,
+                 comm_hook_state: PostLocalSGDHookState | None = None) -> None:
         if not isinstance(optim, torch.optim.Optimizer):
             raise UnsupportedOptimizerError(
                 f"PostLocalSGDOptimizer wraps an optimizer instance, got "
@@ -149,24 +144,30 @@ class PostLocalSGDOptimizer(OptimizerWrapper):
         )
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
-        """Step the local optimizer, then count a step on the averager (which averages
-        all parameters on its averaging steps). Returns the closure's loss, if any."""
+        """Step the local optimizer, then count a step on the averager (which averages all
+        parameters on its averaging steps); returns the closure's loss, if any. Compiled, the
+        local step is compiled as a plain optimizer's; the averager's work runs eagerly."""
+        self._before_local_step()
+        loss = self.optim.step(closure) if closure is not None else self.optim.step()
+        self._after_local_step()
+        return loss
+
+    @torch.compiler.disable  # collectives and overlapkit's bookkeeping: eager
+    def _before_local_step(self) -> None:
         before_step = getattr(self.averager, "before_step", None)
         if before_step is not None:
-            # before the deferred first step its read is the plain one (not the loop's
-            # use of the window); a read at a later step is warned of
-            # (ParameterReadInWindowWarning): the step was taken during backward
+            # before the deferred first step its read is the plain one (not the loop's use of
+            # the window); a later read is warned of (ParameterReadInWindowWarning)
             deferred, self._first_step_deferred = self._first_step_deferred, False
             with quiet_reads() if deferred else contextlib.nullcontext():
                 before_step(self.param_groups)
-        loss = self.optim.step(closure) if closure is not None else self.optim.step()
+
+    @torch.compiler.disable  # collectives and overlapkit's bookkeeping: eager
+    def _after_local_step(self) -> None:
+        """Average; an overlapped local optimizer's next step at step(), where the
+        averager's before_step_at says."""
         with lost_ranks_named("averaging parameters (post-local SGD)"):
             self.averager.average_parameters(self.param_groups)
-        self._defer_for_before_step()
-        return loss
-
-    def _defer_for_before_step(self) -> None:
-        """An overlapped local optimizer's next step at step(), where before_step_at says."""
         defer = getattr(self.optim, "defer_next_step", None)
         if (defer is not None and declares_before_step(self.averager)
                 and self.averager.before_step_at(self.averager.step)
