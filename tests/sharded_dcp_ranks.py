@@ -172,27 +172,32 @@ def ported_from_zero(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-def two_optimizers_gathered_crosswise(rank: int, world_size: int, same_model: bool
+def two_optimizers_gathered_crosswise(rank: int, world_size: int, kind: str
                                       ) -> dict[str, Any]:
     """Two sharded optimizers on one process group (a GAN's), each gathered on the
     ranks in another order (rank 0 the first one first, rank 1 the second): what each
     ``consolidate_state_dict`` raises, then both gathered in order on every rank, the
-    first one's dict against plain DDP + AdamW's. The second: AdamW over a small
-    ``Linear``, or (``same_model``) SGD over the same model."""
+    first one's dict against plain DDP + AdamW's. The second (``kind``): AdamW over a
+    small ``Linear`` ("other model"), SGD over the same model ("same model"), or AdamW
+    over the same model ("twin": the same class, shapes, owners and settings; only
+    the identity agreed at set-up tells them apart)."""
     group = dist.new_group(list(range(world_size)),
                            timeout=datetime.timedelta(seconds=TIMEOUT_SECONDS))
     reference, plain, first, opt = _pair(group)
     torch.manual_seed(3)
+    same_model = kind != "other model"
     small = build(process_group=group) if same_model else \
         torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(6, 6), process_group=group)
     other = overlapkit.overlap_ddp(small, torch.optim.SGD, lr=LR, momentum=0.9,
-                                   shard_optimizer_state=True) if same_model else \
+                                   shard_optimizer_state=True) if kind == "same model" else \
         overlapkit.overlap_ddp(small, torch.optim.AdamW, lr=LR, shard_optimizer_state=True)
-    for tokens in batches(rank, 2):
+    for index, tokens in enumerate(batches(rank, 2)):
         for model, optimizer in ((reference, plain), (first, opt)):
             _loss(model, tokens).backward()
             optimizer.step()
             optimizer.zero_grad()
+        if kind == "twin" and index:  # one step behind: its Adam 'step' counts differ
+            continue
         loss = _loss(small, tokens) if same_model else \
             small(tokens[:, :6].float()).square().mean()
         loss.backward()

@@ -73,4 +73,4 @@ def reordered(ownership: Ownership, held: Sequence[torch.Tensor]) -> Ownership |
             "weight_decay, ...) and the order of the groups may be changed freely."
         )
     return Ownership(list(held), [ownership.owner_of(p) for p in held],  # type: ignore[misc]
-                     ownership.rank, ownership.world_size)
+                     ownership.rank, ownership.world_size, identity=ownership.identity)

@@ -228,7 +228,7 @@ class ShardedOverlapOptimizer(ShardedHooks, OverlappedOptimizerFacade):
             return
         full = not self._stepper.stepped_since_step
         if full:  # (a stepping backward checked param_groups when it started)
-            stepper.raise_if_destroyed("step()")
+            stepper.before_full_step(agree=not initialising)
             self.synchronize()
             self._held_now()
         with initialising_step_kept(self._ownership.mine(), self._engine.optimizer) \

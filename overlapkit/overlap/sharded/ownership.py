@@ -21,6 +21,7 @@ anyway, and a plugin ships one as a class its users construct.
 from __future__ import annotations
 
 import hashlib
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,7 +33,8 @@ from overlapkit.errors import ConfigurationError
 from overlapkit.nodes.failed_collective import collective_failure
 
 __all__ = ["Ownership", "ParamSlot", "ShardingPolicy", "SizeBalancedPolicy",
-           "all_gather_named", "assign_owners", "drop_state_outside_share", "slots_of"]
+           "all_gather_named", "assign_owners", "assign_owners_agreed",
+           "drop_state_outside_share", "slots_of"]
 
 
 @attrs.frozen(kw_only=True)
@@ -127,12 +129,17 @@ class Ownership:
     :param owners: the owning rank of each, in the DDP process group's numbering.
     :param rank: this rank, in that numbering.
     :param world_size: the process group's size.
+    :param identity: which sharded optimizer this is, the same on each of its ranks and
+        different from any other's (group rank 0's token, agreed at set-up by
+        :func:`assign_owners`): two optimizers of one class over parameters of the same
+        shapes have nothing else telling them apart.
     """
 
     params: list[torch.Tensor]
     owners: list[int]
     rank: int
     world_size: int
+    identity: str = attrs.field(default="", kw_only=True)
     _owner_of: dict[int, int] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -161,7 +168,7 @@ class Ownership:
     def extended(self, params: Sequence[torch.Tensor], owners: Sequence[int]) -> Ownership:
         """This ownership with ``params`` (added to the optimizer) owned by ``owners``."""
         return Ownership([*self.params, *params], [*self.owners, *owners], self.rank,
-                         self.world_size)
+                         self.world_size, identity=self.identity)
 
     def describe(self) -> dict[str, Any]:
         """What a sharded state dict records of it: world size, rank, owner per index."""
@@ -204,8 +211,17 @@ def all_gather_named(obj: Any, group: Any, what: str) -> list[Any]:
 
 def assign_owners(policy: ShardingPolicy, slots: Sequence[ParamSlot], world_size: int,
                   loads: Sequence[int], group: Any) -> list[int]:
+    """The owners of :func:`assign_owners_agreed` (for ``add_param_group``)."""
+    return assign_owners_agreed(policy, slots, world_size, loads, group)[0]
+
+
+def assign_owners_agreed(policy: ShardingPolicy, slots: Sequence[ParamSlot],
+                         world_size: int, loads: Sequence[int], group: Any
+                         ) -> tuple[list[int], str]:
     """Ask ``policy`` for the owners of ``slots``; check the answer, and that every rank
-    of ``group`` got the same one (one small ``all_gather_object``).
+    of ``group`` got the same one (one small ``all_gather_object``); with them, an
+    identity every rank agrees on (group rank 0's random token, sent in the same
+    gathering: :attr:`Ownership.identity`).
 
     Called at set-up, before anything changes, on every rank.
 
@@ -231,12 +247,15 @@ def assign_owners(policy: ShardingPolicy, slots: Sequence[ParamSlot], world_size
                 f"{rank!r}; owners are ranks from 0 to {world_size - 1} (the DDP model's "
                 "process group)."
             )
+    token = uuid.uuid4().hex
     if world_size > 1:
-        digests = all_gather_named(
-            _digest(answer), group,
+        gathered = all_gather_named(
+            (_digest(answer), token), group,
             "agreeing on the owners of the parameters (the set-up of sharded optimizer "
             "state, or add_param_group(), which every rank of the DDP model's process "
             "group calls)")
+        digests = [digest for digest, _ in gathered]
+        token = gathered[0][1]
         if len(set(digests)) > 1:
             differing = [r for r, d in enumerate(digests) if d != digests[0]]
             raise ConfigurationError(
@@ -246,7 +265,7 @@ def assign_owners(policy: ShardingPolicy, slots: Sequence[ParamSlot], world_size
                 "shapes, dtypes, groups: the same on every rank), never from values, "
                 "addresses or randomness. Nothing was changed."
             )
-    return answer
+    return answer, token
 
 
 def drop_state_outside_share(optimizer: torch.optim.Optimizer, ownership: Ownership) -> None:

@@ -31,7 +31,7 @@ from overlapkit.overlap.sharded.ownership import (
     Ownership,
     ShardingPolicy,
     SizeBalancedPolicy,
-    assign_owners,
+    assign_owners_agreed,
     drop_state_outside_share,
     slots_of,
 )
@@ -230,15 +230,15 @@ def shard_on_ddp(setup: ResolvedSetup) -> ShardedOverlapOptimizer:
     flat = setup.stepped
     group = model.process_group
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-    owners = assign_owners(setup.policy, slots_of(flat, _groups_of(setup.optimizer),
-                                                  setup.model.names),
-                           world_size, [0] * world_size, group)
+    owners, identity = assign_owners_agreed(
+        setup.policy, slots_of(flat, _groups_of(setup.optimizer), setup.model.names),
+        world_size, [0] * world_size, group)
     engine, stepper = set_up_on_ddp(setup, stepper_cls=ShardedBucketStepper)
     assert isinstance(stepper, ShardedBucketStepper)
     held = engine.parameters()
     if len(held) != len(flat) or any(a is not b for a, b in zip(held, flat, strict=True)):
         raise AssertionError("the optimizer holds its parameters in another order")
-    ownership = Ownership(held, owners, rank, world_size)
+    ownership = Ownership(held, owners, rank, world_size, identity=identity)
     engine.step_only(ownership.mine())
     stepper.plain_holds_state = bool(engine.optimizer.state)  # before the others' is dropped
     drop_state_outside_share(engine.optimizer, ownership)

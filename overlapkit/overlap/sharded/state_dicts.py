@@ -268,8 +268,9 @@ def gather_state_dict(local: dict[str, Any], ownership: Ownership, group: Any,
     except TagsDifferError:
         raise ConfigurationError(
             "consolidate_state_dict() was called for different optimizers on the ranks "
-            "of the DDP model's process group (their parameters, owners or settings "
-            f"differ; this rank's has {len(ownership.params)} parameters), so nothing "
+            "of the DDP model's process group (each optimizer built by its own "
+            "overlap_ddp call, even over parameters of the same shapes; this rank's has "
+            f"{len(ownership.params)} parameters), so nothing "
             "was gathered: the whole state dict would have mixed their states. Call it "
             "for the same optimizer on every rank, in the same order (every rank "
             "gathers one optimizer, then the next)."
@@ -300,13 +301,16 @@ def gather_state_dict(local: dict[str, Any], ownership: Ownership, group: Any,
 def _which_optimizer(ownership: Ownership, groups: list[dict[str, Any]]) -> int:
     """What every rank of one sharded optimizer knows alike of it (its parameters'
     shapes and dtypes, their owners, the settings its param groups have: which
-    optimizer), as a tag for the gathering: two sharded optimizers
-    on the same process group (a GAN's), each gathered on some ranks at once, were
-    paired (measured: 2 gloo ranks, the gathered dict of one held the other's state
-    under its indices, a (6,) ``exp_avg`` for a (16,) parameter, silently). Two
-    optimizers of one class over parameters of the same shapes and owners are not told
-    apart."""
-    described: list[Any] = [(tuple(p.shape), str(p.dtype), owner)
+    optimizer), and the identity its ranks agreed on at set-up
+    (:attr:`~overlapkit.overlap.sharded.ownership.Ownership.identity`), as a tag for the
+    gathering: two sharded optimizers on the same process group (a GAN's), each gathered
+    on some ranks at once, were paired (measured: 2 gloo ranks, the gathered dict of one
+    held the other's state under its indices, a (6,) ``exp_avg`` for a (16,) parameter,
+    silently). Two optimizers of one class over parameters of the same shapes and owners
+    were still paired up to 0.4.0 (the dict of one held the other's ``step`` counts, 4
+    of 9 entries at 2 ranks): the identity tells them apart."""
+    described: list[Any] = [ownership.identity]
+    described += [(tuple(p.shape), str(p.dtype), owner)
                             for p, owner in zip(ownership.params, ownership.owners, strict=True)]
     described += [sorted(key for key in group if key != "params") for group in groups]
     digest = hashlib.sha256(repr(described).encode()).digest()

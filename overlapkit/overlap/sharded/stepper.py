@@ -25,6 +25,7 @@ from overlapkit.errors import ConfigurationError, OverlapkitError
 from overlapkit.overlap.core.backward_scope import OUTSIDE
 from overlapkit.overlap.ddp.bucket_stepper import BucketStepper
 from overlapkit.overlap.ddp.bucket_steps import PendingBucket
+from overlapkit.overlap.sharded.agreement import SettingsAgreement
 from overlapkit.overlap.sharded.exchange import ParameterExchange
 
 __all__ = ["ShardedBucketStepper", "destroyed_group_refusal", "join_refusal"]
@@ -65,6 +66,9 @@ class ShardedBucketStepper(BucketStepper):
     """
 
     exchange: ParameterExchange
+    #: whether the ranks step with the same settings (launched when a backward starts,
+    #: read before its first step): set with the exchange
+    agreement: SettingsAgreement
     #: the sharded optimizer refuses step hooks; one on the real optimizer is per share
     step_hooks_are_the_loops = False
     #: whether each bucket is exchanged right after its step (else everything is, once
@@ -98,6 +102,37 @@ class ShardedBucketStepper(BucketStepper):
         """Give the stepper its exchange (at set-up)."""
         self.exchange = exchange
         self.per_bucket = self.global_step is None and not self.track_usage
+        self.agreement = SettingsAgreement(self.engine.optimizer, exchange.group)
+
+    def _exchanging(self) -> bool:
+        """Whether the exchange's group can be used now (not destroyed, no failure)."""
+        exchange = self.exchange
+        return exchange.active and exchange.failure is None and \
+            exchange.group in dist.distributed_c10d._world.pg_map
+
+    def starting_backward(self) -> OverlapkitError | None:
+        # the settings check, launched on every rank whatever this backward becomes
+        # (refused, deferred), as the exchange's broadcasts are issued: in bucket order
+        if self._exchanging():
+            self.agreement.launch()
+        return super().starting_backward()
+
+    def _settings_refused(self) -> None:
+        """Read the settings check of this backward, if not yet: nothing steps in it
+        when the ranks' settings differ (:mod:`~overlapkit.overlap.sharded.agreement`)."""
+        refused = self.agreement.refusal()
+        if refused is not None and self._step_error is None:
+            self._step_error = refused
+
+    def before_full_step(self, *, agree: bool) -> None:
+        """Before ``step()`` steps this rank's share with no stepping backward before it
+        (``agree``: unless torch's initialising step, which a rank may take alone).
+
+        :raises ConfigurationError: the exchange's group was destroyed; the ranks'
+            settings differ (nothing stepped)."""
+        self.raise_if_destroyed("step()")
+        if agree and self._exchanging():
+            self.agreement.now("step()")
 
     def run(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         if torch._C._current_graph_task_id() == -1 and self._scope.enter() == OUTSIDE:
@@ -132,6 +167,7 @@ class ShardedBucketStepper(BucketStepper):
         return refused
 
     def _step_buckets(self, items: list[PendingBucket]) -> list[torch.Tensor]:
+        self._settings_refused()
         buffers = super()._step_buckets(items)
         if self.per_bucket and self.reduction_error is None:
             # On every rank, whether or not it owns anything here, and whether or not
@@ -170,6 +206,7 @@ class ShardedBucketStepper(BucketStepper):
                 grad.clamp_(min=-value, max=value)
 
     def _after_backward(self) -> None:
+        self._settings_refused()  # (nothing stepped in backward: deferred, global steps)
         try:
             super()._after_backward()
         finally:
