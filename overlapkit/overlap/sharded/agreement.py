@@ -114,6 +114,24 @@ class SettingsAgreement:
         self._optimizer = optimizer
         self._group = group if group is not None and _cpu_backend(group) else None
         self._pending: tuple[Any, torch.Tensor, list[list[tuple[str, Any]]]] | None = None
+        self._keys = sorted(optimizer.defaults)
+        #: the settings as last read (no tensor among them), their read and digest:
+        #: unchanged settings are not read and hashed again
+        self._last: tuple[list[list[Any]], list[list[tuple[str, Any]]], int] | None = None
+
+    def _read(self) -> tuple[list[list[tuple[str, Any]]], int]:
+        """This rank's :func:`settings_read` and its digest, from the last ones when the
+        settings are the same objects or equal (a tensor among them: read again)."""
+        keys = self._keys
+        raw = [[group.get(key) for key in keys] for group in self._optimizer.param_groups]
+        last = self._last
+        if last is not None and raw == last[0]:
+            return last[1], last[2]
+        read = settings_read(self._optimizer)
+        digest = _digest(read)
+        tensors = any(isinstance(value, torch.Tensor) for group in raw for value in group)
+        self._last = None if tensors else (raw, read, digest)
+        return read, digest
 
     def launch(self) -> None:
         """Start the all-reduce of this rank's digest (on every rank, in the same order
@@ -122,13 +140,12 @@ class SettingsAgreement:
             return
         if self._pending is not None:  # (a backward that raised before its end)
             self.refusal()
-        read = settings_read(self._optimizer)
-        digest = _digest(read)
+        read, digest = self._read()
         sent = torch.tensor([digest, -digest], dtype=torch.int64)
         work = dist.all_reduce(sent, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         self._pending = (work, sent, read)
 
-    def refusal(self, what: str = "this backward") -> ConfigurationError | Exception | None:
+    def refusal(self, what: str = "backward()") -> ConfigurationError | Exception | None:
         """Wait for the launched check: the refusal when the ranks' settings differ (the
         same on every rank: they gather the settings to name them), the named failure of
         the collective, or None (also when nothing was launched)."""
@@ -136,7 +153,9 @@ class SettingsAgreement:
         if pending is None:
             return None
         work, reduced, read = pending
-        description = "comparing the optimizer settings of the ranks (sharded optimizer state)"
+        # the first message of each step's exchange: a peer missing is named as missing
+        # from the exchange (it skipped step(), or raised in backward and went on)
+        description = "exchanging the updated parameters (sharded optimizer state)"
         try:
             work.wait()
             highest, lowest = reduced.tolist()
@@ -149,12 +168,8 @@ class SettingsAgreement:
             return failed if failed is not None else error
         return settings_refusal(gathered, what)
 
-    def now(self, what: str) -> None:
-        """Check at once (a full ``step()``, before it steps anything).
-
-        :raises ConfigurationError: the ranks' settings differ.
-        """
+    def now(self, what: str) -> ConfigurationError | Exception | None:
+        """Check at once (a full ``step()``, before it steps anything): as
+        :meth:`refusal`."""
         self.launch()
-        refused = self.refusal(what)
-        if refused is not None:
-            raise refused
+        return self.refusal(what)

@@ -306,9 +306,8 @@ def _which_optimizer(ownership: Ownership, groups: list[dict[str, Any]]) -> int:
     gathering: two sharded optimizers on the same process group (a GAN's), each gathered
     on some ranks at once, were paired (measured: 2 gloo ranks, the gathered dict of one
     held the other's state under its indices, a (6,) ``exp_avg`` for a (16,) parameter,
-    silently). Two optimizers of one class over parameters of the same shapes and owners
-    were still paired up to 0.4.0 (the dict of one held the other's ``step`` counts, 4
-    of 9 entries at 2 ranks): the identity tells them apart."""
+    silently); so were two of one class over parameters of the same shapes until the
+    identity (the dict of one held the other's ``step`` counts, 4 of 9 at 2 ranks)."""
     described: list[Any] = [ownership.identity]
     described += [(tuple(p.shape), str(p.dtype), owner)
                             for p, owner in zip(ownership.params, ownership.owners, strict=True)]

@@ -120,9 +120,17 @@ class ShardedBucketStepper(BucketStepper):
     def _settings_refused(self) -> None:
         """Read the settings check of this backward, if not yet: nothing steps in it
         when the ranks' settings differ (:mod:`~overlapkit.overlap.sharded.agreement`)."""
-        refused = self.agreement.refusal()
+        refused = self._kept_failure(self.agreement.refusal())
         if refused is not None and self._step_error is None:
             self._step_error = refused
+
+    def _kept_failure(self, refused: Exception | None) -> Exception | None:
+        """``refused``, kept as the exchange's failure when it is a peer's (it stalled or
+        is gone): nothing more is sent then, and every later wait raises it."""
+        if refused is not None and not isinstance(refused, ConfigurationError) \
+                and self.exchange.failure is None:
+            self.exchange.failure = refused
+        return refused
 
     def before_full_step(self, *, agree: bool) -> None:
         """Before ``step()`` steps this rank's share with no stepping backward before it
@@ -131,8 +139,9 @@ class ShardedBucketStepper(BucketStepper):
         :raises ConfigurationError: the exchange's group was destroyed; the ranks'
             settings differ (nothing stepped)."""
         self.raise_if_destroyed("step()")
-        if agree and self._exchanging():
-            self.agreement.now("step()")
+        if agree and self._exchanging() and (
+                refused := self._kept_failure(self.agreement.now("step()"))) is not None:
+            raise refused
 
     def run(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         if torch._C._current_graph_task_id() == -1 and self._scope.enter() == OUTSIDE:
