@@ -30,3 +30,22 @@ def test_settings_differing_between_ranks_are_refused_on_every_rank_before_stepp
     assert not failures(results, "unchanged")
     assert not failures(results, "full step unchanged")
     assert not failures(results, "values")
+
+
+def test_settings_compared_are_the_steps_own_and_alike_between_processes() -> None:
+    import torch
+
+    from overlapkit.overlap.sharded.agreement import settings_read, settings_refusal
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([{"params": [param], "name": "decoder"}], lr=0.1)
+    opt.defaults["device"] = torch.device("cpu")  # as an optimizer with a device option
+    opt.param_groups[0]["device"] = torch.device("cpu", 0)
+    opt.param_groups[0]["lr"] = torch.tensor(0.5)
+    read = dict(settings_read(opt)[0])
+    assert "name" not in read  # a key of the loop's own: no step reads it
+    assert read["device"] == ("object", "device")  # no repr differing between ranks
+    assert read["lr"] == ("tensor", 0.5)
+    other = [[(key, 0.25 if key == "lr" else value) for key, value in settings_read(opt)[0]]]
+    message = str(settings_refusal([settings_read(opt), other], "backward()"))
+    assert "lr of param group 0: tensor(0.5) on rank 0, 0.25 on rank 1" in message, message

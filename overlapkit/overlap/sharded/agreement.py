@@ -51,7 +51,11 @@ def _value(value: Any) -> Any:
         return ("tensor", tuple(value.shape), str(value.dtype))
     if isinstance(value, (list, tuple)):
         return tuple(map(_value, value))
-    return value if isinstance(value, (int, float, bool, str, type(None))) else repr(value)
+    if isinstance(value, (int, float, bool, str, type(None))):
+        return value
+    # an object (a function, a device): its type only, as its repr may differ between
+    # processes (an address) or ranks (cuda:0, cuda:1) where the step is the same
+    return ("object", type(value).__qualname__)
 
 
 def settings_read(optimizer: torch.optim.Optimizer) -> list[list[tuple[str, Any]]]:
@@ -75,6 +79,12 @@ def _cpu_backend(group: Any) -> bool:
     return True
 
 
+def _shown(value: Any) -> str:
+    if isinstance(value, tuple) and value and value[0] in ("tensor", "object"):
+        return f"{value[0]}{value[1:]!r}" if len(value) > 2 else f"{value[0]}({value[1]!r})"
+    return repr(value)
+
+
 def settings_refusal(gathered: list[list[list[tuple[str, Any]]]], what: str
                      ) -> ConfigurationError:
     """The refusal of ``what`` when the ranks' settings (``gathered``: each rank's
@@ -90,7 +100,7 @@ def settings_refusal(gathered: list[list[list[tuple[str, Any]]]], what: str
                 seen = [each[index][position][1] for each in gathered]
                 if any(value != seen[0] for value in seen):
                     named.append(f"{key} of param group {index}: " + ", ".join(
-                        f"{value!r} on rank {rank}" for rank, value in enumerate(seen)))
+                        f"{_shown(value)} on rank {rank}" for rank, value in enumerate(seen)))
     shown = "; ".join(named[:3]) + ("; ..." if len(named) > 3 else "")
     return ConfigurationError(
         f"{what}: the ranks' optimizers hold different settings ({shown}). With sharded "
