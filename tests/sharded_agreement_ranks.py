@@ -73,3 +73,32 @@ def lr_on_one_rank(rank: int, world_size: int, how: str) -> dict[str, Any]:
     out["full step"] = error_of(opt.step)
     out["full step unchanged"] = compare(before, values(ddp))
     return out
+
+
+def lr_on_one_rank_steps_elsewhere(rank: int, world_size: int, how: str) -> dict[str, Any]:
+    """``lr`` changed on rank 0 only after 2 steps where the steps are taken at
+    ``step()`` (``how``: "learnt", a loop reading the gradients in the window after
+    ``learn_first_step``) or at the end of backward ("global clip"): what the next
+    backward and ``step()`` raise, and whether any parameter changed."""
+    ddp = build()
+    options = {"clip_grad_norm": 0.05} if how == "global clip" else {}
+    opt = overlapkit.overlap_ddp(ddp, torch.optim.AdamW, lr=LR, shard_optimizer_state=True,
+                                 **options)
+    if how == "learnt":
+        opt.learn_first_step(ddp)
+    data = batches(rank, 3)
+
+    def one_step(tokens: torch.Tensor) -> tuple[Any, Any]:
+        refused = error_of(lambda: _loss(ddp, tokens).backward())
+        if how == "learnt":
+            [p.grad.norm() for p in ddp.parameters() if p.grad is not None]
+        return refused, error_of(opt.step)
+
+    for tokens in data[:2]:
+        assert one_step(tokens) == (None, None)
+        opt.zero_grad()
+    if rank == 0:
+        opt.param_groups[0]["lr"] = LR * 2
+    before = values(ddp)
+    refused, step = one_step(data[2])
+    return {"refused": refused, "step": step, "unchanged": compare(before, values(ddp))}

@@ -49,3 +49,15 @@ def test_settings_compared_are_the_steps_own_and_alike_between_processes() -> No
     other = [[(key, 0.25 if key == "lr" else value) for key, value in settings_read(opt)[0]]]
     message = str(settings_refusal([settings_read(opt), other], "backward()"))
     assert "lr of param group 0: tensor(0.5) on rank 0, 0.25 on rank 1" in message, message
+
+
+@pytest.mark.parametrize("how", ["learnt", "global clip"])
+def test_settings_differing_are_refused_where_steps_are_taken_at_step_or_backward_s_end(
+        how: str) -> None:
+    results = run_distributed(ranks_.lr_on_one_rank_steps_elsewhere, 2, args=(how,),
+                              timeout=180)
+    for rank, result in enumerate(results):
+        refused = result["refused"]
+        assert refused is not None and "lr of param group 0" in refused["message"], (
+            rank, refused)
+    assert not failures(results, "unchanged")
