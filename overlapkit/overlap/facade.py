@@ -282,7 +282,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
             ``no_step()``, :mod:`overlapkit.overlap.core.step_accounting`).
         """
         refuse_retired(self._steps, "step()")
-        self._steps.release_state()  # the loop's reads and writes watched until now
+        self._steps.release_state(at_step=True)  # the loop's reads, writes watched
         if closure is not None:
             raise ConfigurationError(
                 f"{self._technique} steps during backward, so step() takes no closure; "

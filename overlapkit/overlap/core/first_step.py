@@ -135,7 +135,9 @@ def end_first_window(steps: Any, names: Mapping[int, str], params: list[torch.Te
         steps.learned = True
         steps.deferring = False
         steps.deferred()
-        steps.calls_step = True
+        # the loop called step() after its backward: a load or a checkpoint in a later
+        # window is refused before it changes anything (StepAccount.window_refusal)
+        steps.calls_step = steps.steps_after_backward = True
     return clipped
 
 

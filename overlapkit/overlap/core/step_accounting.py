@@ -302,16 +302,15 @@ class StepAccount:
             marks.mark_settings()
             marks.open_data_writes(params)
             marks.mark_state(self.technique if self.calls_step else None)
-            if self.calls_step:
-                marks.watch_reads(params, self.technique, self.settings_of or self,
-                                  freed)
+            marks.watch_reads(params, self.technique, self.settings_of or self, freed,
+                              first=not self.calls_step)
             self.stepped_marks = marks
 
-    def release_state(self) -> None:
+    def release_state(self, at_step: bool = False) -> None:
         """The optimizer's ``state`` watched since the last stepping backward is the
-        plain dict again (:meth:`FirstWindow.release_state`)."""
+        plain dict again (:meth:`FirstWindow.release_state`; ``at_step``: by ``step()``)."""
         if self.stepped_marks is not None:
-            self.stepped_marks.release_state()
+            self.stepped_marks.release_state(at_step)
 
     def deferred(self) -> None:
         """The deferred backwards are over (``defer_steps()`` left): forget what they

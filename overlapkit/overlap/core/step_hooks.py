@@ -69,8 +69,9 @@ from overlapkit.overlap.core.groups_behind import groups_changed_refusal
 from overlapkit.overlap.core.window import FirstWindow
 
 __all__ = ["PER_PART_MARK", "backward_refusal", "follow_step_hooks",
-           "hooks_without_step_refusal", "instance_override", "override_refusal",
-           "override_warning", "sharded_override_refusal", "sharded_patch_refusal",
+           "hooks_without_step_refusal", "instance_override", "late_hook_refusal",
+           "override_refusal", "override_warning", "sharded_override_refusal",
+           "sharded_patch_refusal",
            "registered_step_hooks", "sharded_post_hook_refusal", "sharded_step_hook_refusal",
            "step_called", "step_override"]
 
@@ -91,12 +92,34 @@ def step_called(steps: Any, stepped: bool) -> None:
     (``stepped``: a backward stepped since the last one): the loop calls ``step()``.
 
     :raises ConfigurationError: :func:`override_refusal`, where that backward ran the
-        optimizer's override of ``step()`` per part.
+        optimizer's override of ``step()`` per part; :func:`late_hook_refusal`, where a
+        step hook was registered after it started.
     """
     _STEP_SEEN.add(steps)
     refusal = _OVERRIDE_REFUSALS.get(steps)
     if stepped and refusal is not None:
         raise refusal
+    if stepped and not steps.plain_for_step_hooks:
+        where = registered_step_hooks(steps.settings_of, own=steps.step_hooks_are_the_loops)
+        if where is not None:
+            raise late_hook_refusal(steps.technique, where)
+
+
+def late_hook_refusal(technique: str, where: str) -> ConfigurationError:
+    """The refusal of a ``step()`` after a backward that stepped with no step hook
+    registered as it started, one registered since (between that backward and this
+    ``step()``, or a step of a backward-only loop): the plain ``step()`` runs the hook
+    around this step, which was taken during backward without it (before: a halving
+    pre-hook registered there was missing from that step, 0.004 off the plain SGD loop
+    after 4 steps, with a warning saying the run was the plain loop's)."""
+    return ConfigurationError(
+        f"a step hook was registered {where} between backward() and optimizer.step(): "
+        f"{technique} had already taken this step during backward, without the hook, "
+        "where the plain step() runs it around this step. The parameters have taken it: "
+        "restart from the last checkpoint after fixing the loop. Register step hooks "
+        "before the backward (the steps are then taken at optimizer.step(), around the "
+        "hook, in the plain order, bitwise the plain loop), or do the hook's work in the "
+        "loop after optimizer.step().")
 
 
 def backward_refusal(steps: Any) -> ConfigurationError | None:

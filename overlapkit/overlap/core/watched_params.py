@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from typing import Any, ClassVar, Protocol
 
 import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
 
 from overlapkit.overlap.core.watched_reads import (
     _NOT_THE_LOOP,
@@ -250,10 +251,17 @@ class ParameterReads:
     edit it starts later is not seen).
     Watching costs two class switches per parameter and step (about 0.15 µs for both on
     the 2-core test machine), and nothing to an operation that does not touch a
-    parameter."""
+    parameter.
+
+    ``first``: the first stepping backward of a loop not known yet to call ``step()``
+    (a backward-only loop's next forward reads the values, and its gradients are None
+    in the plain fused loop too): both reads are warned of only when the loop's
+    ``step()`` ends the window (:meth:`release` ``at_step``), pointing at the read —
+    before, a loop's first step was watched for neither (a defensive gradient edit
+    skipped there, an EMA one step ahead), warned of at its second ``step()``."""
 
     def __init__(self, params: list[torch.Tensor], technique: str, owner: Any,
-                 freed: bool = False) -> None:
+                 freed: bool = False, first: bool = False) -> None:
         self.technique, self.owner, self.params = technique, owner, params
         self.watched: type[_WatchedParameter] | None = None
         self.values = owner not in _WARNED
@@ -261,11 +269,17 @@ class ParameterReads:
         #: reads of a freed ``.grad`` not answered by a clip, and the first one's frame
         self.grad_reads = 0
         self.first_read: Any = None
+        #: ``first``, and the frame of the first read of the values there
+        self.first = first
+        self.value_read: tuple[str, int, dict[str, Any]] | None = None
+        self._forward_hook: Any = None
         if self.values or self.grads:
             self.watched = _CLASSES.get(owner)
             if self.watched is None:
                 self.watched = _CLASSES[owner] = watched_class()
             watch_params(params, self.watched, self)
+            if first:  # a backward-only loop's next forward runs on the plain class
+                self._forward_hook = register_module_forward_pre_hook(self._forward_starts)
 
     def note_param_read(self, param: torch.Tensor) -> None:
         if not self.values:
@@ -273,6 +287,10 @@ class ParameterReads:
         self.values = False
         if not self.grads:
             self._unwatch()
+        if self.first:  # warned of by the step() ending this window, if one does
+            if not quiet():
+                self.value_read = _loop_frame()
+            return
         if self.owner not in _WARNED:
             _WARNED.add(self.owner)
             warnings.warn(parameter_read_warning(self.technique),
@@ -294,16 +312,34 @@ class ParameterReads:
         if not self.grad_reads:
             self.first_read = None
 
+    def _forward_starts(self, module: Any, args: Any) -> None:
+        """A module's forward starts in a ``first`` window: the next iteration's, or a
+        validation's; the parameters go back to their plain class before it runs (a
+        compiled forward would otherwise be compiled again for the watched class)."""
+        self._unwatch()
+
     def _unwatch(self) -> None:
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
         if self.watched is not None and self.watched._window is self:
             unwatch_params(self.params, self.watched)
 
-    def release(self) -> None:
-        """Give the parameters back their plain class (``step()``, the next backward),
-        and warn of the freed gradients read, once."""
+    def release(self, at_step: bool = False) -> None:
+        """Give the parameters back their plain class (``step()``: ``at_step``, the next
+        backward), and warn of the freed gradients read, once."""
         self._unwatch()
         reads, frame, self.grad_reads, self.first_read = (
             self.grad_reads, self.first_read, 0, None)
+        if self.first:  # the loop's shape known only from a step() ending the window
+            value_read, self.value_read = self.value_read, None
+            if not at_step:
+                return
+            self.first = False
+            if value_read is not None and self.owner not in _WARNED:
+                _WARNED.add(self.owner)
+                _warn_at(value_read, parameter_read_warning(self.technique),
+                         ParameterReadInWindowWarning)
         if self.grads and not reads and self.owner in _WARNED:
             # a loop reading the values there (an EMA, a validation forward) is not
             # watched on after a window without a freed gradient read: its operations
@@ -312,8 +348,13 @@ class ParameterReads:
         if reads and self.owner not in _GRADS_WARNED:
             _GRADS_WARNED.add(self.owner)
             self.grads = False
-            filename, line, globs = frame
-            warnings.warn_explicit(
-                freed_gradient_read_warning(self.technique, reads), FreedGradientReadWarning,
-                filename, line, module=globs.get("__name__"),
-                registry=globs.setdefault("__warningregistry__", {}))
+            _warn_at(frame, freed_gradient_read_warning(self.technique, reads),
+                     FreedGradientReadWarning)
+
+
+def _warn_at(frame: tuple[str, int, dict[str, Any]], message: str,
+             category: type[Warning]) -> None:
+    """Warn ``message`` at the loop's line ``frame`` (:func:`_loop_frame`) read."""
+    filename, line, globs = frame
+    warnings.warn_explicit(message, category, filename, line, module=globs.get("__name__"),
+                           registry=globs.setdefault("__warningregistry__", {}))

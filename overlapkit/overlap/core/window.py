@@ -219,19 +219,21 @@ class FirstWindow:
             self.state_writes = StateWrites(self.optimizer, warn_reads)
 
     def watch_reads(self, params: list[torch.Tensor], technique: str,
-                    owner: Any, freed: bool = False) -> None:
+                    owner: Any, freed: bool = False, first: bool = False) -> None:
         """Warn of the loop's first read of the values of ``params`` (stepped by the
         backward that ended: :class:`ParameterReads`) until :meth:`release_state`, and
-        (``freed``: it freed their gradients) of its reads of their ``.grad``."""
-        self.param_reads = ParameterReads(params, technique, owner, freed)
+        (``freed``: it freed their gradients) of its reads of their ``.grad``; ``first``:
+        the loop is not known to call ``step()`` yet, warned only by a ``step()``."""
+        self.param_reads = ParameterReads(params, technique, owner, freed, first=first)
 
-    def release_state(self) -> None:
-        """Stop watching the state and the parameters (``step()``, the next backward);
-        what was noted stays for :meth:`state_reset` and :meth:`state_written`."""
+    def release_state(self, at_step: bool = False) -> None:
+        """Stop watching the state and the parameters (``step()``: ``at_step``, the next
+        backward); what was noted stays for :meth:`state_reset` and
+        :meth:`state_written`."""
         if self.state_writes is not None:
             self.state_writes.release()
         if self.param_reads is not None:
-            self.param_reads.release()
+            self.param_reads.release(at_step)
         self.close_data_writes()
 
     def state_written(self, names: Mapping[int, str]) -> list[str]:
