@@ -50,6 +50,7 @@ from overlapkit.overlap.core.first_step import follow_kept_gradients
 from overlapkit.overlap.core.foreign_loop import foreign_trainer_refusal
 from overlapkit.overlap.core.state_order import PlainStateOrder
 from overlapkit.overlap.core.step_hooks import backward_refusal, follow_step_hooks
+from overlapkit.overlap.core.watched_params import finish_after_step
 from overlapkit.overlap.core.window import FirstWindow
 
 if TYPE_CHECKING:
@@ -309,6 +310,7 @@ class StepAccount:
     def release_state(self, at_step: bool = False) -> None:
         """The optimizer's ``state`` watched since the last stepping backward is the
         plain dict again (:meth:`FirstWindow.release_state`; ``at_step``: by ``step()``)."""
+        finish_after_step(self.settings_of or self)  # freed gradients read past step()
         if self.stepped_marks is not None:
             self.stepped_marks.release_state(at_step)
 

@@ -34,6 +34,13 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 
+from overlapkit.overlap.core.read_warnings import (
+    freed_gradient_read_warning,
+    loop_frame,
+    parameter_read_warning,
+    read_after_step_warning,
+    warn_at,
+)
 from overlapkit.overlap.core.watched_reads import (
     _NOT_THE_LOOP,
     METADATA_METHODS,
@@ -44,7 +51,7 @@ from overlapkit.overlap.core.watched_reads import (
 )
 
 __all__ = ["FreedGradientReadWarning", "ParameterReadInWindowWarning", "ParameterReads",
-           "unwatch_params", "watch_params", "watched_class"]
+           "finish_after_step", "unwatch_params", "watch_params", "watched_class"]
 
 
 class _Window(Protocol):
@@ -190,50 +197,20 @@ class ParameterReadInWindowWarning(UserWarning):
 class FreedGradientReadWarning(UserWarning):
     """The loop read ``.grad`` of parameters ``optimizer_in_backward`` had stepped and
     freed, between that backward and ``step()``: None, where the plain loop's hold the
-    gradients; a change of them there (noise, masking, a scale) was not in the step."""
+    gradients; a change of them there (noise, masking, a scale) was not in the step. Or
+    after ``step()``, before ``zero_grad()``, where the plain loop's still hold them (an
+    LR scheduler reading them)."""
 
 
 #: the optimizers (or step accounts) whose loop was warned, once each (of freed
 #: gradients read: or no longer watched for them)
 _WARNED: weakref.WeakSet[Any] = weakref.WeakSet()
 _GRADS_WARNED: weakref.WeakSet[Any] = weakref.WeakSet()
+#: ``owner`` -> its :class:`ParameterReads` watching freed gradients past ``step()``
+_AFTER_STEP: weakref.WeakKeyDictionary[Any, ParameterReads] = weakref.WeakKeyDictionary()
 #: ``owner`` -> its class of watched parameters (:class:`ParameterReads`)
 _CLASSES: weakref.WeakKeyDictionary[Any, type[_WatchedParameter]] = (
     weakref.WeakKeyDictionary())
-
-
-def parameter_read_warning(technique: str) -> str:
-    return (
-        f"{technique} took this step during backward, so the parameters read between "
-        "backward() and optimizer.step() hold this step's update already (the plain "
-        "loop's hold the last step's: an EMA updated there, a copy or a logged norm are "
-        "one step ahead of the plain loop's). Read them after optimizer.step() or before "
-        "backward(), or call optimizer.learn_first_step(model) once before the loop (a "
-        "loop reading them at its first step then takes every step at optimizer.step(), "
-        "bitwise the plain loop). A change there is refused at optimizer.step(). Shown "
-        "once.")
-
-
-def freed_gradient_read_warning(technique: str, reads: int) -> str:
-    return (
-        f"the loop read .grad of parameters {technique} had stepped and freed during "
-        f"backward ({reads} reads between backward() and optimizer.step()): they were "
-        "None, where the plain loop's hold this backward's gradients. A change made to "
-        "them there (noise, masking, a scale, a clip by hand: `if p.grad is not None`) "
-        "was skipped and is not in the step, which was taken with the gradients as "
-        "backward left them; a log of them is empty. Change gradients before they are "
-        "stepped (a hook registered with register_post_accumulate_grad_hook on the "
-        "parameter, a DDP comm hook, clip_grad_norm= of the optimizer), or call "
-        "optimizer.learn_first_step(model) once before the loop (a loop using the "
-        "gradients there at its first step then takes every step at optimizer.step(), "
-        "in the plain order, bitwise the plain loop). Shown once.")
-
-
-def _loop_frame() -> tuple[str, int, dict[str, Any]]:
-    """Where the loop reads (past overlapkit's and torch's frames:
-    :func:`loop_stacklevel`): its file, line and globals."""
-    frame = sys._getframe(loop_stacklevel() - 1)
-    return frame.f_code.co_filename, frame.f_lineno, frame.f_globals
 
 
 class ParameterReads:
@@ -273,6 +250,8 @@ class ParameterReads:
         self.first = first
         self.value_read: tuple[str, int, dict[str, Any]] | None = None
         self._forward_hook: Any = None
+        #: watching freed gradients past ``step()`` (:meth:`finish` ends it)
+        self.after_step = False
         if self.values or self.grads:
             self.watched = _CLASSES.get(owner)
             if self.watched is None:
@@ -289,7 +268,7 @@ class ParameterReads:
             self._unwatch()
         if self.first:  # warned of by the step() ending this window, if one does
             if not quiet():
-                self.value_read = _loop_frame()
+                self.value_read = loop_frame()
             return
         if self.owner not in _WARNED:
             _WARNED.add(self.owner)
@@ -302,7 +281,7 @@ class ParameterReads:
         if self.grads and not sys._getframe(2).f_code.co_filename.startswith(_NOT_THE_LOOP):
             self.grad_reads += 1
             if self.first_read is None:
-                self.first_read = _loop_frame()
+                self.first_read = loop_frame()
 
     def answered(self) -> None:
         """A clip of the parameters with a gradient (``[p for p in params if p.grad is
@@ -313,10 +292,14 @@ class ParameterReads:
             self.first_read = None
 
     def _forward_starts(self, module: Any, args: Any) -> None:
-        """A module's forward starts in a ``first`` window: the next iteration's, or a
-        validation's; the parameters go back to their plain class before it runs (a
-        compiled forward would otherwise be compiled again for the watched class)."""
-        self._unwatch()
+        """A module's forward starts in a ``first`` window or after ``step()``: the next
+        iteration's, or a validation's; the parameters go back to their plain class
+        before it runs (a compiled forward would otherwise be compiled again for the
+        watched class)."""
+        if self.after_step:
+            self.finish()
+        else:
+            self._unwatch()
 
     def _unwatch(self) -> None:
         if self._forward_hook is not None:
@@ -327,34 +310,66 @@ class ParameterReads:
 
     def release(self, at_step: bool = False) -> None:
         """Give the parameters back their plain class (``step()``: ``at_step``, the next
-        backward), and warn of the freed gradients read, once."""
-        self._unwatch()
+        backward), and warn of the freed gradients read, once. At ``step()``, freed
+        gradients not read before are watched on until :meth:`finish`."""
+        if self.after_step:  # watched on past step(): finish() ends it
+            return
         reads, frame, self.grad_reads, self.first_read = (
             self.grad_reads, self.first_read, 0, None)
         if self.first:  # the loop's shape known only from a step() ending the window
             value_read, self.value_read = self.value_read, None
             if not at_step:
+                self._unwatch()
                 return
             self.first = False
             if value_read is not None and self.owner not in _WARNED:
                 _WARNED.add(self.owner)
-                _warn_at(value_read, parameter_read_warning(self.technique),
-                         ParameterReadInWindowWarning)
+                warn_at(value_read, parameter_read_warning(self.technique),
+                        ParameterReadInWindowWarning)
+        if reads and self.owner not in _GRADS_WARNED:
+            _GRADS_WARNED.add(self.owner)
+            self.grads = False
+            warn_at(frame, freed_gradient_read_warning(self.technique, reads),
+                    FreedGradientReadWarning)
+        if at_step and self.grads:  # read after step(), where the plain loop keeps them
+            self.after_step, self.values = True, False
+            _AFTER_STEP[self.owner] = self
+            if self._forward_hook is None:
+                self._forward_hook = register_module_forward_pre_hook(self._forward_starts)
+            return
+        self._unwatch()
+        self._stop_watching_grads(reads)
+
+    def finish(self) -> None:
+        """End the watching past ``step()`` (``zero_grad()``, the next backward or
+        forward: :func:`finish_after_step`), and warn of the freed gradients read
+        there, once."""
+        if not self.after_step:
+            return
+        self.after_step = False
+        if _AFTER_STEP.get(self.owner) is self:
+            del _AFTER_STEP[self.owner]
+        self._unwatch()
+        reads, frame, self.grad_reads, self.first_read = (
+            self.grad_reads, self.first_read, 0, None)
+        if reads and self.owner not in _GRADS_WARNED:
+            _GRADS_WARNED.add(self.owner)
+            self.grads = False
+            warn_at(frame, read_after_step_warning(self.technique, reads),
+                    FreedGradientReadWarning)
+        self._stop_watching_grads(reads)
+
+    def _stop_watching_grads(self, reads: int) -> None:
         if self.grads and not reads and self.owner in _WARNED:
             # a loop reading the values there (an EMA, a validation forward) is not
             # watched on after a window without a freed gradient read: its operations
             # on the parameters would go through the watched class every step
             _GRADS_WARNED.add(self.owner)
-        if reads and self.owner not in _GRADS_WARNED:
-            _GRADS_WARNED.add(self.owner)
-            self.grads = False
-            _warn_at(frame, freed_gradient_read_warning(self.technique, reads),
-                     FreedGradientReadWarning)
 
 
-def _warn_at(frame: tuple[str, int, dict[str, Any]], message: str,
-             category: type[Warning]) -> None:
-    """Warn ``message`` at the loop's line ``frame`` (:func:`_loop_frame`) read."""
-    filename, line, globs = frame
-    warnings.warn_explicit(message, category, filename, line, module=globs.get("__name__"),
-                           registry=globs.setdefault("__warningregistry__", {}))
+def finish_after_step(owner: Any) -> None:
+    """``zero_grad()`` or the next backward of ``owner``'s loop (the step account's
+    ``release_state``): the freed gradients watched past ``step()`` no longer are."""
+    reads = _AFTER_STEP.get(owner)
+    if reads is not None:
+        reads.finish()
