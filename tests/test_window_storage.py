@@ -1,12 +1,14 @@
 """Writes through the storage between backward and ``step()``: a tensor built over
 ``p.grad.untyped_storage()`` (or ``p.untyped_storage()``) and written, the storage's own
-``copy_``, a tensor ``set_`` on the gradient (``torch.empty(0).set_(p.grad)``). Each has
+``copy_``, a tensor ``set_`` on the gradient (``torch.empty(0).set_(p.grad)``), torch's
+legacy DLPack capsule (``from_dlpack(to_dlpack(p.grad))``). Each has
 a version counter of its own, or none, so the window's version checks did not see them:
 measured on f2b92e2 after 4 steps (2 gloo ranks), gradients halved over their storage
 under ``overlap_ddp`` SGD 0.020 off the plain loop silently, and 0.014 after
 ``learn_first_step``; weights scaled over their storage 0.0027 (SGD) / 0.0064 (AdamW)
 off under ``overlap_ddp`` with only the parameter-read warning, 0.0041 (SGD) under
-``optimizer_in_backward``. ``untyped_storage()`` and ``set_()`` are now noted as
+``optimizer_in_backward``; the capsule as the storage. ``untyped_storage()``,
+``set_()`` and ``to_dlpack`` are now noted as
 ``numpy()`` is (``overlap/core/data_writes.py``): refused at that ``step()``, or,
 learnt, the plain order, bitwise; a read over the storage is no change.
 
@@ -25,7 +27,7 @@ from overlapkit.distributed import run_distributed
 
 OPTIMIZERS = ("SGD", "AdamW")
 GRAD_WRITES = ("grads halved over storage", "grads halved by storage copy",
-               "grads halved over set")
+               "grads halved over set", "grads halved over legacy dlpack")
 
 
 @pytest.fixture(scope="module")

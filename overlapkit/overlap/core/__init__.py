@@ -15,7 +15,8 @@ step (:mod:`~overlapkit.overlap.core.window`, the end of a learnt first step:
 :mod:`~overlapkit.overlap.core.first_step`, the param groups' settings a step reads:
 :mod:`~overlapkit.overlap.core.group_settings`, the loop's reads noticed:
 :mod:`~overlapkit.overlap.core.watched_reads`, of the parameters:
-:mod:`~overlapkit.overlap.core.watched_params`, its writes to the optimizer's state:
+:mod:`~overlapkit.overlap.core.watched_params`, their warnings:
+:mod:`~overlapkit.overlap.core.read_warnings`, its writes to the optimizer's state:
 :mod:`~overlapkit.overlap.core.state_marks`, what changed after a stepping backward:
 :mod:`~overlapkit.overlap.core.late_changes`, written through ``.data``:
 :mod:`~overlapkit.overlap.core.data_writes`), a second backward through a kept graph

@@ -25,7 +25,9 @@ hook) is not a read; overlapkit's own work runs under
 from __future__ import annotations
 
 import copy
+import os
 import sys
+import sysconfig
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -213,6 +215,12 @@ _CLASSES: weakref.WeakKeyDictionary[Any, type[_WatchedParameter]] = (
     weakref.WeakKeyDictionary())
 
 
+#: where installed packages are: a trainer's own look at the gradients there (the
+#: Hugging Face Trainer's check of their meshes, once per optimizer) is no loop's edit
+#: in a ``first`` window (:class:`ParameterReads`), where such a look runs uncached
+INSTALLED = tuple({sysconfig.get_paths()[key] + os.sep for key in ("purelib", "platlib")})
+
+
 class ParameterReads:
     """The parameters a backward stepped, from its end to ``step()`` (or the next
     backward, a ``zero_grad()``), in a loop known to call ``step()``: the loop's first
@@ -233,7 +241,8 @@ class ParameterReads:
     ``first``: the first stepping backward of a loop not known yet to call ``step()``
     (a backward-only loop's next forward reads the values, and its gradients are None
     in the plain fused loop too): both reads are warned of only when the loop's
-    ``step()`` ends the window (:meth:`release` ``at_step``), pointing at the read —
+    ``step()`` ends the window (:meth:`release` ``at_step``), pointing at the read
+    (of the gradients, only from frames outside installed packages: :data:`INSTALLED`) —
     before, a loop's first step was watched for neither (a defensive gradient edit
     skipped there, an EMA one step ahead), warned of at its second ``step()``."""
 
@@ -278,7 +287,9 @@ class ParameterReads:
     def note_grad_read(self) -> None:
         """``.grad`` of a watched parameter read, None (freed)."""
         # the frame reading: the loop's, not overlapkit's or torch's own (a clip answered)
-        if self.grads and not sys._getframe(2).f_code.co_filename.startswith(_NOT_THE_LOOP):
+        reader = sys._getframe(2).f_code.co_filename
+        if self.grads and not reader.startswith(_NOT_THE_LOOP) and not (
+                self.first and reader.startswith(INSTALLED)):
             self.grad_reads += 1
             if self.first_read is None:
                 self.first_read = loop_frame()
