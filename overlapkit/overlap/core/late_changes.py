@@ -28,7 +28,16 @@ __all__ = ["accept_unchanged_rewrites", "refuse_changed_gradients"]
 def refuse_changed_gradients(marks: FirstWindow, names: Mapping[int, str],
                              params: list[torch.Tensor], technique: str) -> None:
     """:raises ConfigurationError: the loop changed (or set) a gradient after the
-    backward that stepped it, before this ``step()``: the change missed that step."""
+    backward that stepped it, before this ``step()``: the change missed that step.
+
+    Read past the parameters' watched class (:mod:`.watched_params`: freed gradients
+    are watched on past ``step()``): a read through it costs about 3 µs a parameter."""
+    with torch._C.DisableTorchFunctionSubclass():
+        _refuse_changed_gradients(marks, names, params, technique)
+
+
+def _refuse_changed_gradients(marks: FirstWindow, names: Mapping[int, str],
+                              params: list[torch.Tensor], technique: str) -> None:
     learn = "." if marks.learned else f", or keep the loop and call {LEARN} once before it."
     changed = marks.changed_settings() + marks.state_reset()
     dropped = changed_params(changed)
