@@ -96,6 +96,18 @@ def _facade_behind(optimizer: Any) -> Any | None:
     return None
 
 
+def _released(facade: Any) -> bool:
+    """Whether ``facade`` was released (``opt.release()``): its parameters no longer
+    name its step account as their stepper, so its ``step()`` is a plain step of the
+    kept gradients (bitwise the plain optimizer's), which a scaler may drive."""
+    engine = getattr(facade, "_engine", None)
+    if engine is None:
+        return False
+    first = next((p for group in engine.optimizer.param_groups for p in group["params"]),
+                 None)
+    return first is not None and current_stepper(first) is not facade._steps
+
+
 def _path(wrapper: Any, facade: Any) -> str:
     """How to reach ``facade`` from ``wrapper``: ``optimizer.optimizer``, ..."""
     path, here = "optimizer", wrapper
@@ -170,10 +182,17 @@ def _check_wrapper(wrapper: Any, facade: Any, name: str) -> None:
     taken at ``step()`` (the first step learnt, or the plain order kept), else refused."""
     steps = facade._steps
     if getattr(steps, "retired_by", None) is not None:
-        return  # released or replaced: its own step() says so
+        # replaced by a later call: its step() refuses, but only once the scaler has
+        # unscaled the gradients (which the new call steps) or found none (freed:
+        # torch's bare AssertionError): refused here first
+        from overlapkit.overlap.rebuild import refuse_retired  # imports the set-up: cycle
+
+        refuse_retired(steps, f"scaler.{name}(optimizer)")
     rule = steps.full_step
     window = steps.first_window
     given = rule is not None and rule.grad_scaler is not None
+    if not given and _released(facade):
+        return  # it steps nothing during backward: step() is a plain step, honoured
     if not given and window is not None and steps.deferring:
         if not window.plain_order and window.scaler is None:  # the first step: the window
             # used (one warning at its step()); step() runs unscale_ first: named first

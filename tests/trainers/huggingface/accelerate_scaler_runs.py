@@ -117,5 +117,85 @@ def compare(case: str, techniques: tuple[str, ...], rank: int = 0) -> dict[str, 
 def run(rank: int, world_size: int) -> dict[str, Any]:
     """Every case with both techniques on a gloo rank (Accelerate wraps the model in
     DDP)."""
-    return {case: compare(case, ("overlap_ddp", "optimizer_in_backward"), rank)
-            for case in CASES}
+    out = {case: compare(case, ("overlap_ddp", "optimizer_in_backward"), rank)
+           for case in CASES}
+    out["after"] = compare_after(("overlap_ddp", "optimizer_in_backward"), rank)
+    return out
+
+
+#: the prepared optimizer released (``optimizer.optimizer.release()``) or replaced by a
+#: later call on the same parameters before the scaler's first use (the tenth round)
+AFTER = ("released", "replaced")
+
+
+def after(mode: str, technique: str | None, call: str, rank: int = 0) -> dict[str, Any]:
+    """Two plain steps, then ``mode`` (with overlapkit) and a scaler driving the prepared
+    optimizer (``scaler.<call>(optimizer)``, then ``step`` if ``call`` is ``unscale_``) for
+    two steps. Before: a replaced one was refused only at its ``step()``, after the scaler
+    had unscaled the gradients the new call steps (``overlap_ddp``), or torch's bare
+    ``AssertionError`` (``optimizer_in_backward``, freed gradients); a released one, whose
+    ``step()`` is a plain step, was refused as stepping during backward."""
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True)
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    if technique is None:
+        model, optimizer = accelerator.prepare(model, optimizer)
+    else:
+        from overlapkit.integrations.accelerate import prepare
+
+        model, optimizer = prepare(accelerator, model, optimizer, technique=technique,
+                                   clip_grad_norm=None)
+    out: dict[str, Any] = {"error": None, "unchanged": None}
+    new = None
+    for step in range(STEPS):
+        batch = torch.Generator().manual_seed(100 * rank + step)
+        x, y = torch.randn(8, 8, generator=batch), torch.randn(8, 4, generator=batch)
+        loss = (model(x) - y).square().mean()
+        if step < 2:
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            continue
+        if step == 2 and technique is not None:
+            if mode == "released":
+                optimizer.optimizer.release()
+            else:
+                import overlapkit
+
+                new = getattr(overlapkit, technique)(model, torch.optim.SGD, lr=0.1)
+        scaler.scale(loss).backward()
+        grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        try:
+            getattr(scaler, call)(optimizer)
+            if call == "unscale_":
+                scaler.step(optimizer)
+        except Exception as error:  # reported to the test
+            out["error"] = {"type": type(error).__name__, "message": str(error)}
+            out["unchanged"] = all(
+                (g is None and p.grad is None)
+                or (g is not None and p.grad is not None and torch.equal(g, p.grad))
+                for g, p in zip(grads, model.parameters(), strict=True))
+            break
+        scaler.update()
+        optimizer.zero_grad()
+    out["params"] = [p.detach().clone() for p in model.parameters()]
+    if new is not None:
+        new.release()
+    return out
+
+
+def compare_after(techniques: tuple[str, ...], rank: int = 0) -> dict[str, Any]:
+    """Per ``mode call technique``: (bitwise the plain run, the error, grads unchanged)."""
+    out = {}
+    for call in ("step", "unscale_"):
+        plain = after("", None, call, rank)
+        for mode in AFTER:
+            for technique in techniques:
+                got = after(mode, technique, call, rank)
+                same = all(torch.equal(a, b) for a, b in
+                           zip(plain["params"], got["params"], strict=True))
+                out[f"{mode} {call} {technique}"] = {
+                    "same": same, "error": got["error"], "unchanged": got["unchanged"]}
+    return out

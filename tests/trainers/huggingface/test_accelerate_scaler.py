@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from accelerate_scaler_runs import CASES, KEPT, REFUSED, compare, run
+from accelerate_scaler_runs import AFTER, CASES, KEPT, REFUSED, compare, compare_after, run
 
 from overlapkit.distributed import run_distributed
 
@@ -78,3 +78,32 @@ def test_one_process_optimizer_in_backward() -> None:
         _honoured(compare(case, ("optimizer_in_backward",))["optimizer_in_backward"])
     for case in REFUSED:
         _refused(compare(case, ("optimizer_in_backward",))["optimizer_in_backward"])
+
+
+def _after(result: dict[str, Any], mode: str) -> None:
+    if mode == "released":  # its step() is a plain step: the plain run
+        assert result["error"] is None and result["same"], result
+        return
+    error = result["error"]
+    assert error is not None and error["type"] == "ConfigurationError", error
+    assert "was replaced by a later" in error["message"] and "scaler." in error["message"]
+    assert result["unchanged"], "the scaler unscaled the gradients before the refusal"
+
+
+@pytest.mark.parametrize("technique", ["overlap_ddp", "optimizer_in_backward"])
+@pytest.mark.parametrize("call", ["step", "unscale_"])
+@pytest.mark.parametrize("mode", AFTER)
+def test_two_ranks_a_scaler_on_a_released_or_replaced_optimizer(
+        two_ranks: list[dict[str, Any]], mode: str, call: str, technique: str) -> None:
+    """Before: replaced, refused only at its step() after the scaler unscaled the
+    gradients the new call steps (overlap_ddp), or torch's bare AssertionError
+    (optimizer_in_backward); released, refused as stepping during backward (it steps
+    nothing then: 0.0198 off the plain run, which the scaler drives fine)."""
+    for rank_results in two_ranks:
+        _after(rank_results["after"][f"{mode} {call} {technique}"], mode)
+
+
+def test_one_process_a_scaler_on_a_released_or_replaced_optimizer() -> None:
+    results = compare_after(("optimizer_in_backward",))
+    for key, result in results.items():
+        _after(result, key.split()[0])
