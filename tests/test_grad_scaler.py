@@ -168,3 +168,18 @@ def test_unscale_with_grad_scaler_points_to_clip_grad_norm() -> None:
     scaler.step(opt)  # the loop without unscale_ goes on
     scaler.update()
     assert scaler.get_scale() == 65536.0
+
+
+@pytest.mark.parametrize("call", ["step", "unscale_"])
+def test_a_scaler_driving_a_replaced_optimizer_names_the_replacement(call: str) -> None:
+    """An optimizer replaced by a later call on its parameters: before,
+    scaler.unscale_(old) was refused as built without grad_scaler= (not the reason)."""
+    model = nn.Linear(4, 2)
+    old = overlapkit.optimizer_in_backward(model, torch.optim.AdamW, lr=0.1)
+    new = overlapkit.optimizer_in_backward(model, torch.optim.SGD, lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.ones(3, 4)).sum()).backward()
+    with pytest.raises(overlapkit.ConfigurationError,
+                       match=rf"was replaced by a later .* so scaler\.{call}\(optimizer\)"):
+        getattr(scaler, call)(old)
+    new.release()

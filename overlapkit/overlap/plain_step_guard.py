@@ -44,7 +44,7 @@ from overlapkit.overlap.core.direct_step import PASSING_PRE_HOOKS
 from overlapkit.overlap.rules.late_clipping import current_stepper
 
 __all__ = ["adopted_step_refusal", "claims_changed", "install", "refuse_plain_step",
-           "release_advice"]
+           "refuse_retired", "release_advice", "retired_error"]
 
 _installed: list[Any] = []
 #: bumped at every claim: a plain optimizer checked before it is checked again
@@ -138,3 +138,25 @@ def adopted_step_refusal(optimizer: torch.optim.Optimizer,
         f"{technique} returned (a no-op after a backward that stepped), or release() it "
         "first to step this one as a plain optimizer."
     )
+
+
+def retired_error(stepper: Any, what: str) -> ConfigurationError | None:
+    """The error of ``what`` (``"step()"``) on an optimizer whose ``stepper`` a later
+    call replaced, or None while it is not retired."""
+    by = getattr(stepper, "retired_by", None)
+    if by is None:
+        return None
+    return ConfigurationError(
+        f"this {stepper.technique} optimizer was replaced by a later {by} call on the "
+        f"same parameters and no longer steps them, so {what} on it would do nothing "
+        f"the loop expects; use the optimizer that {by} call returned (the old one's "
+        "state_dict() still reads, to carry its state over: "
+        "new.load_state_dict(old.state_dict()))."
+    )
+
+
+def refuse_retired(stepper: Any, what: str) -> None:
+    """:raises ConfigurationError: :func:`retired_error`, where ``stepper`` is retired."""
+    error = retired_error(stepper, what)
+    if error is not None:
+        raise error

@@ -40,7 +40,11 @@ from typing import Any, TypeVar
 import torch
 
 from overlapkit.errors import ConfigurationError
-from overlapkit.overlap.plain_step_guard import release_advice
+from overlapkit.overlap.plain_step_guard import (  # re-exported: the facades import them here
+    refuse_retired,
+    release_advice,
+    retired_error,
+)
 from overlapkit.overlap.rules.late_clipping import current_stepper, unwatch
 from overlapkit.overlap.setup import check_unclaimed, unclaim_params
 
@@ -212,25 +216,3 @@ def release_steps(stepper: Any, params: list[torch.Tensor]) -> None:
         remove()
     unclaim_params(params)
     unwatch(params)
-
-
-def retired_error(stepper: Any, what: str) -> ConfigurationError | None:
-    """The error of ``what`` (``"step()"``) on an optimizer whose ``stepper`` a later
-    call replaced, or None while it is not retired."""
-    by = getattr(stepper, "retired_by", None)
-    if by is None:
-        return None
-    return ConfigurationError(
-        f"this {stepper.technique} optimizer was replaced by a later {by} call on the "
-        f"same parameters and no longer steps them, so {what} on it would do nothing "
-        f"the loop expects; use the optimizer that {by} call returned (the old one's "
-        "state_dict() still reads, to carry its state over: "
-        "new.load_state_dict(old.state_dict()))."
-    )
-
-
-def refuse_retired(stepper: Any, what: str) -> None:
-    """:raises ConfigurationError: :func:`retired_error`, where ``stepper`` is retired."""
-    error = retired_error(stepper, what)
-    if error is not None:
-        raise error

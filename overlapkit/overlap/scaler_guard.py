@@ -24,6 +24,15 @@ A scaler given another object passed by them (measured on 0.4.0 before this modu
   ``step()`` in the plain order, bitwise, one warning; a scaler first seen once the
   steps happen during backward is refused before it touches a gradient.
 
+- the same on a wrapper of an overlapped optimizer a later call replaced (a new
+  ``overlap_ddp`` / ``optimizer_in_backward`` on its parameters): before this check
+  (0.4.0 after the ninth round), the scaler unscaled the gradients the new call steps,
+  then the old optimizer's ``step()`` refused (``overlap_ddp``), or torch's bare
+  ``AssertionError`` on the freed gradients (``optimizer_in_backward``); refused here
+  first (:func:`_refuse_replaced`). On a wrapper of a released one (``opt.release()``,
+  no ``grad_scaler=``), whose ``step()`` is a plain step of the kept gradients, it was
+  refused as stepping during backward: honoured now, bitwise the plain run.
+
 :func:`install` wraps ``GradScaler.step`` and ``unscale_`` once (with the plain-step
 guard, at the first claim of parameters): a few attribute reads per scaler call,
 nothing per parameter.
@@ -40,7 +49,11 @@ import torch
 from overlapkit.errors import ConfigurationError
 from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.overlap.core.watched_reads import quiet_reads
-from overlapkit.overlap.plain_step_guard import adopted_step_refusal, refuse_plain_step
+from overlapkit.overlap.plain_step_guard import (
+    adopted_step_refusal,
+    refuse_plain_step,
+    refuse_retired,
+)
 from overlapkit.overlap.rules.amp_scaler import SCALERS
 from overlapkit.overlap.rules.late_clipping import current_stepper
 
@@ -129,6 +142,7 @@ def check_scaler_call(optimizer: Any, name: str, scaler: Any = None) -> None:
         (:func:`_other_scaler`).
     """
     if isinstance(optimizer, OptimizerWrapper):
+        _refuse_replaced(getattr(optimizer, "_steps", None), name)
         _other_scaler(optimizer, name, scaler)
         return  # else the overlapped optimizer's own rules (rules.amp_scaler)
     facade = _facade_behind(optimizer)
@@ -177,17 +191,21 @@ def _other_scaler(optimizer: Any, name: str, scaler: Any) -> None:
     )
 
 
+def _refuse_replaced(steps: Any, name: str) -> None:
+    """:raises ConfigurationError: ``steps`` (an overlapped optimizer's) was replaced by
+    a later call on its parameters. Its ``step()`` refuses too, but only once the
+    scaler has unscaled the gradients (which the new call steps) through a wrapper, or
+    found them freed (torch's bare ``AssertionError``); ``scaler.unscale_`` on it was
+    refused as built without ``grad_scaler=``, which was not the reason."""
+    if getattr(steps, "retired_by", None) is not None:
+        refuse_retired(steps, f"scaler.{name}(optimizer)")
+
+
 def _check_wrapper(wrapper: Any, facade: Any, name: str) -> None:
     """A scaler driving ``wrapper``, around ``facade``: honoured while the steps are
     taken at ``step()`` (the first step learnt, or the plain order kept), else refused."""
     steps = facade._steps
-    if getattr(steps, "retired_by", None) is not None:
-        # replaced by a later call: its step() refuses, but only once the scaler has
-        # unscaled the gradients (which the new call steps) or found none (freed:
-        # torch's bare AssertionError): refused here first
-        from overlapkit.overlap.rebuild import refuse_retired  # imports the set-up: cycle
-
-        refuse_retired(steps, f"scaler.{name}(optimizer)")
+    _refuse_replaced(steps, name)
     rule = steps.full_step
     window = steps.first_window
     given = rule is not None and rule.grad_scaler is not None
