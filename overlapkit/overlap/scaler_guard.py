@@ -30,8 +30,9 @@ A scaler given another object passed by them (measured on 0.4.0 before this modu
   then the old optimizer's ``step()`` refused (``overlap_ddp``), or torch's bare
   ``AssertionError`` on the freed gradients (``optimizer_in_backward``); refused here
   first (:func:`_refuse_replaced`). On a wrapper of a released one (``opt.release()``,
-  no ``grad_scaler=``), whose ``step()`` is a plain step of the kept gradients, it was
-  refused as stepping during backward: honoured now, bitwise the plain run.
+  set up without ``grad_scaler=`` or clipping), whose ``step()`` is a plain step of the
+  kept gradients, it was refused as stepping during backward: honoured now, bitwise
+  the plain run.
 
 :func:`install` wraps ``GradScaler.step`` and ``unscale_`` once (with the plain-step
 guard, at the first claim of parameters): a few attribute reads per scaler call,
@@ -209,8 +210,11 @@ def _check_wrapper(wrapper: Any, facade: Any, name: str) -> None:
     rule = steps.full_step
     window = steps.first_window
     given = rule is not None and rule.grad_scaler is not None
-    if not given and _released(facade):
-        return  # it steps nothing during backward: step() is a plain step, honoured
+    if rule is None and _released(facade):
+        # it steps nothing during backward and, set up without clipping or a scaler,
+        # its step() is the plain step: honoured. With clip_grad_norm= its step() clips
+        # again what the loop clipped (3e-8 off): refused as before
+        return
     if not given and window is not None and steps.deferring:
         if not window.plain_order and window.scaler is None:  # the first step: the window
             # used (one warning at its step()); step() runs unscale_ first: named first
