@@ -107,3 +107,33 @@ def test_one_process_a_scaler_on_a_released_or_replaced_optimizer() -> None:
     results = compare_after(("optimizer_in_backward",))
     for key, result in results.items():
         _after(result, key.split()[0])
+
+
+def test_one_process_a_scaler_on_a_released_optimizer_set_up_to_clip_is_refused() -> None:
+    """Released, but set up with clip_grad_norm=: its step() clips again what the loop
+    clipped (3.0e-8 off the plain run after 3 AdamW steps without a scaler), so a scaler
+    driving it is refused, before it touches a gradient."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    import overlapkit
+    from overlapkit.integrations.accelerate import prepare
+
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model, optimizer = prepare(accelerator, model, torch.optim.AdamW(model.parameters()),
+                               technique="optimizer_in_backward", clip_grad_norm=0.5)
+    accelerator.backward(model(torch.randn(8, 8)).square().mean())  # the first step
+    accelerator.clip_grad_norm_(model.parameters(), 0.5)
+    optimizer.step()
+    optimizer.zero_grad()
+    optimizer.optimizer.release()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(model(torch.randn(8, 8)).square().mean()).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(overlapkit.ConfigurationError, match="GradScaler drives the"):
+        scaler.unscale_(optimizer)
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
