@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from overlapkit.errors import ConfigurationError
+from overlapkit.local_sgd.failures import wait_watching
 from overlapkit.nodes.exit_safe import Hold
 
 __all__ = ["PendingAverage", "ReplicaGroup", "average_in_place", "parameters_to_average"]
@@ -109,7 +110,8 @@ def parameters_to_average(
         if isinstance(group, ReplicaGroup):
             group.all_reduce(flags, dist.ReduceOp.MAX)
         else:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+            wait_watching(dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group,
+                                          async_op=True))
         has_grad = [bool(flag) for flag in flags.tolist()]
     with_grad = [t for t, grad in zip(candidates, has_grad, strict=True) if grad]
     if with_grad:
@@ -193,10 +195,11 @@ class PendingAverage:
                 if async_op:
                     work = group.all_reduce_async(flat, dist.ReduceOp.SUM)
                 else:
-                    work = group.all_reduce(flat, dist.ReduceOp.SUM)
-            else:
-                work = dist.all_reduce(flat, group=group, async_op=async_op)
-            self._pending.append((work if async_op else None, flat, same_device))
+                    group.all_reduce(flat, dist.ReduceOp.SUM)
+                    work = None
+            else:  # waited for watching for an averager's failure on another rank
+                work = dist.all_reduce(flat, group=group, async_op=True)
+            self._pending.append((work, flat, same_device))
 
     @property
     def done(self) -> bool:
@@ -207,7 +210,9 @@ class PendingAverage:
         """Wait for the reduction, write the mean into the tensors and return them."""
         work = None
         for work, flat, same_device in self._pending:
-            if work is not None:
+            if isinstance(work, dist.Work):
+                wait_watching(work)
+            elif work is not None:
                 work.wait()
             offset = 0
             with torch.no_grad():

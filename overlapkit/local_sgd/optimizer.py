@@ -41,7 +41,8 @@ from overlapkit.local_sgd.comm_hook import (
     check_subgroup_size,
     overlapped_hook_state,
 )
-from overlapkit.nodes.lost_ranks import lost_ranks_named
+from overlapkit.local_sgd.failures import averaging_failures, refuse_after_failure
+from overlapkit.local_sgd.first_step import LearnsFirstStep
 from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.overlap.core.watched_reads import quiet_reads
 from overlapkit.plugin.manager import get_plugin_manager
@@ -66,7 +67,7 @@ def create_averager(name: str, **options: Any) -> Any:
     return averager
 
 
-class PostLocalSGDOptimizer(OptimizerWrapper):
+class PostLocalSGDOptimizer(LearnsFirstStep, OptimizerWrapper):
     """Step a local optimizer, then let a model averager average the parameters.
 
     torch's ``PostLocalSGDOptimizer``, fixed: it is a full ``torch.optim.Optimizer``
@@ -89,9 +90,8 @@ class PostLocalSGDOptimizer(OptimizerWrapper):
                  comm_hook_state: PostLocalSGDHookState | None = None) -> None:
         if not isinstance(optim, torch.optim.Optimizer):
             raise UnsupportedOptimizerError(
-                f"PostLocalSGDOptimizer wraps an optimizer instance, got "
-                f"{type(optim).__name__}; pass e.g. torch.optim.SGD(model.parameters(), lr=0.1)."
-            )
+                f"PostLocalSGDOptimizer wraps an optimizer instance, got {type(optim).__name__}"
+                "; pass e.g. torch.optim.SGD(model.parameters(), lr=0.1).")
         check_averager(averager)
         super().__init__(optim)
         self.averager = averager
@@ -154,19 +154,19 @@ class PostLocalSGDOptimizer(OptimizerWrapper):
 
     @torch.compiler.disable  # collectives and overlapkit's bookkeeping: eager
     def _before_local_step(self) -> None:
+        refuse_after_failure()  # an averaging failed on some rank: out of step
         before_step = getattr(self.averager, "before_step", None)
         if before_step is not None:
-            # before the deferred first step its read is the plain one (not the loop's use of
-            # the window); a later read is warned of (ParameterReadInWindowWarning)
+            # before a deferred step its read is the plain one (not the loop's use of the
+            # window); a later read is warned of (ParameterReadInWindowWarning)
             deferred, self._first_step_deferred = self._first_step_deferred, False
             with quiet_reads() if deferred else contextlib.nullcontext():
                 before_step(self.param_groups)
 
     @torch.compiler.disable  # collectives and overlapkit's bookkeeping: eager
     def _after_local_step(self) -> None:
-        """Average; an overlapped local optimizer's next step at step(), where the
-        averager's before_step_at says."""
-        with lost_ranks_named("averaging parameters (post-local SGD)"):
+        """Average; an overlapped local optimizer's next step at step() if before_step_at."""
+        with averaging_failures(self.averager):
             self.averager.average_parameters(self.param_groups)
         defer = getattr(self.optim, "defer_next_step", None)
         if (defer is not None and declares_before_step(self.averager)

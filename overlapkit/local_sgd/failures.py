@@ -1,0 +1,211 @@
+"""An averager that raises on one rank: the others told at once, through the store.
+
+Averaging is a collective. When an averager raises on one rank — a bug of a plugin's,
+a ``ConfigurationError`` for that rank's parameters — and the user's loop catches it and
+goes on, the other ranks wait in its collective until the process group's timeout
+(30 min by default) and then fail with gloo's ``Timed out waiting ... for recv``, which
+names no rank and no averager; the failing rank's next collective may even pair with
+theirs and abort the process (gloo: "Received data size doesn't match expected size").
+Measured at f2b92e2, 2 gloo ranks, rank 1's averager raising at its first averaging and
+the loop catching it: both processes killed (rank 0 by SIGABRT at rank 1's next
+averaging) or, with no later collective, rank 0 waiting until the timeout.
+
+Here (:func:`averaging_failures`, around :meth:`PostLocalSGDOptimizer.step
+<overlapkit.PostLocalSGDOptimizer.step>`'s averaging) the failing rank leaves a note in
+the default group's store, naming itself, the averager and its error, before the error
+reaches the loop. Every collective overlapkit's averaging waits for
+(:func:`wait_watching`: the agreement on which parameters have a gradient, the
+averaging all-reduce, Streaming DiLoCo's) checks that note while it waits, and raises
+:class:`~overlapkit.errors.ExchangeFailedError` naming the averager and the failing
+rank within :data:`POLL_SECONDS`. A collective that is not watched (a plugin's own)
+that fails at the timeout is named the same way.
+
+After that the process group cannot be used (a collective is left half done), so the
+next ``step()`` on every rank involved refuses before it changes anything — unless
+every rank raised alike (the same error everywhere, no rank waiting), which leaves the
+group in step: the run then goes on.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch.distributed as dist
+
+from overlapkit.errors import ExchangeFailedError, OverlapkitError, RanksLostError
+from overlapkit.nodes.lost_ranks import is_peer_failure, lost_ranks_named
+
+__all__ = ["POLL_SECONDS", "averaging_failures", "refuse_after_failure", "wait_watching"]
+
+#: how often a rank waiting in an averaging collective looks for a failure note
+POLL_SECONDS = 0.2
+
+#: how long a rank whose averager raised waits, at its next step(), for every rank's
+#: note (all raised alike: the group is in step and the run goes on)
+ALIKE_SECONDS = 2.0
+
+_PREFIX = "overlapkit/averaging_failed/"
+_WHAT = "averaging parameters (post-local SGD)"
+
+
+class _State:
+    """This process's view, per default process group."""
+
+    def __init__(self) -> None:
+        self.group_id: int | None = None
+        self.store: Any = None
+        #: failures every rank raised alike, recovered from: the note's generation
+        self.generation = 0
+        #: why this rank's next step() refuses: None while the group is in step
+        self.broken: str | None = None
+        #: this rank's own averager raised (not a waiter): look for the others' notes
+        self.raised = False
+
+
+_STATE = _State()
+_LOCK = threading.Lock()
+
+
+def _active() -> _State | None:
+    """The state for the current default group (reset for a new one), or None without
+    torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    group = dist.distributed_c10d._get_default_group()
+    with _LOCK:
+        if _STATE.group_id != id(group):
+            _STATE.__init__()  # type: ignore[misc]
+            _STATE.group_id = id(group)
+        if _STATE.store is None:
+            # a connection of its own with a short timeout: the group's keeps its own
+            store = dist.distributed_c10d._get_default_store().clone()  # type: ignore[attr-defined]
+            store.set_timeout(datetime.timedelta(seconds=5))
+            _STATE.store = dist.PrefixStore(_PREFIX, store)
+    return _STATE
+
+
+def _note(state: _State) -> str | None:
+    """The failure note of the current generation, if a rank left one."""
+    key = str(state.generation)
+    try:
+        if not state.store.check([key]):
+            return None
+        return bytes(state.store.get(key)).decode(errors="replace")
+    except Exception:  # the store is gone: the roll call of lost_ranks tells
+        return None
+
+
+def _failed_message(note: str, rank: int) -> str:
+    return (f"{_WHAT} failed on rank {rank}: {note}, and the loop went on, so this "
+            "rank was left waiting in the averaging collective (it would have waited "
+            "until the process group's timeout). The process group cannot be used "
+            "after this (a collective is half done). Fix that averager's error (its "
+            "traceback is in that rank's output) and restart the job from the last "
+            "checkpoint.")
+
+
+def wait_watching(work: Any) -> None:
+    """Wait for ``work`` (a collective started with ``async_op=True``); every
+    :data:`POLL_SECONDS` of waiting, look for a failure note, and raise
+    :class:`~overlapkit.errors.ExchangeFailedError` if a rank's averager raised.
+    Without torch.distributed, a plain ``work.wait()``."""
+    state = _active()
+    if state is None:
+        work.wait()
+        return
+    done = threading.Event()
+    work.get_future().add_done_callback(lambda _: done.set())
+    while not done.wait(POLL_SECONDS):
+        note = _note(state)
+        if note is not None:
+            state.broken = note
+            raise ExchangeFailedError(_failed_message(note, dist.get_rank()),
+                                      what=_WHAT, silent=_failing_ranks(note))
+    work.wait()  # raises the collective's own error, if it failed
+
+
+def _failing_ranks(note: str) -> list[int]:
+    match = re.match(r"rank (\d+)", note)
+    return [int(match.group(1))] if match else []
+
+
+@contextmanager
+def averaging_failures(averager: Any) -> Iterator[None]:
+    """Run an averaging (the body): an error of this rank's own is noted in the store
+    for the others before it reaches the loop; a failed collective whose cause is
+    another rank's note becomes the error naming it (else :func:`lost_ranks_named`)."""
+    state = _active()
+    step = getattr(averager, "step", "?")
+    try:
+        with lost_ranks_named(_WHAT):
+            yield
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as error:
+        if state is None:
+            raise
+        if isinstance(error, OverlapkitError) and state.broken is not None:
+            raise  # a waiter's: named already
+        if is_peer_failure(error) or isinstance(error, (RanksLostError, ExchangeFailedError)):
+            note = _note(state)
+            if note is None:
+                raise
+            state.broken = note
+            raise ExchangeFailedError(_failed_message(note, dist.get_rank()), what=_WHAT,
+                                      silent=_failing_ranks(note)) from error
+        rank = dist.get_rank()
+        note = (f"rank {rank}'s averager {type(averager).__name__} raised "
+                f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                f" at step {step}")
+        try:
+            state.store.set(str(state.generation), note)
+            state.store.set(f"{state.generation}/rank{rank}", "1")
+        except Exception:  # the store is gone: the others' roll call tells
+            pass
+        state.broken, state.raised = note, True
+        error.add_note(
+            f"overlapkit: {note}; the other ranks of its process group were told (they "
+            "raise ExchangeFailedError instead of waiting in its collective). The next "
+            "step() refuses unless every rank raised alike: restart the job.")
+        raise
+
+
+def refuse_after_failure() -> None:
+    """At ``step()``, before anything changes: refuse when an averaging failed on some
+    rank and the process group is out of step; go on when every rank raised alike."""
+    state = _STATE
+    if state.broken is None or _active() is not state:
+        return
+    if state.raised and _all_raised(state):
+        state.broken = None
+        state.generation += 1
+        return
+    raise ExchangeFailedError(
+        f"PostLocalSGDOptimizer.step() refused: an earlier averaging failed ({state.broken})"
+        " and the loop went on, but the process group is out of step since (a collective "
+        "was left half done on some rank), so the next one would hang or pair with the "
+        "wrong one. Nothing was stepped. Fix that averager's error and restart the job "
+        "from the last checkpoint.", what=_WHAT, silent=_failing_ranks(state.broken))
+
+
+def _all_raised(state: _State) -> bool:
+    """Whether every rank noted an error of its own in this generation (looking for
+    their notes for up to :data:`ALIKE_SECONDS`); asked once per failure."""
+    state.raised = False  # out of step unless all did: not asked again
+    keys = [f"{state.generation}/rank{r}" for r in range(dist.get_world_size())]
+    deadline = time.monotonic() + ALIKE_SECONDS
+    while True:
+        try:
+            if state.store.check(keys):
+                return True
+        except Exception:  # the store is gone
+            return False
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(POLL_SECONDS / 2)

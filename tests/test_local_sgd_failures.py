@@ -1,0 +1,169 @@
+"""An averager raising on one rank, and ``learn_first_step`` through a
+PostLocalSGDOptimizer, on 2 gloo ranks.
+
+- f2b92e2: rank 1's averager raising at its first averaging, caught by the loop, left
+  rank 0 waiting in the averaging collective; rank 1's next averaging paired with it
+  and gloo aborted both processes ("Received data size doesn't match expected size"),
+  or, with no later collective, rank 0 waited until the process group's timeout. Now
+  rank 0 raises ExchangeFailedError naming rank 1 and the averager within a second,
+  and the next step() refuses on both ranks, nothing stepped. Every rank raising alike
+  leaves the group in step: the run goes on, bitwise as if the failing step had not
+  averaged.
+- f2b92e2: ``PostLocalSGDOptimizer.learn_first_step`` (the refusals' advice) raised
+  AttributeError; now it is passed to the local optimizer.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import overlapkit
+from overlapkit.distributed import run_distributed
+from overlapkit.local_sgd.averagers import PeriodicAverager
+
+
+class _RaisesOn(PeriodicAverager):
+    """Raises in its first averaging on the ranks in ``ranks`` (its step not counted)."""
+
+    def __init__(self, ranks: tuple[int, ...]) -> None:
+        super().__init__(period=2)
+        self.ranks, self.raised = ranks, False
+
+    def average(self, params: list[torch.Tensor], group: Any) -> None:
+        if not self.raised and dist.get_rank() in self.ranks:
+            self.raised = True
+            raise ValueError("the plugin's own bug")
+        super().average(params, group)
+
+
+def _flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def _loop(rank: int, raising: tuple[int, ...]) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = overlapkit.PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           _RaisesOn(raising))
+    errors: list[tuple[int, str, str, float]] = []
+    start = time.monotonic()
+    for step in range(4):
+        gen = torch.Generator().manual_seed(10 * rank + step)
+        model(torch.randn(3, 4, generator=gen)).sum().backward()
+        before = _flat(model)
+        try:
+            opt.step()
+        except Exception as error:  # the user's loop goes on
+            changed = not torch.equal(before, _flat(model))
+            errors.append((step, type(error).__name__, str(error),
+                           time.monotonic() - start, changed))
+        opt.zero_grad()
+    return {"errors": errors, "params": _flat(model)}
+
+
+def _one_rank_raises(rank: int, world_size: int) -> dict[str, Any]:
+    return _loop(rank, (1,))
+
+
+def _every_rank_raises(rank: int, world_size: int) -> dict[str, Any]:
+    return _loop(rank, (0, 1))
+
+
+def test_the_waiting_rank_names_the_failing_averager_at_once() -> None:
+    results = run_distributed(_one_rank_raises, 2, timeout=60)
+    waiting, failing = results[0]["errors"], results[1]["errors"]
+    step, kind, message, seconds, _ = waiting[0]
+    assert (step, kind) == (0, "ExchangeFailedError"), waiting
+    assert "rank 1's averager _RaisesOn raised ValueError: the plugin's own bug" in message
+    assert seconds < 10, seconds  # not the process group's 60 s timeout
+    assert failing[0][:2] == (0, "ValueError")
+    # the next step() refuses on both ranks, before the local step changes anything
+    for errors in (waiting, failing):
+        assert [e[:2] for e in errors[1:]] == [(s, "ExchangeFailedError") for s in (1, 2, 3)]
+        assert all("Nothing was stepped" in e[2] and not e[4] for e in errors[1:])
+
+
+def _plain_without_first_averaging(rank: int) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = overlapkit.PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           PeriodicAverager(period=2))
+    for step in range(4):
+        gen = torch.Generator().manual_seed(10 * rank + step)
+        model(torch.randn(3, 4, generator=gen)).sum().backward()
+        if step == 0:
+            opt.optim.step()  # the failed step: stepped locally, not averaged (the
+            # averager's step not counted: it raised, so step 1 averages)
+        else:
+            opt.step()
+        opt.zero_grad()
+    return _flat(model)
+
+
+def _alike_and_plain(rank: int, world_size: int) -> dict[str, Any]:
+    return {**_every_rank_raises(rank, world_size),
+            "plain": _plain_without_first_averaging(rank)}
+
+
+def test_every_rank_raising_alike_goes_on_in_step() -> None:
+    for rank, result in enumerate(run_distributed(_alike_and_plain, 2, timeout=60)):
+        assert [e[:2] for e in result["errors"]] == [(0, "ValueError")], result["errors"]
+        assert torch.equal(result["params"], result["plain"]), rank
+
+
+def _train(ddp: DDP, opt: torch.optim.Optimizer, rank: int) -> torch.Tensor:
+    for step in range(5):
+        gen = torch.Generator().manual_seed(10 * rank + step)
+        x, y = torch.randn(3, 4, generator=gen), torch.randn(3, 2, generator=gen)
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return _flat(ddp)
+
+
+def _model() -> DDP:
+    torch.manual_seed(0)
+    return DDP(torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(),
+                                   torch.nn.Linear(6, 2)), bucket_cap_mb=0.0002)
+
+
+def _learn_first_step(rank: int, world_size: int) -> dict[str, Any]:
+    ddp = _model()
+    plain = overlapkit.PostLocalSGDOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.1),
+                                             PeriodicAverager(period=2))
+    plain.learn_first_step(ddp)  # nothing to learn: steps at step() anyway
+    expected = _train(ddp, plain, rank)
+    ddp = _model()
+    local = overlapkit.overlap_ddp(ddp, torch.optim.SGD, lr=0.1)
+    opt = overlapkit.PostLocalSGDOptimizer(local, PeriodicAverager(period=2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.learn_first_step(ddp)
+        overlapped = _train(ddp, opt, rank)
+    # an averager without before_step_at: every step in the plain order, kept so
+    class NoStepAt(PeriodicAverager):
+        def before_step(self, params: Any) -> None:
+            return None
+
+    ddp = _model()
+    local = overlapkit.overlap_ddp(ddp, torch.optim.SGD, lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        forced = overlapkit.PostLocalSGDOptimizer(local, NoStepAt(period=2))
+    forced.learn_first_step(ddp)
+    return {"expected": expected, "overlapped": overlapped,
+            "warnings": [str(w.message) for w in caught],
+            "plain order kept": local.steps_in_plain_order}
+
+
+def test_learn_first_step_is_passed_to_the_overlapped_local_optimizer() -> None:
+    for rank, result in enumerate(run_distributed(_learn_first_step, 2, timeout=60)):
+        assert torch.equal(result["overlapped"], result["expected"]), rank
+        assert result["warnings"] == []
+        assert result["plain order kept"]
