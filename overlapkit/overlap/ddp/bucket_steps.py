@@ -128,18 +128,15 @@ class BucketSteps(FailedReductions):
             #: (a future's tensor of its own, the bucket it was copied into)
             results: list[tuple[torch.Tensor, torch.Tensor]] = []
             for bucket, future in items:
-                if self.reduced(future, bucket.index()):
-                    buffer = bucket.buffer()
-                    result = future.value()
-                    if isinstance(result, (list, tuple)):
-                        result = result[0]
+                buffer = bucket.buffer()
+                result = (self.hook_result(future.value(), buffer, bucket.index())
+                          if self.reduced(future, bucket.index()) else None)
+                if result is not None:
                     if result.data_ptr() != buffer.data_ptr():
                         buffer.copy_(result)
                         results.append((result, buffer))
                     reduced.append((bucket, buffer))
-                else:  # raised when backward ends
-                    buffer = bucket.buffer()
-                buffers.append(buffer)
+                buffers.append(buffer)  # else: raised when backward ends
             if reduced and self._step_error is None:
                 try:
                     self._step_reduced(reduced)

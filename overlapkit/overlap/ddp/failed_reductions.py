@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from overlapkit.errors import OverlapkitError
+from overlapkit.errors import ConfigurationError, OverlapkitError
 from overlapkit.nodes.failed_collective import collective_failure
 from overlapkit.overlap.core.step_accounting import StepAccount
 
@@ -40,7 +40,8 @@ class FailedReductions(StepAccount):
     finalize would otherwise be the first to wait for them.
     """
 
-    #: the hook state of the inner comm hook (set by the bucket stepper)
+    #: the inner comm hook and its state (set by the bucket stepper)
+    inner_hook: Any
     inner_state: Any
     #: the first reduction of this backward that failed, as an overlapkit error where
     #: a peer failed (else as it was)
@@ -68,6 +69,32 @@ class FailedReductions(StepAccount):
             self._failed(error, bucket)
             return False
         return True
+
+    def hook_result(self, value: Any, buffer: torch.Tensor, bucket: int) -> torch.Tensor | None:
+        """The reduced bucket in the value of the comm hook's future: a tensor of the
+        bucket's element count, or a list of one (as a process group's future holds).
+        Anything else (a plugin's hook returning a slice, a scalar, None, two tensors)
+        is refused, kept and raised when backward ends, the bucket not stepped: plain
+        DDP fails after backward with torch's bare error ("setStorage: ... out of
+        bounds", "Unable to cast"), or reads the first elements of a larger tensor; a
+        smaller one was broadcast into the bucket and stepped (f2b92e2)."""
+        result = value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value
+        if isinstance(result, torch.Tensor) and result.numel() == buffer.numel():
+            return result
+        got = (f"a {result.dtype} tensor of shape {tuple(result.shape)}"
+               if isinstance(result, torch.Tensor) else
+               f"a {type(value).__name__} of {len(value)}" if isinstance(value, (list, tuple))
+               else repr(value) if value is None else f"a {type(value).__name__}")
+        hook = getattr(self.inner_hook, "__qualname__", repr(self.inner_hook))
+        module = getattr(self.inner_hook, "__module__", None)
+        self._failed(ConfigurationError(
+            f"the comm hook {module + '.' if module else ''}{hook} returned, for gradient "
+            f"bucket {bucket} ({buffer.numel()} elements of {buffer.dtype}), a future "
+            f"holding {got}; a comm hook's future must hold the reduced bucket: one "
+            f"tensor of bucket.buffer()'s {buffer.numel()} elements (e.g. "
+            "`return fut.then(lambda f: f.value()[0])` after an allreduce). Nothing was "
+            "stepped from this bucket on; fix the hook (or its plugin)."), bucket)
+        return None
 
     def _failed(self, error: BaseException, bucket: int | None) -> None:
         if self.reduction_error is None:  # the first failure of this backward
