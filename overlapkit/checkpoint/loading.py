@@ -27,6 +27,7 @@ from overlapkit.checkpoint.extra import read_extra
 from overlapkit.checkpoint.integrity import MANIFEST_FILE, verify_files
 from overlapkit.checkpoint.metadata import SafeFileSystemReader, read_metadata
 from overlapkit.checkpoint.optimizer_state import allocate_optimizer_state
+from overlapkit.checkpoint.plan_check import check_plan_covers
 from overlapkit.checkpoint.planners import SafeLoadPlanner, resolve_load_planner
 from overlapkit.checkpoint.state_dicts import (
     MODEL_KEY,
@@ -230,7 +231,10 @@ def _load_into_real(path: Path, metadata: Metadata, model: torch.nn.Module,
             if optimizer is not None:
                 check_param_groups(values, metadata, state[OPTIMIZER_KEY]["param_groups"],
                                    optimizer.defaults, path=path, optimizer_key=OPTIMIZER_KEY)
-            _, chosen = resolve_load_planner(planner, state[MODEL_KEY])
+            name, chosen = resolve_load_planner(planner, state[MODEL_KEY])
+            if name != "custom":  # a registered (a plugin's) planner: its plan checked
+                check_plan_covers(chosen, name, state, flat, metadata, path=path,
+                                  coordinator=not dist.is_initialized() or dist.get_rank() == 0)
         # Verified files read as they were saved; others may fail partway through, so
         # what they are read into is kept aside first (the price: a second copy).
         kept = [] if verified else [(t, t.detach().clone()) for t in _local_tensors(flat)]
