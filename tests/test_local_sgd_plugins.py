@@ -15,7 +15,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlapkit
 from overlapkit.distributed import run_distributed
-from overlapkit.errors import ConfigurationError
+from overlapkit.errors import CheckpointError, ConfigurationError
+from overlapkit.local_sgd.averagers import PeriodicAverager
 from overlapkit.plugin.manager import get_plugin_manager
 
 
@@ -68,3 +69,35 @@ def test_create_averager_names_the_averager_whose_builder_returned_no_averager(
     with pytest.raises(ConfigurationError, match="'forgets-return' returned a NoneType"):
         overlapkit.create_averager("forgets-return", period=2, warmup_steps=0,
                                    process_group=None)
+
+
+class _NoState(PeriodicAverager):
+    def state_dict(self) -> Any:
+        return None  # the plugin's bug
+
+
+class _LoadRaises(PeriodicAverager):
+    def load_state_dict(self, state_dict: Any) -> None:
+        raise KeyError("momentum")  # the plugin's bug
+
+
+def test_an_averager_state_that_is_no_dict_is_refused_at_save_not_at_resume() -> None:
+    model = torch.nn.Linear(2, 2)
+    opt = overlapkit.PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           _NoState(period=2))
+    # f2b92e2: saved; the resumed run's load_state_dict refused it
+    with pytest.raises(ConfigurationError, match=r"_NoState.state_dict\(\) returned a NoneType"):
+        opt.state_dict()
+
+
+def test_an_averager_load_error_is_a_checkpoint_error_naming_it_nothing_loaded() -> None:
+    model = torch.nn.Linear(2, 2)
+    opt = overlapkit.PostLocalSGDOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), _LoadRaises(period=2))
+    saved = opt.state_dict()
+    saved["param_groups"][0]["lr"] = 0.5
+    # f2b92e2: the plugin's bare KeyError, raised again by the roll-back
+    with pytest.raises(CheckpointError, match=r"_LoadRaises.load_state_dict\(\) refused .*"
+                       r"KeyError: 'momentum'.*Nothing was loaded"):
+        opt.load_state_dict(saved)
+    assert opt.param_groups[0]["lr"] == 0.1

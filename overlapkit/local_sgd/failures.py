@@ -28,20 +28,28 @@ group in step: the run then goes on.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import torch.distributed as dist
 
-from overlapkit.errors import ExchangeFailedError, OverlapkitError, RanksLostError
+from overlapkit.errors import (
+    CheckpointError,
+    ConfigurationError,
+    ExchangeFailedError,
+    OverlapkitError,
+    RanksLostError,
+)
 from overlapkit.nodes.lost_ranks import is_peer_failure, lost_ranks_named
 
-__all__ = ["POLL_SECONDS", "averaging_failures", "refuse_after_failure", "wait_watching"]
+__all__ = ["POLL_SECONDS", "averaging_failures", "load_averager_state", "refuse_after_failure",
+           "restore_averager_state", "saved_averager_state", "wait_watching"]
 
 #: how often a rank waiting in an averaging collective looks for a failure note
 POLL_SECONDS = 0.2
@@ -169,10 +177,12 @@ def averaging_failures(averager: Any) -> Iterator[None]:
         except Exception:  # the store is gone: the others' roll call tells
             pass
         state.broken, state.raised = note, True
-        error.add_note(
-            f"overlapkit: {note}; the other ranks of its process group were told (they "
-            "raise ExchangeFailedError instead of waiting in its collective). The next "
-            "step() refuses unless every rank raised alike: restart the job.")
+        add_note = getattr(error, "add_note", None)  # Python 3.11+
+        if add_note is not None:
+            add_note(f"overlapkit: {note}; the other ranks of its process group were told "
+                     "(they raise ExchangeFailedError instead of waiting in its "
+                     "collective). The next step() refuses unless every rank raised "
+                     "alike: restart the job.")
         raise
 
 
@@ -209,3 +219,41 @@ def _all_raised(state: _State) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(POLL_SECONDS / 2)
+
+
+def saved_averager_state(averager: Any) -> Mapping[str, Any]:
+    """``averager.state_dict()``, refused unless it is a dict: a checkpoint holding
+    anything else saves fine and fails at resume, hours later (f2b92e2: a plugin
+    averager whose ``state_dict`` returned None was refused only by
+    ``load_state_dict``)."""
+    state = averager.state_dict()
+    if not isinstance(state, Mapping):
+        raise ConfigurationError(
+            f"{type(averager).__name__}.state_dict() returned a {type(state).__name__}, "
+            "not a dict, so a checkpoint holding it could not be resumed from; the "
+            "averager (or its plugin) must return a dict with at least 'step' "
+            "(ModelAverager.state_dict() does: extend super().state_dict()).")
+    return state
+
+
+def load_averager_state(averager: Any, state: Mapping[str, Any]) -> None:
+    """``averager.load_state_dict(state)``; an error of the averager's own becomes a
+    :class:`~overlapkit.errors.CheckpointError` naming it (f2b92e2: a plugin's bare
+    ``KeyError``, raised again by the roll-back that hid the first)."""
+    try:
+        averager.load_state_dict(state)
+    except OverlapkitError:
+        raise
+    except Exception as error:
+        raise CheckpointError(
+            f"{type(averager).__name__}.load_state_dict() refused the saved averager "
+            f"state (keys {sorted(map(str, state))}): {type(error).__name__}: {error}. "
+            "Load the state_dict() of a PostLocalSGDOptimizer with the same averager "
+            "(and averager options). Nothing was loaded.") from error
+
+
+def restore_averager_state(averager: Any, state: Mapping[str, Any]) -> None:
+    """Put ``averager`` back to ``state`` after a refused load; an averager whose
+    ``load_state_dict`` fails on that too keeps what it has (the refusal is raised)."""
+    with contextlib.suppress(Exception):
+        averager.load_state_dict(state)

@@ -41,30 +41,20 @@ from overlapkit.local_sgd.comm_hook import (
     check_subgroup_size,
     overlapped_hook_state,
 )
-from overlapkit.local_sgd.failures import averaging_failures, refuse_after_failure
+from overlapkit.local_sgd.failures import (
+    averaging_failures,
+    load_averager_state,
+    refuse_after_failure,
+    restore_averager_state,
+    saved_averager_state,
+)
 from overlapkit.local_sgd.first_step import LearnsFirstStep
+from overlapkit.local_sgd.plugin import create_averager
 from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.overlap.core.watched_reads import quiet_reads
 from overlapkit.plugin.manager import get_plugin_manager
 
 __all__ = ["PostLocalSGDOptimizer", "create_averager", "post_local_sgd"]
-
-
-def create_averager(name: str, **options: Any) -> Any:
-    """Build the model averager registered as ``name`` (``"periodic"``,
-    ``"hierarchical"``, or a plugin's).
-
-    :param options: the averager's own options, e.g. ``period=4, warmup_steps=100``
-        for ``periodic``; ``period_group_size_dict={4: 2, 16: 8}`` for
-        ``hierarchical``; every averager also takes ``process_group``.
-    :raises UnknownNameError: no plugin provides ``name``; the message lists the valid
-        names.
-    :raises ConfigurationError: an unknown or invalid option.
-    """
-    spec = get_plugin_manager().registry.averager(name)
-    averager = spec.create(**options)
-    check_averager(averager, name)
-    return averager
 
 
 class PostLocalSGDOptimizer(LearnsFirstStep, OptimizerWrapper):
@@ -187,7 +177,7 @@ class PostLocalSGDOptimizer(LearnsFirstStep, OptimizerWrapper):
           world size (see :meth:`load_state_dict`).
         """
         state_dict = self.optim.state_dict()
-        state_dict["averager"] = self.averager.state_dict()
+        state_dict["averager"] = saved_averager_state(self.averager)
         state_dict["step"] = self.averager.step
         if self.comm_hook_state is not None:
             state_dict["comm_hook"] = self.comm_hook_state.state_dict()
@@ -259,7 +249,7 @@ class PostLocalSGDOptimizer(LearnsFirstStep, OptimizerWrapper):
         # counter each) load first, and are put back if a later part refuses its
         # entry; the optimizer's state is only replaced once everything else loaded.
         self._check_world_size(state_dict)
-        before = (self.averager.state_dict(),
+        before = (saved_averager_state(self.averager),
                   None if self.comm_hook_state is None else self.comm_hook_state.state_dict())
         try:
             self._load_averager_and_hook(state_dict)
@@ -272,7 +262,7 @@ class PostLocalSGDOptimizer(LearnsFirstStep, OptimizerWrapper):
                     "groups. Nothing was loaded."
                 ) from refused
         except BaseException:
-            self.averager.load_state_dict(before[0])
+            restore_averager_state(self.averager, before[0])
             if self.comm_hook_state is not None and before[1] is not None:
                 self.comm_hook_state.load_state_dict(before[1])
             raise
@@ -285,9 +275,9 @@ class PostLocalSGDOptimizer(LearnsFirstStep, OptimizerWrapper):
                     "PostLocalSGDOptimizer (or of its local optimizer). Nothing was loaded."
                 )
         if "averager" in state_dict:
-            self.averager.load_state_dict(state_dict["averager"])
+            load_averager_state(self.averager, state_dict["averager"])
         elif "step" in state_dict:
-            self.averager.load_state_dict({"step": state_dict["step"]})
+            load_averager_state(self.averager, {"step": state_dict["step"]})
         else:
             warnings.warn(
                 "the loaded state dict has no 'averager' (or 'step') entry, so the model "

@@ -11,6 +11,7 @@ options :func:`overlapkit.post_local_sgd` passes; a plugin averager should too.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch.distributed as dist
 
@@ -18,14 +19,16 @@ from overlapkit.errors import ConfigurationError
 from overlapkit.local_sgd.averagers import (
     HierarchicalAverager,
     PeriodicAverager,
+    check_averager,
     validate_period_group_sizes,
 )
 from overlapkit.local_sgd.comm_hook import build_post_local_sgd_hook
 from overlapkit.local_sgd.hierarchy import plan_from_launch
 from overlapkit.plugin.hookspecs import hookimpl
+from overlapkit.plugin.manager import get_plugin_manager
 from overlapkit.plugin.records import AveragerRecord, CommHookRecord
 
-__all__ = ["overlapkit_register_averagers", "overlapkit_register_comm_hooks"]
+__all__ = ["create_averager", "overlapkit_register_averagers", "overlapkit_register_comm_hooks"]
 
 
 def build_periodic(
@@ -74,6 +77,23 @@ def build_hierarchical(
             f"average: pass period={largest} or change the plan."
         )
     return HierarchicalAverager(period_group_size_dict, warmup_steps, process_group)
+
+
+def create_averager(name: str, **options: Any) -> Any:
+    """Build the model averager registered as ``name`` (``"periodic"``,
+    ``"hierarchical"``, or a plugin's).
+
+    :param options: the averager's own options, e.g. ``period=4, warmup_steps=100``
+        for ``periodic``; ``period_group_size_dict={4: 2, 16: 8}`` for
+        ``hierarchical``; every averager also takes ``process_group``.
+    :raises UnknownNameError: no plugin provides ``name``; the message lists the valid
+        names.
+    :raises ConfigurationError: an unknown or invalid option.
+    """
+    spec = get_plugin_manager().registry.averager(name)
+    averager = spec.create(**options)
+    check_averager(averager, name)
+    return averager
 
 
 @hookimpl
