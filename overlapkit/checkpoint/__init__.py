@@ -11,7 +11,9 @@
 Checkpoints are DCP directories (``torch.distributed.checkpoint``) holding
 ``{"model": ..., "optimizer": ...}``. Loading never unpickles arbitrary objects from
 a checkpoint, validates everything against the metadata before reading, and reports
-each problem as a :class:`~overlapkit.errors.CheckpointError` that says what to do.
+each problem as a :class:`~overlapkit.errors.CheckpointError` that says what to do; a
+registered load planner's plan must read every entry whole
+(:mod:`~overlapkit.checkpoint.plan_check`).
 :func:`load_sharded_optimizer_state_dict` is torch's seed function with the 2-D
 DTensor case fixed. See ``docs/checkpoints.rst``.
 """
