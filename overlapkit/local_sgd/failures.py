@@ -92,8 +92,12 @@ def _active() -> _State | None:
             _STATE.group_id = id(group)
         if _STATE.store is None:
             # a connection of its own with a short timeout: the group's keeps its own
-            store = dist.distributed_c10d._get_default_store().clone()  # type: ignore[attr-defined]
-            store.set_timeout(datetime.timedelta(seconds=5))
+            store: Any = dist.distributed_c10d._get_default_store()
+            try:
+                store = store.clone()
+                store.set_timeout(datetime.timedelta(seconds=5))
+            except Exception:  # a store that cannot be cloned (not a TCPStore): shared
+                pass
             _STATE.store = dist.PrefixStore(_PREFIX, store)
     return _STATE
 
