@@ -46,7 +46,7 @@ from overlapkit.errors import (
     OverlapkitError,
     RanksLostError,
 )
-from overlapkit.nodes.lost_ranks import is_peer_failure, lost_ranks_named
+from overlapkit.nodes.lost_ranks import is_peer_failure, name_lost_ranks, watch
 
 __all__ = ["POLL_SECONDS", "averaging_failures", "load_averager_state", "refuse_after_failure",
            "restore_averager_state", "saved_averager_state", "wait_watching"]
@@ -151,15 +151,16 @@ def _failing_ranks(note: str) -> list[int]:
 def averaging_failures(averager: Any) -> Iterator[None]:
     """Run an averaging (the body): an error of this rank's own is noted in the store
     for the others before it reaches the loop; a failed collective whose cause is
-    another rank's note becomes the error naming it (else :func:`lost_ranks_named`)."""
-    state = _active()
+    another rank's note becomes the error naming it (else, as
+    :func:`~overlapkit.nodes.lost_ranks.lost_ranks_named`, the lost ranks')."""
     step = getattr(averager, "step", "?")
+    watch()  # this rank takes part in the roll call (lost ranks named)
     try:
-        with lost_ranks_named(_WHAT):
-            yield
+        yield
     except (KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
     except BaseException as error:
+        state = _active()  # only now: nothing on the steps that succeed
         if state is None:
             raise
         if isinstance(error, OverlapkitError) and state.broken is not None:
@@ -167,7 +168,10 @@ def averaging_failures(averager: Any) -> Iterator[None]:
         if is_peer_failure(error) or isinstance(error, (RanksLostError, ExchangeFailedError)):
             note = _note(state)
             if note is None:
-                raise
+                named = name_lost_ranks(error, _WHAT)  # as lost_ranks_named
+                if named is None:
+                    raise
+                raise named from error
             state.broken = note
             raise ExchangeFailedError(_failed_message(note, dist.get_rank()), what=_WHAT,
                                       silent=_failing_ranks(note)) from error
