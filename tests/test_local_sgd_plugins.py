@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import overlapkit
 from overlapkit.distributed import run_distributed
 from overlapkit.errors import CheckpointError, ConfigurationError
-from overlapkit.local_sgd.averagers import PeriodicAverager
+from overlapkit.local_sgd.averagers import ModelAverager, PeriodicAverager
 from overlapkit.plugin.manager import get_plugin_manager
 
 
@@ -101,3 +101,27 @@ def test_an_averager_load_error_is_a_checkpoint_error_naming_it_nothing_loaded()
                        r"KeyError: 'momentum'.*Nothing was loaded"):
         opt.load_state_dict(saved)
     assert opt.param_groups[0]["lr"] == 0.1
+
+
+class _RanksAsGroup(ModelAverager):
+    def group_for_step(self, step: int) -> Any:
+        return [0, 1]  # the plugin's bug: ranks, not a process group
+
+
+def _group_of_ranks(rank: int, world_size: int) -> str:
+    model = torch.nn.Linear(2, 2)
+    opt = overlapkit.PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           _RanksAsGroup())
+    model(torch.randn(1, 2)).sum().backward()
+    try:
+        opt.step()
+    except ConfigurationError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_group_for_step_returning_no_process_group_is_named() -> None:
+    # f2b92e2: AttributeError: 'list' object has no attribute 'size'
+    message = run_distributed(_group_of_ranks, 1, timeout=60)[0]
+    assert "is a list ([0, 1]), not a process group" in message
+    assert "group_for_step(step) must return a torch.distributed ProcessGroup" in message

@@ -88,6 +88,7 @@ def parameters_to_average(
 
     :raises ConfigurationError: an item is neither a tensor nor a parameter group.
     """
+    _check_group(group)
     candidates: list[torch.Tensor] = []
     seen: set[int] = set()
     for item in params:
@@ -117,6 +118,20 @@ def parameters_to_average(
     if with_grad:
         return with_grad
     return [t for t in candidates if _learns(t)]
+
+
+def _check_group(group: object) -> None:
+    """A ConfigurationError unless ``group`` is something to average over (f2b92e2: a
+    plugin averager's ``group_for_step`` returning ranks or an int failed with a bare
+    ``AttributeError: 'list' object has no attribute 'size'``)."""
+    if (group is None or isinstance(group, (dist.ProcessGroup, ReplicaGroup))
+            or (type(group) is int and group == dist.GroupMember.NON_GROUP_MEMBER)):
+        return
+    raise ConfigurationError(
+        f"the group to average over is a {type(group).__name__} ({group!r}), not a process "
+        "group: an averager's group_for_step(step) must return a torch.distributed "
+        "ProcessGroup (e.g. from dist.new_group(ranks), built once on every rank), a "
+        "ReplicaGroup, or None for no averaging at that step.")
 
 
 def _several(group: dist.ProcessGroup | ReplicaGroup) -> bool:
@@ -169,6 +184,7 @@ class PendingAverage:
         #: the last collective of a loop whose last step averages: gloo's threads must
         #: not need the GIL for its tensors (nodes.exit_safe); torchft's keep theirs
         self._holds: list[Hold] = []
+        _check_group(group)
         if group is None or not tensors:
             return
         if isinstance(group, ReplicaGroup):
