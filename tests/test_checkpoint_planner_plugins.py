@@ -118,3 +118,23 @@ def test_registered_planners_and_an_instance_load_as_before(
             assert loaded[-1] == 0.02 and _same(loaded[:-1], _snapshot(*saved)[:-1])
         else:
             assert _same(loaded, _snapshot(*saved))
+
+
+class _BuildsNothing:
+    @overlapkit.hookimpl
+    def overlapkit_register_load_planners(self) -> list[overlapkit.LoadPlannerRecord]:
+        return [overlapkit.LoadPlannerRecord(name="nothing", build=lambda **options: None)]
+
+
+def test_a_planner_builder_returning_no_planner_is_refused_naming_it(
+        overlapkit_plugin_manager: Any, tmp_path: Path) -> None:
+    # f2b92e2: planner=None reached dcp.load, which loaded with DCP's own default planner
+    # (the one that unpickles arbitrary objects), silently
+    overlapkit_plugin_manager.register(_BuildsNothing(), name="no-planner")
+    checkpoint.save(tmp_path / "ck", *_make(0))
+    model, opt = _make(1)
+    before = _snapshot(model, opt)
+    with pytest.raises(overlapkit.ConfigurationError,
+                       match="load planner 'nothing' returned a NoneType"):
+        checkpoint.load(tmp_path / "ck", model, opt, planner="nothing")
+    assert _same(_snapshot(model, opt), before)

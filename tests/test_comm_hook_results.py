@@ -113,3 +113,34 @@ def test_a_future_not_holding_the_bucket_is_refused_nothing_stepped(
 def test_a_future_holding_the_bucket_matches_plain_ddp_bitwise(
         found: dict[str, Any], kind: str) -> None:
     assert found[kind] is True
+
+
+BUILT = {"a hook alone": (lambda *, process_group=None: _hook("bucket"),
+                          "returned a function, not the pair (state, hook)"),
+         "nothing": (lambda *, process_group=None: None,
+                     "returned a NoneType, not the pair (state, hook)"),
+         "three things": (lambda *, process_group=None: (None, _hook("bucket"), 1),
+                          "returned a tuple of 3"),
+         "no callable": (lambda *, process_group=None: (None, 5),
+                         "returned a hook of type int, which is not callable"),
+         "one argument": (lambda *, process_group=None: (None, lambda state: None),
+                          "that cannot be called as hook(state, bucket)")}
+
+
+class _Builders:
+    @overlapkit.hookimpl
+    def overlapkit_register_comm_hooks(self) -> list[overlapkit.CommHookRecord]:
+        return [overlapkit.CommHookRecord(name=name.replace(" ", "_"), build=build)
+                for name, (build, _) in BUILT.items()]
+
+
+@pytest.mark.parametrize("case", list(BUILT))
+def test_a_builder_not_returning_state_and_hook_is_refused_naming_it(
+        overlapkit_plugin_manager: Any, case: str) -> None:
+    # f2b92e2: "cannot unpack non-iterable function object" at set-up, or "'int' object
+    # is not callable" in the first backward
+    overlapkit_plugin_manager.register(_Builders(), name="bad-builders")
+    name = case.replace(" ", "_")
+    with pytest.raises(overlapkit.ConfigurationError) as refused:
+        overlapkit.build_comm_hook(name)
+    assert f"comm hook {name!r}" in str(refused.value) and BUILT[case][1] in str(refused.value)

@@ -11,11 +11,14 @@ malformed record fails at set-up, naming the plugin, not in the middle of traini
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
+
+from overlapkit.errors import ConfigurationError
 
 if TYPE_CHECKING:
     import torch
@@ -134,6 +137,35 @@ class CommHookRecord(_Buildable):
     build: Callable[..., tuple[Any, Callable[..., Any]]] = attrs.field(validator=_callable)
     description: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
 
+    def create(self, **options: Any) -> Any:
+        """``(state, hook)`` from ``build``, refused with a ConfigurationError naming the
+        hook unless it is a pair whose hook takes ``(state, bucket)``, before any model
+        has it (f2b92e2: a bare "cannot unpack non-iterable function object", or
+        "'int' object is not callable" in the first backward)."""
+        built = super().create(**options)
+        hook = built[1] if isinstance(built, tuple) and len(built) == 2 else None
+        problem = None
+        if hook is None:
+            got = (f"a tuple of {len(built)}" if isinstance(built, tuple)
+                   else f"a {type(built).__name__}")
+            problem = f"returned {got}, not the pair (state, hook)"
+        elif not callable(hook):
+            problem = f"returned a hook of type {type(hook).__name__}, which is not callable"
+        else:
+            try:
+                inspect.signature(hook).bind(None, None)
+            except TypeError:
+                problem = f"returned a hook {hook!r} that cannot be called as hook(state, bucket)"
+            except ValueError:  # no signature to read (a builtin): DDP calls it as it is
+                pass
+        if problem is not None:
+            raise ConfigurationError(
+                f"the builder of the comm hook {self.name!r} {problem}; it must return "
+                "(state, hook), the two arguments of DistributedDataParallel."
+                "register_comm_hook, where hook(state, bucket) returns a torch.futures."
+                "Future of the reduced bucket. Nothing was set up.")
+        return built
+
 
 @attrs.frozen(kw_only=True)
 class AveragerRecord(_Buildable):
@@ -168,6 +200,20 @@ class LoadPlannerRecord(_Buildable):
         default=None, validator=attrs.validators.optional(_callable)
     )
     priority: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+
+    def create(self, **options: Any) -> Any:
+        """The planner from ``build``, refused unless it is a DCP ``LoadPlanner``, before
+        anything is read (f2b92e2: a builder returning None had ``dcp.load`` use DCP's own
+        default planner, which unpickles arbitrary objects, silently)."""
+        from torch.distributed.checkpoint.planner import LoadPlanner
+
+        planner = super().create(**options)
+        if not isinstance(planner, LoadPlanner):
+            raise ConfigurationError(
+                f"the builder of the load planner {self.name!r} returned a "
+                f"{type(planner).__name__}, not a torch.distributed.checkpoint.LoadPlanner;"
+                " the plugin's builder must return the planner. Nothing was loaded.")
+        return planner
 
 
 # The names of 0.1: "Spec" also meant a pluggy hook specification, so the records are
