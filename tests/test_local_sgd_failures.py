@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlapkit
 from overlapkit.distributed import run_distributed
-from overlapkit.local_sgd.averagers import PeriodicAverager
+from overlapkit.local_sgd.averagers import HierarchicalAverager, PeriodicAverager
 
 
 class _RaisesOn(PeriodicAverager):
@@ -167,3 +167,38 @@ def test_learn_first_step_is_passed_to_the_overlapped_local_optimizer() -> None:
         assert torch.equal(result["overlapped"], result["expected"]), rank
         assert result["warnings"] == []
         assert result["plain order kept"]
+
+
+class _RaisesInSubgroup(HierarchicalAverager):
+    """Rank 1 raises at step 2, an averaging of the subgroup {0, 1} only."""
+
+    def average(self, params: list[torch.Tensor], group: Any) -> None:
+        if self.step == 2 and dist.get_rank() == 1:
+            raise ValueError("the plugin's own bug")
+        super().average(params, group)
+
+
+def _subgroup_raises(rank: int, world_size: int) -> list[tuple[int, str, str]]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = overlapkit.PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           _RaisesInSubgroup({2: 2, 4: 4}))
+    errors = []
+    for step in range(6):
+        model(torch.randn(3, 4)).sum().backward()
+        try:
+            opt.step()
+        except Exception as error:
+            errors.append((step, type(error).__name__, str(error)))
+        opt.zero_grad()
+    return errors
+
+
+def test_hierarchical_the_other_subgroup_learns_at_the_next_global_averaging() -> None:
+    results = run_distributed(_subgroup_raises, 4, timeout=60)
+    assert [e[:2] for e in results[1]][:1] == [(2, "ValueError")]
+    assert [e[:2] for e in results[0]][:1] == [(2, "ExchangeFailedError")]
+    for rank in (2, 3):  # their subgroup averaged at step 2; the global level waits
+        assert [e[:2] for e in results[rank]] == [(4, "ExchangeFailedError"),
+                                                 (5, "ExchangeFailedError")], rank
+        assert "rank 1's averager _RaisesInSubgroup raised ValueError" in results[rank][0][2]
