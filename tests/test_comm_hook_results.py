@@ -4,7 +4,8 @@
 f2b92e2: a tensor of one element (or a scalar) was broadcast into the bucket and the
 parameters stepped with it, then DDP's finalize failed with torch's bare "setStorage:
 ... out of bounds"; None failed with a bare AttributeError; a larger tensor with a bare
-size mismatch (plain DDP reads its first elements). Now each is refused with a
+size mismatch (plain DDP reads its first elements); the tensor itself, no future,
+failed with torch's bare "Unable to cast Python instance". Now each is refused with a
 ConfigurationError naming the hook and the bucket when backward ends, nothing stepped.
 What plain DDP takes (a half-precision or a reshaped tensor of the bucket's size) stays
 bitwise plain DDP's.
@@ -24,7 +25,7 @@ import overlapkit
 from overlapkit.distributed import run_distributed
 from overlapkit.plugin.manager import get_plugin_manager
 
-REFUSED = ["one element", "scalar", "none", "larger", "two tensors"]
+REFUSED = ["one element", "scalar", "none", "larger", "two tensors", "no future"]
 TAKEN = ["bucket", "half", "reshaped"]
 
 
@@ -37,6 +38,9 @@ def _result(kind: str, reduced: torch.Tensor) -> Any:
 
 def _hook(kind: str) -> Any:
     def hook(state, bucket):  # type: ignore[no-untyped-def]
+        if kind == "no future":  # the reduced tensor itself
+            dist.all_reduce(bucket.buffer())
+            return bucket.buffer()
         future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
         return future.then(lambda fut: _result(kind, fut.value()[0]))
     return hook
@@ -105,7 +109,9 @@ def test_a_future_not_holding_the_bucket_is_refused_nothing_stepped(
         found: dict[str, Any], kind: str) -> None:
     name, message, unchanged = found[kind]
     assert name == "ConfigurationError", found[kind]
-    assert "returned, for gradient bucket" in message and "_hook.<locals>.hook" in message
+    assert "_hook.<locals>.hook" in message
+    assert ("returned a Tensor for gradient bucket 0, not a torch.futures.Future"
+            if kind == "no future" else "returned, for gradient bucket") in message
     assert unchanged, "parameters changed before the refusal"
 
 

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from functools import partial
 from typing import Any
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.comm_hooks import allreduce_hook, reduce_bucket
@@ -104,9 +105,27 @@ def slot_comm_hook(state, bucket):  # type: ignore[no-untyped-def]
     # dist.GradBucket, and `from __future__ import annotations` makes it a string.
     stepper = state.stepper
     if stepper is not None:
-        return stepper.run(bucket)
-    inner_state, inner_hook = state.reduce
-    return inner_hook(inner_state, bucket)
+        result = stepper.run(bucket)
+    else:
+        inner_state, inner_hook = state.reduce
+        result = inner_hook(inner_state, bucket)
+    if not isinstance(result, torch._C.Future):  # torch.futures.Future derives from it
+        _refuse_hook_result(state, bucket, result)
+    return result
+
+
+def _refuse_hook_result(slot: CommHookSlot, bucket: Any, result: object) -> None:
+    """A comm hook that returned no future (its tensor, None): refused naming it, in the
+    bucket's first backward, nothing of it stepped (f2b92e2: torch's bare "Unable to
+    cast Python instance of type <class 'torch.Tensor'> to C++ type '?'", as plain DDP)."""
+    hook = (slot.stepper.inner_hook if slot.stepper is not None
+            else slot.reduce[1] if slot.reduce else None)
+    name = f"{getattr(hook, '__module__', '?')}.{getattr(hook, '__qualname__', hook)}"
+    raise ConfigurationError(
+        f"the comm hook {name} returned a {type(result).__name__} for gradient bucket "
+        f"{bucket.index()}, not a torch.futures.Future; a comm hook returns the future of "
+        "its reduction (e.g. dist.all_reduce(bucket.buffer(), async_op=True)"
+        ".get_future().then(lambda f: f.value()[0])). Fix the hook (or its plugin).")
 
 
 def reduce_hook_state(model: Any) -> Any:
