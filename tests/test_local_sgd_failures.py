@@ -86,7 +86,8 @@ def test_the_waiting_rank_names_the_failing_averager_at_once() -> None:
     # the next step() refuses on both ranks, before the local step changes anything
     for errors in (waiting, failing):
         assert [e[:2] for e in errors[1:]] == [(s, "ExchangeFailedError") for s in (1, 2, 3)]
-        assert all("Nothing was stepped" in e[2] and not e[4] for e in errors[1:])
+        assert all("took no local step and averaged nothing" in e[2] and not e[4]
+                   for e in errors[1:])
 
 
 def _plain_without_first_averaging(rank: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ rank within :data:`POLL_SECONDS`. A collective that is not watched (a plugin's o
 that fails at the timeout is named the same way.
 
 After that the process group cannot be used (a collective is left half done), so the
-next ``step()`` on every rank involved refuses before it changes anything — unless
+next ``step()`` on every rank involved refuses before its local step and averaging — unless
 every rank raised alike (the same error everywhere, no rank waiting), which leaves the
 group in step: the run then goes on.
 """
@@ -208,8 +208,10 @@ def refuse_after_failure() -> None:
         f"PostLocalSGDOptimizer.step() refused: an earlier averaging failed ({state.broken})"
         " and the loop went on, but the process group is out of step since (a collective "
         "was left half done on some rank), so the next one would hang or pair with the "
-        "wrong one. Nothing was stepped. Fix that averager's error and restart the job "
-        "from the last checkpoint.", what=_WHAT, silent=_failing_ranks(state.broken))
+        "wrong one. This step() took no local step and averaged nothing (an overlapped "
+        "local optimizer steps during backward, before it). Fix that averager's error "
+        "and restart the job from the last checkpoint.", what=_WHAT,
+        silent=_failing_ranks(state.broken))
 
 
 def _all_raised(state: _State) -> bool:
