@@ -9,7 +9,7 @@ the values, the largest difference from the plain loop after each step, the warn
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy
@@ -134,10 +134,14 @@ def _loop(rank: int, technique: str | None, window: Callable[[DDP, Any, int], No
     return found
 
 
-def run(rank: int, world_size: int) -> dict[str, Any]:
+def run_windows(rank: int, windows: Mapping[str, Callable[[DDP, Any, int], None]]
+                ) -> dict[str, Any]:
+    """Each window's loop, plainly and under each technique, learnt or not, with SGD
+    (momentum) and AdamW: what :func:`_loop` found, against the plain loop (also the
+    rank side of tests/test_window_storage.py)."""
     found: dict[str, Any] = {}
     for optimizer in (torch.optim.SGD, torch.optim.AdamW):
-        for name, window in WINDOWS.items():
+        for name, window in windows.items():
             plain = _loop(rank, None, window, False, optimizer)
             assert plain["error"] is None, plain
             for technique in ("overlap_ddp", "optimizer_in_backward"):
@@ -149,3 +153,7 @@ def run(rank: int, world_size: int) -> dict[str, Any]:
                     key = f"{optimizer.__name__} {technique} {name}{' learnt' if learn else ''}"
                     found[key] = ours
     return found
+
+
+def run(rank: int, world_size: int) -> dict[str, Any]:
+    return run_windows(rank, WINDOWS)

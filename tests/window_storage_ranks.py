@@ -9,17 +9,13 @@ warnings."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.utils.dlpack
-from helpers import compare, error_of, max_diff, rank_batches, values
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-import overlapkit
+from window_freed_grads_ranks import run_windows
 
 
 def _over(tensor: torch.Tensor) -> torch.Tensor:
@@ -74,48 +70,5 @@ WINDOWS: dict[str, Callable[[DDP, Any, int], None]] = {
 }
 
 
-def _loop(rank: int, technique: str | None, window: Callable[[DDP, Any, int], None],
-          learn: bool, optimizer: Any) -> dict[str, Any]:
-    torch.manual_seed(0)
-    ddp = DDP(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)),
-              bucket_cap_mb=0.001)
-    settings = {"lr": 0.1, "momentum": 0.9} if optimizer is torch.optim.SGD else {"lr": 1e-2}
-    if technique is None:
-        opt: Any = optimizer(ddp.parameters(), **settings)
-    else:
-        opt = getattr(overlapkit, technique)(ddp, optimizer, **settings)
-        if learn:
-            opt.learn_first_step(ddp)
-    found: dict[str, Any] = {"error": None, "at": None, "after": []}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for i, batch in enumerate(rank_batches(rank, 4)):
-            found["error"] = error_of(lambda: ddp(batch).square().mean().backward())  # noqa: B023
-            if found["error"] is None:
-                window(ddp, opt, i)
-                found["error"] = error_of(opt.step)
-            if found["error"] is not None:
-                found["at"] = i
-                break
-            opt.zero_grad()
-            found["after"].append(values(ddp))
-    found["values"] = values(ddp)
-    found["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
-    return found
-
-
 def run(rank: int, world_size: int) -> dict[str, Any]:
-    found: dict[str, Any] = {}
-    for optimizer in (torch.optim.SGD, torch.optim.AdamW):
-        for name, window in WINDOWS.items():
-            plain = _loop(rank, None, window, False, optimizer)
-            assert plain["error"] is None, plain
-            for technique in ("overlap_ddp", "optimizer_in_backward"):
-                for learn in (False, True):
-                    ours = _loop(rank, technique, window, learn, optimizer)
-                    ours["bitwise plain"] = compare(plain["values"], ours.pop("values"))
-                    ours["off"] = [max_diff(a, b) for a, b in
-                                   zip(plain["after"], ours.pop("after"), strict=False)]
-                    key = f"{optimizer.__name__} {technique} {name}{' learnt' if learn else ''}"
-                    found[key] = ours
-    return found
+    return run_windows(rank, WINDOWS)
