@@ -260,7 +260,7 @@ class OverlapTrainer(Trainer):
         override = step_override(getattr(inner, "optimizer", inner)
                                  if isinstance(inner, OverlappedOptimizerFacade) else inner)
         if override is not None:  # it would run once per part stepped during backward
-            found.append(f"{override} (the optimizer's class)")
+            found.append(override)  # a subclass's override, or a patch on the instance
         return (found + trainer_window_users(self, skip=(OverlapTrainer,))
                 + self._clip_users() + self._overlap_loop_users)
 

@@ -390,7 +390,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
 
     def __getstate__(self) -> dict[str, Any]:
         raise NotPicklableError(
-            f"a {type(self).__name__} is bound to a live model (hooks step it during "
+            f"this {type(self).__name__} is bound to a live model (hooks step it during "
             "backward), so it cannot be pickled or deep-copied; save or copy "
             "optimizer.state_dict() instead (copy.deepcopy(opt.state_dict())).")
 

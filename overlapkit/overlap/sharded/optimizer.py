@@ -387,7 +387,7 @@ class ShardedOverlapOptimizer(ShardedHooks, OverlappedOptimizerFacade):
 
     def __getstate__(self) -> dict[str, Any]:
         raise NotPicklableError(
-            f"a {type(self).__name__} is bound to a live model and its ranks' process "
+            f"this {type(self).__name__} is bound to a live model and its ranks' process "
             "group, and holds only this rank's share of the state, so it cannot be "
             "pickled or deep-copied. Save the state instead: overlapkit.checkpoint.save("
             "path, model, optimizer) on every rank; or consolidate_state_dict(to=0) on "
