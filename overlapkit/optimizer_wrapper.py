@@ -42,6 +42,9 @@ class OptimizerWrapper(torch.optim.Optimizer):
         # its own, where these are the wrapped optimizer's. Nothing here patches step():
         # step hooks are registered on the wrapped optimizer, whose step is patched.
         self._wrapped = optimizer
+        from overlapkit.overlap.core.eager_steps import follow_compile  # (no cycle)
+
+        follow_compile()  # torch.compile in use: step() runs eagerly there (eager_steps)
 
     # -- what the wrapper wraps ---------------------------------------------------
 

@@ -43,3 +43,31 @@ def test_a_hanging_rank_times_out_instead_of_hanging() -> None:
     with pytest.raises(RankTimeoutError, match=r"ranks \[1\] of 2 did not report"):
         run_distributed(_rank_one_hangs, 2, timeout=15)
     assert time.monotonic() - started < 60
+
+
+def test_a_chosen_port_taken_before_the_ranks_meet_is_chosen_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Test environments side by side: a free port taken by another process before rank
+    0 listens on it (CI, before: ``RankFailedError`` ... ``EADDRINUSE``)."""
+    import socket
+
+    import overlapkit.distributed as runner
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = [taken.getsockname()[1]]
+    real_free_port = runner.free_port
+    monkeypatch.setattr(runner, "free_port",
+                        lambda: ports.pop() if ports else real_free_port())
+    try:
+        found = run_distributed(_sum_of_ranks, 2, args=(2.0,), timeout=60)
+    finally:
+        taken.close()
+    assert not ports and [float(t) for t in found] == [2.0, 2.0]
+    with (pytest.raises(RankFailedError, match="EADDRINUSE"),  # a port given: not chosen
+          socket.socket(socket.AF_INET, socket.SOCK_STREAM) as again):
+        again.bind(("127.0.0.1", 0))
+        again.listen()
+        run_distributed(_sum_of_ranks, 2, args=(2.0,), timeout=60,
+                        port=again.getsockname()[1])

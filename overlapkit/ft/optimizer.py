@@ -41,6 +41,7 @@ from overlapkit.errors import (
 from overlapkit.ft.replicas import ManagedReplicas
 from overlapkit.local_sgd.averagers import ModelAverager, check_period, check_warmup_steps
 from overlapkit.local_sgd.optimizer import PostLocalSGDOptimizer
+from overlapkit.overlap.core.eager_steps import run_eagerly_when_compiled
 from overlapkit.plugin.manager import get_plugin_manager
 
 __all__ = ["STATE_DICT_KEY", "FaultTolerantLocalSGD", "local_sgd"]
@@ -90,7 +91,6 @@ class FaultTolerantLocalSGD(PostLocalSGDOptimizer):
             return True, True
         return bool(starts(step)), bool(ends(step))
 
-    @torch.compiler.disable  # called from a compiled function: run eagerly (a graph break)
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         """Step the local optimizer (torchft may not read the state meanwhile), then,
         on an averaging step, run the quorum, the averaging and the commit decision.
@@ -274,3 +274,7 @@ def local_sgd(
             "subclass overlapkit.plugin.ModelAverager."
         )
     return FaultTolerantLocalSGD(manager, model, optim, built)
+
+
+# called from a torch.compile'd function, step() runs eagerly (overlap/core/eager_steps.py)
+run_eagerly_when_compiled(FaultTolerantLocalSGD, "step")

@@ -17,5 +17,11 @@
 from __future__ import annotations
 
 from overlapkit.local_sgd.optimizer import PostLocalSGDOptimizer, create_averager, post_local_sgd
+from overlapkit.overlap.core.eager_steps import run_eagerly_when_compiled
 
 __all__ = ["PostLocalSGDOptimizer", "create_averager", "post_local_sgd"]
+
+# called from a torch.compile'd step(), the averager's work runs eagerly and the local
+# step compiles as a plain optimizer's (overlap/core/eager_steps.py)
+run_eagerly_when_compiled(PostLocalSGDOptimizer, "_before_local_step")
+run_eagerly_when_compiled(PostLocalSGDOptimizer, "_after_local_step")

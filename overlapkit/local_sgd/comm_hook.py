@@ -33,6 +33,7 @@ import torch.distributed as dist
 from overlapkit.errors import CheckpointError, ConfigurationError
 from overlapkit.local_sgd.averagers import check_warmup_steps
 from overlapkit.nodes.lost_ranks import reduced_tensor, watch
+from overlapkit.overlap.core.eager_steps import follow_compile
 
 __all__ = [
     "PostLocalSGDHookState",
@@ -142,6 +143,7 @@ def post_local_sgd_hook(
     Register it with ``ddp_model.register_comm_hook(state, post_local_sgd_hook)``;
     :func:`build_post_local_sgd_hook` builds both.
     """
+    follow_compile()  # a compiled step() of the optimizer over it: eager (eager_steps)
     tensor = bucket.buffer()
     if state.iter < state.start_localSGD_iter:
         if bucket.is_last():

@@ -142,7 +142,6 @@ class PostLocalSGDOptimizer(LearnsFirstStep, OptimizerWrapper):
         self._after_local_step()
         return loss
 
-    @torch.compiler.disable  # collectives and overlapkit's bookkeeping: eager
     def _before_local_step(self) -> None:
         refuse_after_failure()  # an averaging failed on some rank: out of step
         before_step = getattr(self.averager, "before_step", None)
@@ -153,7 +152,6 @@ class PostLocalSGDOptimizer(LearnsFirstStep, OptimizerWrapper):
             with quiet_reads() if deferred else contextlib.nullcontext():
                 before_step(self.param_groups)
 
-    @torch.compiler.disable  # collectives and overlapkit's bookkeeping: eager
     def _after_local_step(self) -> None:
         """Average; an overlapped local optimizer's next step at step() if before_step_at."""
         with averaging_failures(self.averager):

@@ -26,8 +26,13 @@ public calls
 
 from __future__ import annotations
 
+from overlapkit.overlap.core.eager_steps import run_eagerly_when_compiled
 from overlapkit.overlap.ddp.optimizer import DDPOverlapOptimizer
+from overlapkit.overlap.facade import OverlappedOptimizerFacade
 from overlapkit.overlap.in_backward.optimizer import OptimizerInBackward
 from overlapkit.overlap.techniques import optimizer_in_backward, overlap_ddp
 
 __all__ = ["DDPOverlapOptimizer", "OptimizerInBackward", "optimizer_in_backward", "overlap_ddp"]
+
+# called from a torch.compile'd function, step() runs eagerly (core/eager_steps.py)
+run_eagerly_when_compiled(OverlappedOptimizerFacade, "step")

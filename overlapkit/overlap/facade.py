@@ -265,8 +265,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
 
     # -- the Optimizer API ------------------------------------------------------
 
-    @torch.compiler.disable  # called from a compiled function: run eagerly (a graph break)
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
         """Nothing to do after a backward that stepped: its parameters were stepped
         as their gradients arrived. Otherwise (no stepping backward since the last
         ``step()``: only ``no_sync()``/``no_step()`` backwards, or ``.grad`` set by

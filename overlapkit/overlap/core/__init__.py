@@ -26,8 +26,10 @@ copied with it as no-ops (:mod:`~overlapkit.overlap.core.own_hooks`), the step h
 kept behind the loop's own gradient hooks (:mod:`~overlapkit.overlap.core.hook_order`),
 the plain order while the optimizer has step hooks
 (:mod:`~overlapkit.overlap.core.step_hooks`), the state's entries in the plain order
-(:mod:`~overlapkit.overlap.core.state_order`), and parameters added to the real optimizer
-behind the overlapped one (:mod:`~overlapkit.overlap.core.groups_behind`), and a
-loaded state dict of other param-group sizes (:mod:`~overlapkit.overlap.core.group_sizes`).
+(:mod:`~overlapkit.overlap.core.state_order`), ``step()`` run eagerly when a compiled
+function calls it (:mod:`~overlapkit.overlap.core.eager_steps`), and parameters added
+to the real optimizer behind the overlapped one
+(:mod:`~overlapkit.overlap.core.groups_behind`), and a loaded state dict of other
+param-group sizes (:mod:`~overlapkit.overlap.core.group_sizes`).
 It imports nothing else of :mod:`overlapkit.overlap`.
 """

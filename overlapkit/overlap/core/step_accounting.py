@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from overlapkit.errors import ConfigurationError, OverlapkitError
+from overlapkit.overlap.core.eager_steps import follow_compile
 from overlapkit.overlap.core.first_step import follow_kept_gradients
 from overlapkit.overlap.core.foreign_loop import foreign_trainer_refusal
 from overlapkit.overlap.core.state_order import PlainStateOrder
@@ -278,6 +279,7 @@ class StepAccount:
         (:func:`~overlapkit.overlap.core.step_hooks.follow_step_hooks`), or refusing it
         (a global post-hook with sharded state, parameters added behind the facade:
         :func:`~overlapkit.overlap.core.step_hooks.backward_refusal`)."""
+        follow_compile()  # a compiled caller of step(): eager (eager_steps)
         self.release_state()
         refusal = backward_refusal(self)
         if refusal is not None:

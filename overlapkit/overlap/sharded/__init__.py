@@ -30,6 +30,7 @@ and reshards to any world size.
 
 from __future__ import annotations
 
+from overlapkit.overlap.core.eager_steps import run_eagerly_when_compiled
 from overlapkit.overlap.sharded.optimizer import ShardedOverlapOptimizer
 from overlapkit.overlap.sharded.ownership import (
     Ownership,
@@ -40,3 +41,6 @@ from overlapkit.overlap.sharded.ownership import (
 
 __all__ = ["Ownership", "ParamSlot", "ShardedOverlapOptimizer", "ShardingPolicy",
            "SizeBalancedPolicy"]
+
+# called from a torch.compile'd function, step() runs eagerly (core/eager_steps.py)
+run_eagerly_when_compiled(ShardedOverlapOptimizer, "step")

@@ -204,8 +204,7 @@ class ShardedOverlapOptimizer(ShardedHooks, OverlappedOptimizerFacade):
 
     # -- the Optimizer API --------------------------------------------------------
 
-    @torch.compiler.disable  # called from a compiled function: run eagerly (a graph break)
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
         """As ``overlap_ddp``'s ``step()``: nothing to do after a backward that
         stepped (it returns once the other ranks' updates have landed). A full step (no
         stepping backward since the last ``step()``) steps this rank's share, then
