@@ -198,9 +198,13 @@ class ShardedBucketStepper(BucketStepper):
         exchange (kept by :meth:`ParameterExchange.poll`, which runs in the hook). A
         failed reduction fails the exchange too: the parameters are not all their
         owners' now, so every later wait for them (the next forward, ``step()``, the
-        state dicts) raises it, instead of going on with them."""
-        failed = super().comm_failure() or self.exchange.failure
-        if self.exchange.failure is None:
+        state dicts) raises it, instead of going on with them — the very error this
+        backward raises, also where the settings check's all-reduce failed first and was
+        kept (a peer killed mid-backward on a loaded machine: the next forward named
+        "exchanging the updated parameters" where backward had named the bucket)."""
+        reduction = super().comm_failure()
+        failed = reduction or self.exchange.failure
+        if reduction is not None or self.exchange.failure is None:
             self.exchange.failure = failed
         return failed
 
