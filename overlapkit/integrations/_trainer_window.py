@@ -58,11 +58,16 @@ def compute_loss_of_ones_own(trainer: Any, skip: tuple[type, ...]) -> str | None
     ``overlapkit_reads_no_gradients``): code of the user's run in the Trainer's
     ``training_step``, which may run a backward of its own (an auxiliary loss) or hook
     code into the Trainer's (a cached, GradCache-style loss re-running the forward in
-    chunks from a hook on the loss)."""
+    chunks from a hook on the loss). One set on the instance (``trainer.compute_loss =
+    types.MethodType(f, trainer)``) counts too: before, it was not watched, and an
+    auxiliary backward in it stepped, then the Trainer's ``optimizer.step()`` refused
+    the second stepping backward, the parameters moved already)."""
     from transformers import Trainer
 
     if getattr(trainer, "overlapkit_reads_no_gradients", False):
         return None
+    if "compute_loss" in vars(trainer):
+        return f"compute_loss set on the {type(trainer).__qualname__} instance (a patch)"
     for klass in type(trainer).__mro__:
         if klass in (*skip, Trainer, object):
             continue
@@ -150,13 +155,17 @@ def compute_loss_watched(trainer: Any, facade: Any, skip: tuple[type, ...]) -> I
         trainer._overlap_loop_users = trainer._overlap_loop_users + users
         trainer.set_up_overlap(from_step=trainer.state.global_step + 1)
 
+    patched = vars(trainer).get("compute_loss")  # the user's patch, put back after
     trainer.compute_loss = watched_compute_loss(
         trainer.compute_loss, name, trainer.model, facade,
         None if trainer.overlap_off_by else plain_order, ddp)
     try:
         yield
     finally:
-        del trainer.compute_loss
+        if patched is None:
+            del trainer.compute_loss
+        else:
+            trainer.compute_loss = patched
 
 
 def plain_order_warning(technique: str, users: list[str], from_step: int | None) -> str:

@@ -38,7 +38,12 @@ def trainer_window_users(trainer: Any, skip: tuple[type, ...] = ()) -> list[str]
     ``optimizer.step()``: an override of :data:`WINDOW_METHODS` in any class of its MRO
     but ``Trainer`` and ``skip`` (a base listed after ``OverlapTrainer`` too), a
     callback overriding one of :data:`WINDOW_EVENTS`. A callback class, or a Trainer
-    subclass, declaring ``overlapkit_reads_no_gradients = True`` is left out."""
+    subclass, declaring ``overlapkit_reads_no_gradients = True`` is left out. One of
+    :data:`WINDOW_METHODS` set on the trainer instance (``trainer.training_step =
+    types.MethodType(f, trainer)``, a patch the Trainer's loop calls) counts as an
+    override: before, it was not seen (a patched ``training_step`` editing ``.grad``
+    was silently 0.030 off the plain run, a patched ``_clip_grad_norm`` refused after
+    the step it was meant for)."""
     from transformers import Trainer, TrainerCallback
 
     found = []
@@ -46,6 +51,10 @@ def trainer_window_users(trainer: Any, skip: tuple[type, ...] = ()) -> list[str]
                   if klass not in (*skip, Trainer, object)]
     for name in () if getattr(trainer, "overlapkit_reads_no_gradients", False) \
             else WINDOW_METHODS:
+        if name in vars(trainer):
+            found.append(f"{name} set on the {type(trainer).__qualname__} instance "
+                         "(a patch)")
+            continue
         for klass in overriding:
             if name in vars(klass):
                 found.append(f"{klass.__qualname__}.{name} (an override)")

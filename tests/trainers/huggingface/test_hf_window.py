@@ -28,7 +28,12 @@ backward of its own, or hooking backwards onto its loss (GradCache): refused at 
 first ``optimizer.step()`` after 2 steps were taken (the parameters moved 0.0200); a
 ``compute_loss`` calling ``self.model`` past the DDP model on 2 ranks (``overlap_ddp``
 silently 1.2e-7 off, ``optimizer_in_backward`` refused naming
-``find_unused_parameters``), now refused before the Trainer's backward."""
+``find_unused_parameters``), now refused before the Trainer's backward. Found by the
+eleventh: ``training_step``, ``_clip_grad_norm`` or ``compute_loss`` set on the Trainer
+instance (a patch, which the loop calls as an override) was not seen: the
+``training_step`` editing ``.grad`` silently 0.030 off (``optimizer_in_backward``), the
+clip refused after its step, the ``compute_loss``'s auxiliary backward stepped and was
+refused as a second backward."""
 
 from __future__ import annotations
 
@@ -82,7 +87,10 @@ NAMED = {"callback zeroes rows": "ZeroOldRows.on_pre_optimizer_step",
          "an optimizer class overriding step()": "Noisy.step() overrides Adam.step()",
          "compute_loss running a backward": "AuxiliaryLoss.compute_loss (it ran a backward",
          "compute_loss hooking the loss": "CachedLoss.compute_loss (it returned a loss with "
-                                          "a hook"}
+                                          "a hook",
+         "training_step patched on the instance": "training_step set on the ",
+         "_clip_grad_norm patched on the instance": "_clip_grad_norm set on the ",
+         "compute_loss patched on the instance": "compute_loss set on the "}
 
 
 @pytest.mark.parametrize("case", CASES)
