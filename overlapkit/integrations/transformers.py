@@ -63,6 +63,7 @@ from overlapkit.errors import ConfigurationError, UnsupportedOptimizerError  # n
 from overlapkit.integrations._trainer_window import (  # noqa: E402
     compute_loss_watched,
     plain_order_warning,
+    step_patched_around,
     unsynced_micro_batch,
 )
 from overlapkit.integrations.accelerate import (  # noqa: E402
@@ -247,13 +248,12 @@ class OverlapTrainer(Trainer):
         optimizer, a ``_clip_grad_norm`` of one's own), a callback
         overriding ``on_pre_optimizer_step`` / ``on_optimizer_step`` (reading or changing
         ``.grad`` there), ``step_in_plain_order=True``, an optimizer class overriding
-        ``step()`` (:func:`~overlapkit.overlap.core.step_hooks.step_override`). A callback
-        class declaring ``overlapkit_reads_no_gradients = True`` is left out: it reads no
-        gradient there
-        (nor the optimizer state or parameters the step changes, which it would see
-        after the step);
-        so are the overrides of a subclass declaring it (one backward, no ``.grad``
-        edit, no optimizer kept).
+        ``step()`` (:func:`~overlapkit.overlap.core.step_hooks.step_override`), a ``step``
+        patched on ``self.optimizer`` (:func:`step_patched_around`). A callback class
+        declaring ``overlapkit_reads_no_gradients = True`` is left out: it reads no
+        gradient there (nor the optimizer state or parameters the step changes, which it
+        would see after the step); so are the overrides of a subclass declaring it (one
+        backward, no ``.grad`` edit, no optimizer kept).
         """
         found = ["step_in_plain_order=True"] if self.overlap_in_plain_order else []
         inner = getattr(self.optimizer, "optimizer", None)  # Accelerate's, then the real one
@@ -261,7 +261,8 @@ class OverlapTrainer(Trainer):
                                  if isinstance(inner, OverlappedOptimizerFacade) else inner)
         if override is not None:  # it would run once per part stepped during backward
             found.append(override)  # a subclass's override, or a patch on the instance
-        return (found + trainer_window_users(self, skip=(OverlapTrainer,))
+        return (found + step_patched_around(self.optimizer)
+                + trainer_window_users(self, skip=(OverlapTrainer,))
                 + self._clip_users() + self._overlap_loop_users)
 
     def _trainer_clip(self) -> float | None:

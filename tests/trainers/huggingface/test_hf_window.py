@@ -33,7 +33,9 @@ eleventh: ``training_step``, ``_clip_grad_norm`` or ``compute_loss`` set on the 
 instance (a patch, which the loop calls as an override) was not seen: the
 ``training_step`` editing ``.grad`` silently 0.030 off (``optimizer_in_backward``), the
 clip refused after its step, the ``compute_loss``'s auxiliary backward stepped and was
-refused as a second backward."""
+refused as a second backward; a callback wrapping the Trainer's ``optimizer.step`` at
+``on_train_begin`` to edit ``.grad`` first (0.036 off under ``optimizer_in_backward``,
+with only a warning about reading freed gradients)."""
 
 from __future__ import annotations
 
@@ -90,7 +92,8 @@ NAMED = {"callback zeroes rows": "ZeroOldRows.on_pre_optimizer_step",
                                           "a hook",
          "training_step patched on the instance": "training_step set on the ",
          "_clip_grad_norm patched on the instance": "_clip_grad_norm set on the ",
-         "compute_loss patched on the instance": "compute_loss set on the "}
+         "compute_loss patched on the instance": "compute_loss set on the ",
+         "optimizer.step patched by a callback": "a step() set on this AcceleratedOptimizer"}
 
 
 @pytest.mark.parametrize("case", CASES)
