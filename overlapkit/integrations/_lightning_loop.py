@@ -30,7 +30,7 @@ from lightning.pytorch.trainer import call
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.errors import ConfigurationError, OverlapkitError
-from overlapkit.integrations._lightning_setup import clipping_of
+from overlapkit.integrations._lightning_setup import clipping_of, step_patch_refusal
 from overlapkit.integrations._lightning_window import (
     SKIPPED_BACKWARD,
     WRAPPED_CLOSURE,
@@ -77,16 +77,14 @@ class AutomaticOptimization:
         self.accumulate_with_no_step = accumulate_with_no_step
         self.optimizer: OverlappedOptimizerFacade | None = None
         self.writes: GradientWrites | None = None
-        #: every step taken at step(), the backwards deferred for the whole fit
-        self.plain_order = False
+        self.plain_order = False  # every step at step(), the backwards deferred
         #: the Trainer's clipping at set-up (:func:`clipping_of`), the optimizer's unless
         #: the module's configure_gradient_clipping clips (own_clipping)
         self.clipping: dict[str, float] = {}
         self.own_clipping = False
-        #: inside optimizer_step's call of Lightning's closure, and the backwards it ran
-        self._in_optimizer_step, self._closure_backwards = False, 0
+        #: inside optimizer_step's call of Lightning's closure, and the backwards it ran;
         #: inside Lightning's backward (the precision plugin's call of loss.backward)
-        self._in_backward = False
+        self._in_optimizer_step, self._closure_backwards, self._in_backward = False, 0, False
         #: stepping backwards since the last optimizer step
         self._stepped = 0
         #: until the first optimizer step of the fit, the backwards are deferred (the
@@ -110,8 +108,7 @@ class AutomaticOptimization:
         self._reads: tuple[FirstWindow, list[torch.Tensor]] | None = None
         #: what changes in the optimizer turns the fit to the plain order
         self._changes: OptimizerChanges | None = None
-        #: inside a synchronised backward of a closure the user's optimizer_step ran
-        self._by_hand = self._warned_by_hand = False
+        self._by_hand = self._warned_by_hand = False  # in a backward of the user's closure
 
     def attach(self, optimizer: OverlappedOptimizerFacade, writes: GradientWrites | None,
                clipping: dict[str, float], plain_order: bool = False,
@@ -265,7 +262,8 @@ class AutomaticOptimization:
         overlapped ``step()``. Lightning's clipping is called only when the module
         overrides it; else the backward clipped (``gradient_clip_val``, read at set-up).
         A closure that is not Lightning's (an ``optimizer_step`` override wrapping it, to
-        work after its backward) turns the fit to the plain order before it runs."""
+        work after its backward) turns the fit to the plain order before it runs; a
+        ``step`` patched on the optimizer's instance is refused then."""
         model = model or strategy.lightning_module
         trainer = model.trainer
         if not self.own_clipping and clipping_of(trainer) != self.clipping:
@@ -276,6 +274,8 @@ class AutomaticOptimization:
                 "Nothing was stepped in this step. Set the clipping before trainer.fit() "
                 "and leave it; to change it, resume a new fit from a checkpoint."
             )
+        if (refusal := step_patch_refusal(optimizer, self.strategy_name, self.technique)):
+            raise refusal  # (a wrapper patched on the instance, before its closure runs)
         if not (self.plain_order or isinstance(closure, Closure)
                 or closure is do_nothing_closure):
             self._plain_order_from_now("from this one on", *WRAPPED_CLOSURE)

@@ -19,9 +19,11 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 
 from overlapkit.errors import ConfigurationError
 from overlapkit.optimizer_wrapper import OptimizerWrapper
+from overlapkit.overlap.core.step_hooks import instance_override
 from overlapkit.overlap.facade import OverlappedOptimizerFacade
 
-__all__ = ["TECHNIQUES", "check_fit", "clipping_of", "overlapped_like", "plain_optimizer"]
+__all__ = ["TECHNIQUES", "check_fit", "clipping_of", "overlapped_like", "plain_optimizer",
+           "step_patch_refusal"]
 
 #: what the strategies step with
 TECHNIQUES = ("overlap_ddp", "optimizer_in_backward")
@@ -132,3 +134,28 @@ def overlapped_like(plain: torch.optim.Optimizer, technique: str, model: torch.n
     check_adopted(overlapped.optimizer, plain)
     overlapped.clip_in_order(p for group in plain.param_groups for p in group["params"])
     return overlapped
+
+
+def step_patch_refusal(optimizer: Any, strategy: str, technique: str
+                       ) -> ConfigurationError | None:
+    """The error for a ``step`` set on the instance of the optimizer Lightning steps
+    (``self.trainer.optimizers[0].step = wrapper``, installed in ``on_train_start``),
+    asked as each optimizer step begins, before its closure runs: Lightning's plain loop
+    hands that wrapper its closure (``training_step`` and the backward), so the wrapper's
+    code after it (a ``.grad`` edit, a second closure as SAM runs) works in the window,
+    where overlapkit's strategies run the closure first and call ``step()`` after the
+    backward stepped. Before (the eleventh probe), a wrapper halving the gradients after
+    the closure was silently 0.028 off the plain fit. None when there is no such patch
+    (torch's LR-scheduler wrapper is seen through)."""
+    patch = (instance_override(optimizer) if isinstance(optimizer, torch.optim.Optimizer)
+             else None)
+    if patch is None:
+        return None
+    return ConfigurationError(
+        f"{patch}: Lightning's plain loop calls it with its closure (training_step and the "
+        f"backward), so its code after that closure works between backward and step, "
+        f"where {strategy} ({technique}) steps during the closure's backward. Nothing was "
+        "stepped in this step. Work there in an optimizer_step override of the "
+        "LightningModule (optimizer.step(closure=...) with a closure of your own: taken "
+        "in the plain order), or train with strategy='ddp'."
+    )

@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("lightning", reason="the `trainers` tox environment installs lightning")
 
-from lightning_parity_ranks import CASES, REFUSALS, WARNED, run
+from lightning_parity_ranks import CASES, PATCHED_STEP, REFUSALS, WARNED, run
 from lightning_tuning_ranks import CASES as TUNING
 from lightning_tuning_ranks import ONE_DEVICE_ONLY
 
@@ -117,6 +117,8 @@ MESSAGES = {
     "optimizer_in_backward, manual optimization": "automatic_optimization = False",
     "overlap_ddp, an overlapkit optimizer returned": "return the plain one",
     "overlap_ddp, precision 64-true": "precision='64-true'",
+    "overlap_ddp, a step patched on the optimizer": PATCHED_STEP,
+    "optimizer_in_backward, a step patched on the optimizer": PATCHED_STEP,
 }
 
 

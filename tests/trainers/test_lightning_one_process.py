@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("lightning", reason="the `trainers` tox environment installs lightning")
 
-from lightning_parity_ranks import CASES, ONE_PROCESS_REFUSALS, WARNED, run
+from lightning_parity_ranks import CASES, ONE_PROCESS_REFUSALS, PATCHED_STEP, WARNED, run
 from lightning_tuning_ranks import CASES as TUNING
 from lightning_tuning_ranks import ONE_DEVICE_ONLY
 
@@ -45,6 +45,7 @@ MESSAGES = {
     "one device, backward in training_step": "a backward ran outside Lightning's backward",
     "one device, manual optimization": "automatic_optimization = False",
     "the default strategy, an overlapkit optimizer returned": "OverlapSingleDeviceStrategy()",
+    "one device, a step patched on the optimizer": PATCHED_STEP,
 }
 
 
