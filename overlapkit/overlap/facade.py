@@ -21,6 +21,7 @@ import torch
 from overlapkit.errors import ConfigurationError, NotPicklableError, OverlapkitError
 from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.overlap.backward_steps import BackwardSteps
+from overlapkit.overlap.core.closures import closure_refusal
 from overlapkit.overlap.core.engine import OverlapEngine
 from overlapkit.overlap.core.first_step import end_first_window, zeros_refusal, zeros_warning
 from overlapkit.overlap.core.group_sizes import sizes_refusal
@@ -29,6 +30,7 @@ from overlapkit.overlap.core.late_changes import accept_unchanged_rewrites as ac
 from overlapkit.overlap.core.late_changes import refuse_changed_gradients
 from overlapkit.overlap.core.step_hooks import step_called
 from overlapkit.overlap.core.window import FirstWindow
+from overlapkit.overlap.core.zeroing import GradZeroing
 from overlapkit.overlap.rebuild import refuse_retired, release_steps
 from overlapkit.overlap.rules.amp_scaler import (
     guard_param_groups,
@@ -70,6 +72,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         self._technique = technique
         self._check_params = check_params
         steps.settings_of = engine.optimizer
+        self._zeroing = GradZeroing(engine.optimizer, technique == "optimizer_in_backward")
         watch(engine.parameters(), steps)
 
     @property
@@ -283,14 +286,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         refuse_retired(self._steps, "step()")
         self._steps.release_state(at_step=True)  # the loop's reads, writes watched
         if closure is not None:
-            raise ConfigurationError(
-                f"{self._technique} steps during backward, so step() takes no closure; "
-                "call loss.backward() yourself and then step() (or nothing). With PyTorch "
-                "Lightning (whose automatic optimization calls step(closure)), return the "
-                "plain optimizer from configure_optimizers and pass strategy="
-                "OverlapDDPStrategy() or OverlapSingleDeviceStrategy() from "
-                "overlapkit.integrations.lightning (FSDPStrategy, FSDP1, is not supported)."
-            )
+            raise closure_refusal(self._technique)
         scaler = self._scaler_driving()
         self.synchronize()
         steps, names = self._steps, self._parameter_names()
@@ -330,23 +326,30 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         """The real optimizer's ``zero_grad``. Also ends the optimizer iteration: the
         next backward may step (see :mod:`overlapkit.overlap.core.step_accounting`).
 
-        :raises ConfigurationError: ``set_to_none=False`` after a backward that freed
-            the gradients it stepped (``optimizer_in_backward``), before anything is
-            zeroed (:func:`~overlapkit.overlap.core.first_step.zeros_refusal`).
-            Before one, in a loop that learnt its first step (``learn_first_step``), every
-            later step is taken in the plain order instead, keeping the zeroed gradients,
-            with one warning (``zeros_warning``)."""
+        :raises ConfigurationError: ``set_to_none=False`` (or an optimizer's own
+            ``zero_grad`` that zeroes: :mod:`~overlapkit.overlap.core.zeroing`) after a
+            backward that freed the gradients it stepped (``optimizer_in_backward``),
+            before anything is zeroed (:func:`~overlapkit.overlap.core.first_step.
+            zeros_refusal`). Before one, in a loop that learnt its first step, every later
+            step is taken in the plain order instead, with one warning."""
         refuse_retired(self._steps, "zero_grad()")
-        if not set_to_none and self._steps.freed:
-            raise zeros_refusal(self._technique)
-        if (not set_to_none and self._technique == "optimizer_in_backward"
+        zeroes, asked = not set_to_none or self._zeroing.zeroes, False
+        if zeroes is None:  # an override of zero_grad, not asked yet (core/zeroing.py)
+            self.synchronize()
+            with self._engine.lock:
+                zeroes, asked = self._zeroing.ask(self._engine.optimizer.zero_grad), True
+        what = self._zeroing.what if set_to_none else "zero_grad(set_to_none=False)"
+        if zeroes and self._steps.freed:
+            raise zeros_refusal(self._technique, what)
+        if (zeroes and self._technique == "optimizer_in_backward"
                 and self._steps.learned and self._steps.first_window is None):
             # learnt, before a backward freed anything: the plain order keeps the zeros
-            warnings.warn(zeros_warning(self._technique), UserWarning, stacklevel=2)
+            warnings.warn(zeros_warning(self._technique, what), UserWarning, stacklevel=2)
             self.learn_first_step(plain_order=True)
         self._steps.zero_grad_called()
         self.synchronize()
-        self._engine.zero_grad(set_to_none=set_to_none)
+        if not asked:
+            self._engine.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
         self.synchronize()

@@ -33,6 +33,7 @@ import attrs
 import torch
 
 from overlapkit.errors import UnsupportedOptimizerError
+from overlapkit.overlap.core.closures import required_closure_refusal
 
 __all__ = ["OverlapEngine", "OverlappedOptimizer", "ParamGroup", "StepPlan"]
 
@@ -116,6 +117,9 @@ class OverlapEngine:
                 "model, so it cannot step one bucket of parameters while backward runs; "
                 "use it without overlap, or choose a closure-free optimizer (e.g. AdamW)."
             )
+        refusal = required_closure_refusal(optim_cls)
+        if refusal is not None:
+            raise refusal
         if optim_cls.__module__.startswith("torch.distributed.optim"):
             raise UnsupportedOptimizerError(
                 f"{optim_cls.__qualname__} is a distributed wrapper (its step() shards, "

@@ -42,18 +42,21 @@ def plain_order_warning(technique: str, used: str) -> str:
     )
 
 
-def zeros_warning(technique: str) -> str:
+def zeros_warning(technique: str, what: str = "zero_grad(set_to_none=False)") -> str:
     """``zero_grad(set_to_none=False)`` in a loop that learnt its first step
     (``learn_first_step``), before any backward has freed a gradient: honoured by taking
     every later step at ``step()`` in the plain order, the gradients kept (and zeroed) as
     the plain loop keeps them, where
     :func:`zeros_refusal` would stop the run at
-    the next ``zero_grad`` (Accelerate: after two steps, the sixth probe)."""
+    the next ``zero_grad`` (Accelerate: after two steps, the sixth probe). ``what`` keeps
+    them: the call, or an override of ``zero_grad`` (:mod:`~overlapkit.overlap.core.
+    zeroing`)."""
     return (f"{technique} takes every step of this loop from now on at optimizer.step(), in "
-            "the plain order, without overlap: zero_grad(set_to_none=False) keeps a zero "
+            f"the plain order, without overlap: {what} keeps a zero "
             "gradient for every parameter, which it would free once stepped. The run is the "
             "plain loop's, bitwise. To keep the overlap: call zero_grad() (set_to_none=True, "
-            "torch's default).")
+            "torch's default)" + ("." if what.startswith("zero_grad(") else
+                                  ", and let the optimizer's zero_grad set them to None."))
 
 
 def end_first_window(steps: Any, names: Mapping[int, str], params: list[torch.Tensor],
@@ -169,18 +172,26 @@ def follow_kept_gradients(steps: Any) -> None:
         UserWarning, stacklevel=4)
 
 
-def zeros_refusal(technique: str) -> ConfigurationError:
+def zeros_refusal(technique: str,
+                  what: str = "zero_grad(set_to_none=False)") -> ConfigurationError:
     """``zero_grad(set_to_none=False)`` after a backward that stepped and freed the
     gradients: the plain loop holds a zero gradient for each parameter from then on,
     which its ``step()`` steps even where a backward does not reach the parameter (Adam
     moves it on its moments, weight decay shrinks it). Here they are None (freed): a
     parameter no backward reaches is not stepped. Zeros given back would keep the memory
     the technique saves, and still need that step; so refused, before anything changes
-    (every step so far was the plain one: it had no gradient to zero before)."""
+    (every step so far was the plain one: it had no gradient to zero before). ``what``
+    zeroes: the call, or an override of ``zero_grad`` (:mod:`~overlapkit.overlap.core.
+    zeroing`), whose call zeroed none (they were freed)."""
+    fix = ("Call zero_grad() (set_to_none=True, torch's default): every gradient is None "
+           "then, as here, and the run is the plain loop's." if what.startswith("zero_grad(")
+           else "Let the optimizer's zero_grad() set them to None (torch's default: the run "
+           "is then the plain loop's), or call opt.learn_first_step(model) once before the "
+           "first backward: every step is then taken at step(), in the plain order, the "
+           "zeros kept, bitwise the plain loop.")
     return ConfigurationError(
-        f"zero_grad(set_to_none=False) after a backward that {technique} stepped: it "
+        f"{what} after a backward that {technique} stepped: it "
         "frees each gradient once stepped, where the plain loop keeps a zero gradient "
         "for every parameter from here on (the plain step() steps it even when a "
         "backward does not reach the parameter, and the loop may read it). Nothing was "
-        "zeroed. Call zero_grad() (set_to_none=True, torch's default): every gradient is "
-        "None then, as here, and the run is the plain loop's.")
+        f"zeroed. {fix}")

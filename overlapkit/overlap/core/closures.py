@@ -1,0 +1,53 @@
+"""``step(closure)``: what overlapkit cannot pass, refused with the reason.
+
+A step taken during backward is called ``step()``, without a closure: the engine has
+no loss to re-evaluate, and a closure re-running forward and backward inside backward
+would step from other gradients. Two refusals:
+
+- :func:`required_closure_refusal`, at set-up: an optimizer class whose ``step()``
+  requires its closure (``def step(self, closure)``, no default: a user's line search,
+  a second-order method). Before, its first backward raised torch's bare ``TypeError:
+  step() missing 1 required positional argument: 'closure'`` from inside backward.
+- :func:`closure_refusal`, at ``step(closure)`` on the overlapped optimizer (torch's
+  recipe ``opt.step(closure)``, Lightning's automatic optimization).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from overlapkit.errors import ConfigurationError, UnsupportedOptimizerError
+
+__all__ = ["closure_refusal", "required_closure_refusal"]
+
+
+def required_closure_refusal(optim_cls: type) -> UnsupportedOptimizerError | None:
+    """The set-up's refusal of ``optim_cls`` where its ``step()`` has a parameter without
+    a default after ``self`` (the closure it needs), else None."""
+    try:
+        signature = inspect.signature(inspect.unwrap(optim_cls.step))  # type: ignore[attr-defined]
+    except (TypeError, ValueError):  # pragma: no cover - a builtin step
+        return None
+    required = [name for index, (name, param) in enumerate(signature.parameters.items())
+                if index > 0 and param.default is inspect.Parameter.empty
+                and param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD,
+                                   param.KEYWORD_ONLY)]
+    if not required:
+        return None
+    return UnsupportedOptimizerError(
+        f"{optim_cls.__qualname__}.step() requires {', '.join(repr(n) for n in required)} "
+        "(a closure re-evaluating the loss), and a step taken during backward has none to "
+        "pass: the engine calls step() with no argument, part by part, while backward "
+        "runs. Use this optimizer without overlap, or give the argument a default of "
+        "None where the step works without it (torch's optimizers do).")
+
+
+def closure_refusal(technique: str) -> ConfigurationError:
+    """The refusal of ``step(closure)`` on the overlapped optimizer."""
+    return ConfigurationError(
+        f"{technique} steps during backward, so step() takes no closure; "
+        "call loss.backward() yourself and then step() (or nothing). With PyTorch "
+        "Lightning (whose automatic optimization calls step(closure)), return the "
+        "plain optimizer from configure_optimizers and pass strategy="
+        "OverlapDDPStrategy() or OverlapSingleDeviceStrategy() from "
+        "overlapkit.integrations.lightning (FSDPStrategy, FSDP1, is not supported).")

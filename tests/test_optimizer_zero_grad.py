@@ -1,0 +1,116 @@
+"""An optimizer customised where overlapkit cannot see it at its call: its own
+``zero_grad`` keeping zero gradients, a ``step()`` requiring a closure, a ``step``
+patched on the instance by an LR scheduler (plain module, 1 process; DDP, 2 gloo ranks;
+rank code: optimizer_zero_grad_ranks.py).
+
+A subclass of ``AdamW`` whose ``zero_grad`` calls ``super().zero_grad(set_to_none=
+False)`` (or such a ``zero_grad`` set on the instance) under ``optimizer_in_backward``:
+the loop's ``zero_grad()`` asked for None, the gradients stayed freed where the plain
+loop holds zeros, and the layer a forward skipped was not stepped where the plain loop
+steps it on its zero gradient (before: 0.0117 off after 4 steps, 0.0068 learnt,
+silently). Now it counts as ``zero_grad(set_to_none=False)``: refused at the first
+``zero_grad()`` after a stepping backward, nothing changed, or, learnt, every step in
+the plain order, bitwise, one warning. ``overlap_ddp`` keeps the gradients: bitwise."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from optimizer_zero_grad_ranks import SETTINGS, run
+from torch import nn
+
+from overlapkit.distributed import run_distributed
+from overlapkit.overlap.core.step_hooks import PER_PART_MARK, instance_override
+
+CASES = [(setting, technique) for setting, (_, techniques) in SETTINGS.items()
+         for technique in techniques]
+NAMED = {"subclass": "Zeroing.zero_grad() overriding Optimizer.zero_grad()",
+         "instance patch": "a zero_grad() set on this AdamW (patched_zero_grad.<locals>.zeroing)"}
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[Any, Any]]:
+    return run_distributed(run, 2, timeout=300)
+
+
+def _each(ranks: list[dict[Any, Any]], setting: str) -> list[dict[Any, Any]]:
+    return ranks if setting == "DDP" else ranks[:1]
+
+
+@pytest.mark.parametrize("build", NAMED)
+@pytest.mark.parametrize(("setting", "technique"), CASES)
+def test_a_zero_grad_keeping_zeros_is_the_plain_loop_once_learnt(
+        ranks: list[dict[Any, Any]], setting: str, technique: str, build: str) -> None:
+    for results in _each(ranks, setting):
+        found = results[setting, technique, build, True]
+        assert found["error"] is None and found["bitwise"], found
+        if technique == "optimizer_in_backward":
+            assert len(found["warnings"]) == 1, found["warnings"]
+            assert NAMED[build] in found["warnings"][0]
+        else:
+            assert found["warnings"] == [], found["warnings"]
+
+
+@pytest.mark.parametrize("build", NAMED)
+@pytest.mark.parametrize(("setting", "technique"), CASES)
+def test_a_zero_grad_keeping_zeros_is_refused_after_a_freeing_backward(
+        ranks: list[dict[Any, Any]], setting: str, technique: str, build: str) -> None:
+    """Not learnt: ``optimizer_in_backward`` refuses the first ``zero_grad()`` after a
+    backward that freed the gradients, nothing changed by it; ``overlap_ddp`` keeps the
+    gradients, as the plain loop: bitwise."""
+    for results in _each(ranks, setting):
+        found = results[setting, technique, build, False]
+        if technique == "overlap_ddp":
+            assert found["error"] is None and found["bitwise"], found
+            continue
+        error = found["error"]
+        assert error is not None and error["overlapkit"], error
+        assert NAMED[build] in error["message"] and "learn_first_step" in error["message"]
+        assert found["unchanged"] is True, found
+
+
+@pytest.mark.parametrize(("setting", "technique"), CASES)
+def test_an_optimizer_whose_step_requires_a_closure_is_refused_at_set_up(
+        ranks: list[dict[Any, Any]], setting: str, technique: str) -> None:
+    """Before: torch's bare ``TypeError: step() missing 1 required positional argument:
+    'closure'`` from inside the first backward."""
+    for results in _each(ranks, setting):
+        found = results[setting, technique, "closure"]
+        error = found["error"]
+        assert error is not None and error["type"] == "UnsupportedOptimizerError", error
+        assert "RequiresClosure.step() requires 'closure'" in error["message"]
+        assert found["unchanged"], found
+
+
+def test_a_step_patch_is_walked_again_once_replaced() -> None:
+    """The answer for a ``step`` patched on the instance is kept per patch (an LR
+    scheduler's, asked at every backward): a patch replaced, or marked per part, is
+    answered anew; the optimizer is not kept alive by it."""
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    assert instance_override(optimizer) is None
+    assert instance_override(optimizer) is None
+    saved = optimizer.step
+
+    def noisy(closure: Any = None) -> Any:
+        return saved(closure)
+
+    optimizer.step = noisy  # type: ignore[method-assign]
+    assert "(test_a_step_patch_is_walked_again_once_replaced.<locals>.noisy)" in str(
+        instance_override(optimizer))
+    setattr(noisy, PER_PART_MARK, True)
+    assert instance_override(optimizer) is None
+    optimizer.step = saved  # type: ignore[method-assign]
+    assert instance_override(optimizer) is None
+    optimizer.step = noisy  # type: ignore[method-assign]
+    delattr(noisy, PER_PART_MARK)
+    assert instance_override(optimizer) is not None
+    kept = weakref.ref(optimizer)
+    del optimizer, saved, noisy
+    gc.collect()
+    assert kept() is None
