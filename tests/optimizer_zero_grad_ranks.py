@@ -62,8 +62,9 @@ def _model(ddp: bool) -> nn.Module:
     return DDP(model, bucket_cap_mb=0.0005, find_unused_parameters=True) if ddp else model
 
 
-def _train(rank: int, technique: str | None, ddp: bool, build: str,
-           learn: bool = False) -> dict[str, Any]:
+def _train(
+    rank: int, technique: str | None, ddp: bool, build: str, learn: bool = False
+) -> dict[str, Any]:
     """``STEPS`` steps (backward, ``step()``, ``zero_grad()``): the parameters, the
     overlap warnings, the error, and whether the refused call changed anything."""
     model = _model(ddp)
@@ -80,15 +81,19 @@ def _train(rank: int, technique: str | None, ddp: bool, build: str,
         for x in rank_batches(rank, STEPS, (8, 16)):
             model(x).pow(2).mean().backward()
             opt.step()
-            before = (values(module), [p.grad is None for p in module.parameters()],
-                      len(optimizer.state))
+            before = (
+                values(module),
+                [p.grad is None for p in module.parameters()],
+                len(optimizer.state),
+            )
             try:
                 opt.zero_grad()
             except Exception:
                 found["unchanged"] = (
                     bool(compare(before[0], values(module)))
                     and before[1] == [p.grad is None for p in module.parameters()]
-                    and before[2] == len(optimizer.state))
+                    and before[2] == len(optimizer.state)
+                )
                 raise
 
     with warnings.catch_warnings(record=True) as caught:
@@ -132,8 +137,10 @@ def _closure_required(rank: int, technique: str, ddp: bool) -> dict[str, Any]:
     return {"error": error_of(run), "unchanged": bool(compare(before, values(module)))}
 
 
-SETTINGS = {"plain module": (False, ("optimizer_in_backward",)),
-            "DDP": (True, ("overlap_ddp", "optimizer_in_backward"))}
+SETTINGS = {
+    "plain module": (False, ("optimizer_in_backward",)),
+    "DDP": (True, ("overlap_ddp", "optimizer_in_backward")),
+}
 
 
 def run(rank: int, world_size: int) -> dict[Any, Any]:

@@ -24,12 +24,17 @@ from optimizer_zero_grad_ranks import SETTINGS, run
 from torch import nn
 
 from overlapkit.distributed import run_distributed
-from overlapkit.overlap.core.step_hooks import PER_PART_MARK, instance_override
+from overlapkit.overlap.core.step_patches import PER_PART_MARK, instance_override
 
-CASES = [(setting, technique) for setting, (_, techniques) in SETTINGS.items()
-         for technique in techniques]
-NAMED = {"subclass": "Zeroing.zero_grad() overriding Optimizer.zero_grad()",
-         "instance patch": "a zero_grad() set on this AdamW (patched_zero_grad.<locals>.zeroing)"}
+CASES = [
+    (setting, technique)
+    for setting, (_, techniques) in SETTINGS.items()
+    for technique in techniques
+]
+NAMED = {
+    "subclass": "Zeroing.zero_grad() overriding Optimizer.zero_grad()",
+    "instance patch": "a zero_grad() set on this AdamW (patched_zero_grad.<locals>.zeroing)",
+}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +49,8 @@ def _each(ranks: list[dict[Any, Any]], setting: str) -> list[dict[Any, Any]]:
 @pytest.mark.parametrize("build", NAMED)
 @pytest.mark.parametrize(("setting", "technique"), CASES)
 def test_a_zero_grad_keeping_zeros_is_the_plain_loop_once_learnt(
-        ranks: list[dict[Any, Any]], setting: str, technique: str, build: str) -> None:
+    ranks: list[dict[Any, Any]], setting: str, technique: str, build: str
+) -> None:
     for results in _each(ranks, setting):
         found = results[setting, technique, build, True]
         assert found["error"] is None and found["bitwise"], found
@@ -58,7 +64,8 @@ def test_a_zero_grad_keeping_zeros_is_the_plain_loop_once_learnt(
 @pytest.mark.parametrize("build", NAMED)
 @pytest.mark.parametrize(("setting", "technique"), CASES)
 def test_a_zero_grad_keeping_zeros_is_refused_after_a_freeing_backward(
-        ranks: list[dict[Any, Any]], setting: str, technique: str, build: str) -> None:
+    ranks: list[dict[Any, Any]], setting: str, technique: str, build: str
+) -> None:
     """Not learnt: ``optimizer_in_backward`` refuses the first ``zero_grad()`` after a
     backward that freed the gradients, nothing changed by it; ``overlap_ddp`` keeps the
     gradients, as the plain loop: bitwise."""
@@ -75,7 +82,8 @@ def test_a_zero_grad_keeping_zeros_is_refused_after_a_freeing_backward(
 
 @pytest.mark.parametrize(("setting", "technique"), CASES)
 def test_an_optimizer_whose_step_requires_a_closure_is_refused_at_set_up(
-        ranks: list[dict[Any, Any]], setting: str, technique: str) -> None:
+    ranks: list[dict[Any, Any]], setting: str, technique: str
+) -> None:
     """Before: torch's bare ``TypeError: step() missing 1 required positional argument:
     'closure'`` from inside the first backward."""
     for results in _each(ranks, setting):
@@ -102,7 +110,8 @@ def test_a_step_patch_is_walked_again_once_replaced() -> None:
 
     optimizer.step = noisy  # type: ignore[method-assign]
     assert "(test_a_step_patch_is_walked_again_once_replaced.<locals>.noisy)" in str(
-        instance_override(optimizer))
+        instance_override(optimizer)
+    )
     setattr(noisy, PER_PART_MARK, True)
     assert instance_override(optimizer) is None
     optimizer.step = saved  # type: ignore[method-assign]
@@ -111,6 +120,7 @@ def test_a_step_patch_is_walked_again_once_replaced() -> None:
     delattr(noisy, PER_PART_MARK)
     assert instance_override(optimizer) is not None
     kept = weakref.ref(optimizer)
-    del optimizer, saved, noisy
+    saved = None  # the bound method the patch calls
+    del optimizer, noisy
     gc.collect()
     assert kept() is None

@@ -25,8 +25,11 @@ step (:mod:`~overlapkit.overlap.core.window`, the end of a learnt first step:
 copied with it as no-ops (:mod:`~overlapkit.overlap.core.own_hooks`), the step hooks
 kept behind the loop's own gradient hooks (:mod:`~overlapkit.overlap.core.hook_order`),
 the plain order while the optimizer has step hooks
-(:mod:`~overlapkit.overlap.core.step_hooks`), the state's entries in the plain order
-(:mod:`~overlapkit.overlap.core.state_order`), ``step()`` run eagerly when a compiled
+(:mod:`~overlapkit.overlap.core.step_hooks`, a ``step`` patched on the instance:
+:mod:`~overlapkit.overlap.core.step_patches`), the state's entries in the plain order
+(:mod:`~overlapkit.overlap.core.state_order`), an optimizer's own ``zero_grad`` that
+keeps zeros (:mod:`~overlapkit.overlap.core.zeroing`), closures refused
+(:mod:`~overlapkit.overlap.core.closures`), ``step()`` run eagerly when a compiled
 function calls it (:mod:`~overlapkit.overlap.core.eager_steps`), and parameters added
 to the real optimizer behind the overlapped one
 (:mod:`~overlapkit.overlap.core.groups_behind`), and a loaded state dict of other

@@ -28,10 +28,13 @@ def required_closure_refusal(optim_cls: type) -> UnsupportedOptimizerError | Non
         signature = inspect.signature(inspect.unwrap(optim_cls.step))  # type: ignore[attr-defined]
     except (TypeError, ValueError):  # pragma: no cover - a builtin step
         return None
-    required = [name for index, (name, param) in enumerate(signature.parameters.items())
-                if index > 0 and param.default is inspect.Parameter.empty
-                and param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD,
-                                   param.KEYWORD_ONLY)]
+    required = [
+        name
+        for index, (name, param) in enumerate(signature.parameters.items())
+        if index > 0
+        and param.default is inspect.Parameter.empty
+        and param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
+    ]
     if not required:
         return None
     return UnsupportedOptimizerError(
@@ -39,7 +42,8 @@ def required_closure_refusal(optim_cls: type) -> UnsupportedOptimizerError | Non
         "(a closure re-evaluating the loss), and a step taken during backward has none to "
         "pass: the engine calls step() with no argument, part by part, while backward "
         "runs. Use this optimizer without overlap, or give the argument a default of "
-        "None where the step works without it (torch's optimizers do).")
+        "None where the step works without it (torch's optimizers do)."
+    )
 
 
 def closure_refusal(technique: str) -> ConfigurationError:
@@ -50,4 +54,5 @@ def closure_refusal(technique: str) -> ConfigurationError:
         "Lightning (whose automatic optimization calls step(closure)), return the "
         "plain optimizer from configure_optimizers and pass strategy="
         "OverlapDDPStrategy() or OverlapSingleDeviceStrategy() from "
-        "overlapkit.integrations.lightning (FSDPStrategy, FSDP1, is not supported).")
+        "overlapkit.integrations.lightning (FSDPStrategy, FSDP1, is not supported)."
+    )

@@ -56,10 +56,12 @@ class GradZeroing:
         patched = vars(optimizer).get("zero_grad") if hasattr(optimizer, "__dict__") else None
         name = getattr(patched, "__qualname__", None) or type(patched).__qualname__
         #: what zeroes, in words, for the messages
-        self.what = (f"a zero_grad() set on this {cls} ({name})" if patched is not None else
-                     f"{getattr(type(optimizer).zero_grad, '__qualname__', cls)}() "
-                     "overriding Optimizer.zero_grad()") + (
-                         ", which keeps zero gradients where zero_grad() asks for None")
+        self.what = (
+            f"a zero_grad() set on this {cls} ({name})"
+            if patched is not None
+            else f"{getattr(type(optimizer).zero_grad, '__qualname__', cls)}() "
+            "overriding Optimizer.zero_grad()"
+        ) + (", which keeps zero gradients where zero_grad() asks for None")
 
     def ask(self, zero_grad: Any) -> bool:
         """Call ``zero_grad`` (the real ``zero_grad(set_to_none=True)``, under the
