@@ -12,7 +12,9 @@ and DDP). The overlapped optimizer's ``add_param_group`` validates and hooks the
 optimizer holds another number of parameters than the engine has indexed (its own
 ``add_param_group``, or parameters put into ``param_groups`` by hand), naming that
 call. Replacing the groups with the same parameters (its ``load_state_dict``) changes
-nothing here.
+nothing here. A parameter put into a second group by hand is named as that, not as an
+``add_param_group()`` to move to the overlapped optimizer (which would refuse it:
+before, the refusal said to call it there).
 """
 
 from __future__ import annotations
@@ -36,9 +38,17 @@ def groups_changed_refusal(steps: Any) -> ConfigurationError | None:
     indexed = engine.indexed
     if count == indexed:
         return None
+    technique = steps.technique
+    twice = _listed_twice(optimizer.param_groups)
+    if twice:
+        return ConfigurationError(
+            f"the {type(optimizer).__qualname__} that {technique} steps lists a parameter "
+            f"in more than one param group ({', '.join(twice)}; param_groups edited by "
+            "hand): the plain step() would step it once per group it is in, and torch's "
+            "add_param_group() refuses such a group. Nothing was stepped in this "
+            "backward. List each parameter in one param group.")
     change = (f"{count - indexed} parameters more" if count > indexed
               else f"{indexed - count} parameters fewer")
-    technique = steps.technique
     return ConfigurationError(
         f"the {type(optimizer).__qualname__} that {technique} steps holds {change} than "
         f"{technique} was told of: its own add_param_group() (or param_groups edited by "
@@ -47,3 +57,18 @@ def groups_changed_refusal(steps: Any) -> ConfigurationError | None:
         f"optimizer {technique} returned (it validates and hooks the parameters, stepped "
         "from the next backward on)."
     )
+
+
+def _listed_twice(groups: list[dict[str, Any]]) -> list[str]:
+    """Where a parameter is listed again, in words (``"#3 of group 0 in group 1"``):
+    asked only as a backward is refused."""
+    first: dict[int, str] = {}
+    found = []
+    for index, group in enumerate(groups):
+        for position, param in enumerate(group["params"]):
+            where = f"#{position} of group {index}"
+            if id(param) in first:
+                found.append(f"{first[id(param)]} again as {where}")
+            else:
+                first[id(param)] = where
+    return found

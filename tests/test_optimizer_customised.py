@@ -1,7 +1,7 @@
 """An optimizer customised where overlapkit cannot see it at its call: its own
-``zero_grad`` keeping zero gradients, a ``step()`` requiring a closure, a ``step``
-patched on the instance by an LR scheduler (plain module, 1 process; DDP, 2 gloo ranks;
-rank code: optimizer_zero_grad_ranks.py).
+``zero_grad`` keeping zero gradients, a ``step()`` requiring a closure, a parameter put
+in a second param group by hand, a ``step`` patched on the instance by an LR scheduler
+(plain module, 1 process; DDP, 2 gloo ranks; rank code: optimizer_customised_ranks.py).
 
 A subclass of ``AdamW`` whose ``zero_grad`` calls ``super().zero_grad(set_to_none=
 False)`` (or such a ``zero_grad`` set on the instance) under ``optimizer_in_backward``:
@@ -20,11 +20,11 @@ from typing import Any
 
 import pytest
 import torch
-from optimizer_zero_grad_ranks import SETTINGS, run
+from optimizer_customised_ranks import SETTINGS, run
 from torch import nn
 
 from overlapkit.distributed import run_distributed
-from overlapkit.overlap.core.step_patches import PER_PART_MARK, instance_override
+from overlapkit.overlap.core.step_hooks import PER_PART_MARK, instance_override
 
 CASES = [
     (setting, technique)
@@ -91,6 +91,22 @@ def test_an_optimizer_whose_step_requires_a_closure_is_refused_at_set_up(
         error = found["error"]
         assert error is not None and error["type"] == "UnsupportedOptimizerError", error
         assert "RequiresClosure.step() requires 'closure'" in error["message"]
+        assert found["unchanged"], found
+
+
+@pytest.mark.parametrize(("setting", "technique"), CASES)
+def test_a_parameter_put_in_a_second_group_by_hand_is_refused_as_that(
+    ranks: list[dict[Any, Any]], setting: str, technique: str
+) -> None:
+    """At the next backward, nothing stepped in it. Before: refused as parameters added
+    by the adopted optimizer's own ``add_param_group()``, telling to call it on the
+    overlapped optimizer instead (which refuses a parameter in two groups)."""
+    for results in _each(ranks, setting):
+        found = results[setting, technique, "listed twice"]
+        error = found["error"]
+        assert error is not None and error["overlapkit"], error
+        assert "in more than one param group (#1 of group 0 again as #" in error["message"]
+        assert "add_param_group() on" not in error["message"]
         assert found["unchanged"], found
 
 

@@ -1,8 +1,8 @@
-"""The rank side of tests/test_optimizer_zero_grad.py: an optimizer whose own
+"""The rank side of tests/test_optimizer_customised.py: an optimizer whose own
 ``zero_grad`` keeps zero gradients (a subclass of ``AdamW`` calling
 ``super().zero_grad(set_to_none=False)``, or a ``zero_grad`` set on the instance), on a
 model whose last layer is used every other step, against the plain loop; and optimizers
-whose ``step()`` requires a closure, at set-up."""
+whose ``step()`` requires a closure, at set-up; a parameter listed in two groups."""
 
 from __future__ import annotations
 
@@ -137,6 +137,26 @@ def _closure_required(rank: int, technique: str, ddp: bool) -> dict[str, Any]:
     return {"error": error_of(run), "unchanged": bool(compare(before, values(module)))}
 
 
+def _listed_twice(rank: int, technique: str, ddp: bool) -> dict[str, Any]:
+    """A step, then a parameter of group 0 appended by hand to group 1 of the adopted
+    AdamW: the next backward is refused, nothing stepped in it."""
+    model = _model(ddp)
+    module = model.module if ddp else model
+    params = list(module.parameters())
+    optimizer = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2)
+    opt = getattr(overlapkit, technique)(model, optimizer)
+    batches = rank_batches(rank, 2, (8, 16))
+    model(batches[0]).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    optimizer.param_groups[1]["params"].append(params[1])
+    before = values(module)
+    error = error_of(lambda: model(batches[1]).pow(2).mean().backward())
+    unchanged = bool(compare(before, values(module)))
+    opt.release()
+    return {"error": error, "unchanged": unchanged}
+
+
 SETTINGS = {
     "plain module": (False, ("optimizer_in_backward",)),
     "DDP": (True, ("overlap_ddp", "optimizer_in_backward")),
@@ -158,4 +178,5 @@ def run(rank: int, world_size: int) -> dict[Any, Any]:
                     out[setting, technique, build, learn] = found
         for technique in techniques:
             out[setting, technique, "closure"] = _closure_required(rank, technique, ddp)
+            out[setting, technique, "listed twice"] = _listed_twice(rank, technique, ddp)
     return out
