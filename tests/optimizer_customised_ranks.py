@@ -123,14 +123,39 @@ class RequiresClosure(torch.optim.Optimizer):
         return loss
 
 
-def _closure_required(rank: int, technique: str, ddp: bool) -> dict[str, Any]:
-    """Set-up and one backward with an optimizer whose ``step()`` requires a closure."""
+class CallsClosure(RequiresClosure):
+    """Its ``step(closure=None)`` calls the closure all the same."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        return super().step(closure)
+
+
+class AssertsClosure(RequiresClosure):
+    """Its ``step(closure=None)`` asserts a closure was given (as SAM's does)."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        assert closure is not None, "this optimizer requires a closure"
+        return super().step(closure)
+
+
+CLOSURES = {
+    "closure": RequiresClosure,
+    "closure called": CallsClosure,
+    "closure asserted": AssertsClosure,
+}
+
+
+def _closure_required(rank: int, technique: str, ddp: bool, kind: str) -> dict[str, Any]:
+    """Set-up and one backward with an optimizer whose ``step()`` requires a closure
+    (``kind``: in its signature, or by calling or asserting it)."""
     model = _model(ddp)
     module = model.module if ddp else model
     before = values(module)
 
     def run() -> None:
-        opt = getattr(overlapkit, technique)(model, RequiresClosure(module.parameters()))
+        opt = getattr(overlapkit, technique)(model, CLOSURES[kind](module.parameters()))
         model(rank_batches(rank, 1, (8, 16))[0]).pow(2).mean().backward()
         opt.release()
 
@@ -177,6 +202,7 @@ def run(rank: int, world_size: int) -> dict[Any, Any]:
                     found["bitwise"] = compare(plain["values"], found.pop("values"))
                     out[setting, technique, build, learn] = found
         for technique in techniques:
-            out[setting, technique, "closure"] = _closure_required(rank, technique, ddp)
+            for kind in CLOSURES:
+                out[setting, technique, kind] = _closure_required(rank, technique, ddp, kind)
             out[setting, technique, "listed twice"] = _listed_twice(rank, technique, ddp)
     return out

@@ -32,8 +32,8 @@ CASES = [
     for technique in techniques
 ]
 NAMED = {
-    "subclass": "Zeroing.zero_grad() overriding Optimizer.zero_grad()",
-    "instance patch": "a zero_grad() set on this AdamW (patched_zero_grad.<locals>.zeroing)",
+    "subclass": "Zeroing.zero_grad() (overriding Optimizer.zero_grad(), it keeps zero",
+    "instance patch": "a zero_grad() set on this AdamW (patched_zero_grad.<locals>.zeroing: it",
 }
 
 
@@ -91,6 +91,25 @@ def test_an_optimizer_whose_step_requires_a_closure_is_refused_at_set_up(
         error = found["error"]
         assert error is not None and error["type"] == "UnsupportedOptimizerError", error
         assert "RequiresClosure.step() requires 'closure'" in error["message"]
+        assert found["unchanged"], found
+
+
+@pytest.mark.parametrize("kind", ["closure called", "closure asserted"])
+@pytest.mark.parametrize(("setting", "technique"), CASES)
+def test_a_step_calling_its_closure_all_the_same_is_refused_as_that(
+    ranks: list[dict[Any, Any]], setting: str, technique: str, kind: str
+) -> None:
+    """``step(closure=None)`` calling ``closure()`` or asserting it: refused as the first
+    backward ends, naming the class and the closure, nothing stepped. Before: torch's
+    bare ``TypeError: 'NoneType' object is not callable`` (or the ``AssertionError``)
+    from inside backward."""
+    name = {"closure called": "CallsClosure", "closure asserted": "AssertsClosure"}[kind]
+    for results in _each(ranks, setting):
+        found = results[setting, technique, kind]
+        error = found["error"]
+        assert error is not None and error["type"] == "UnsupportedOptimizerError", error
+        assert f"{name}.step() raised" in error["message"]
+        assert "with its closure None" in error["message"]
         assert found["unchanged"], found
 
 

@@ -56,12 +56,13 @@ class GradZeroing:
         patched = vars(optimizer).get("zero_grad") if hasattr(optimizer, "__dict__") else None
         name = getattr(patched, "__qualname__", None) or type(patched).__qualname__
         #: what zeroes, in words, for the messages
+        keeps = "keeps zero gradients where zero_grad() asks for None"
         self.what = (
-            f"a zero_grad() set on this {cls} ({name})"
+            f"a zero_grad() set on this {cls} ({name}: it {keeps})"
             if patched is not None
-            else f"{getattr(type(optimizer).zero_grad, '__qualname__', cls)}() "
-            "overriding Optimizer.zero_grad()"
-        ) + (", which keeps zero gradients where zero_grad() asks for None")
+            else f"{getattr(type(optimizer).zero_grad, '__qualname__', cls)}() (overriding "
+            f"Optimizer.zero_grad(), it {keeps})"
+        )
 
     def ask(self, zero_grad: Any) -> bool:
         """Call ``zero_grad`` (the real ``zero_grad(set_to_none=True)``, under the

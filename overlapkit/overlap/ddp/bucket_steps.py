@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from overlapkit.overlap.core.bucket_layout import BucketLayouts
+from overlapkit.overlap.core.closures import closure_needed
 from overlapkit.overlap.core.engine import OverlapEngine, StepPlan
 from overlapkit.overlap.core.side_stream import SideStream
 from overlapkit.overlap.ddp.failed_reductions import FailedReductions
@@ -141,7 +142,7 @@ class BucketSteps(FailedReductions):
                 try:
                     self._step_reduced(reduced)
                 except Exception as error:  # held until backward ends; see the docstring
-                    self._step_error = error
+                    self._step_error = closure_needed(error)
                 if results and self._clips:
                     # DDP's finalize copies the future's tensor into .grad: it gets the
                     # clipped gradients the step used, as .grad after the plain clip

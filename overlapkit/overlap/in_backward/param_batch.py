@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from overlapkit.overlap.core.closures import closure_needed
 from overlapkit.overlap.core.engine import OverlapEngine, StepPlan
 from overlapkit.overlap.rules.clipping import GradClipping
 
@@ -71,7 +72,7 @@ class ParamBatch:
                 for param in plan.params:
                     param.grad = None
         except Exception as error:
-            return error
+            return closure_needed(error)
         return None
 
     def drop(self, *, keep_grads: bool) -> None:

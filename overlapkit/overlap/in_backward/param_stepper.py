@@ -35,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 
 from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.core.backward_scope import NEW, OUTSIDE, BackwardScope
+from overlapkit.overlap.core.closures import closure_needed
 from overlapkit.overlap.core.engine import OverlapEngine, StepPlan
 from overlapkit.overlap.core.hook_order import OwnHooksLast
 from overlapkit.overlap.core.side_stream import SideStream
@@ -188,9 +189,12 @@ class ParamStepper(StepAccount):
             else:
                 with self.side_stream.running(plan.params, freed=(grad,)):
                     self._step(plan)
-        except Exception as error:
-            if not in_backward:
+        except Exception as raised:
+            error = closure_needed(raised)
+            if not in_backward and error is raised:
                 raise
+            if not in_backward:
+                raise error from raised
             # Held until backward ends, as the bucket stepper does: on FSDP2 this
             # hook runs between reduce-scatters, and raising here would stop this
             # rank's backward after fewer collectives than the other ranks run.
