@@ -392,6 +392,18 @@ ERRORS: dict[str, tuple[Callable[[], Any], type[Exception], str]] = {
 }
 
 
+def test_sparse_adam_refusal_on_a_plain_module_names_no_ddp() -> None:
+    # 968cf42: "SparseAdam needs sparse gradients, and DDP buckets hold dense ones" on a
+    # plain module, where no DDP bucket is involved
+    model = nn.Embedding(10, 4, sparse=True)
+    with pytest.raises(overlapkit.UnsupportedOptimizerError) as refused:
+        overlapkit.optimizer_in_backward(model, torch.optim.SparseAdam, lr=0.1)
+    message = str(refused.value)
+    assert "DDP buckets hold" not in message
+    assert "steps during backward take dense ones, on any model" in message
+    assert "SparseAdam in a plain loop" in message
+
+
 def _zero_redundancy() -> type[torch.optim.Optimizer]:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 

@@ -6,6 +6,7 @@ or ``KeyError`` from inside DCP."""
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,9 @@ def check_model_and_optimizer(model: Any, optimizer: Any, call: str) -> None:
         refusal = level.checkpoint_refusal(loading=call == "load")
         if refusal is not None:
             raise CheckpointError(f"{call}: {refusal} Nothing was written or changed.")
+        left_out = getattr(level, "left_out_of_checkpoints", None)  # overlap_ddp's
+        if call == "save" and callable(left_out) and (warning := left_out()):
+            warnings.warn(warning, UserWarning, stacklevel=4)
         level = level.wrapped
     names = {id(p): n for n, p in model.named_parameters()}
     for group in optimizer.param_groups:

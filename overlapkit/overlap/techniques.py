@@ -133,7 +133,9 @@ def overlap_ddp(
     if setup.policy is not None:
         return mark_when_dropped(shard_on_ddp(setup))
     engine, stepper = set_up_on_ddp(setup)
-    return mark_when_dropped(DDPOverlapOptimizer(engine, stepper, setup.model))
+    assert setup.comm_hook is not None  # resolve_on_ddp resolved it
+    return mark_when_dropped(DDPOverlapOptimizer(engine, stepper, setup.model,
+                                                 setup.comm_hook.name))
 
 
 def optimizer_in_backward(

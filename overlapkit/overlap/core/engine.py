@@ -130,9 +130,11 @@ class OverlapEngine:
             )
         if issubclass(optim_cls, torch.optim.SparseAdam):
             raise UnsupportedOptimizerError(
-                f"{optim_cls.__qualname__} needs sparse gradients, and DDP buckets hold "
-                "dense ones; use torch.optim.Adam (dense) with overlap, or SparseAdam "
-                "without it."
+                f"{optim_cls.__qualname__} steps sparse gradients only (an "
+                "nn.Embedding(sparse=True)'s), and overlapkit's steps during backward "
+                "take dense ones, on any model (a DDP bucket never holds a sparse "
+                "gradient); use torch.optim.Adam with overlap (and sparse=False on the "
+                "embeddings), or SparseAdam in a plain loop (its step() after backward)."
             )
 
     def step_groups(self, groups: Sequence[tuple[ParamGroup, list[torch.Tensor]]]) -> None:
