@@ -203,3 +203,56 @@ def test_hierarchical_the_other_subgroup_learns_at_the_next_global_averaging() -
         assert [e[:2] for e in results[rank]] == [(4, "ExchangeFailedError"),
                                                  (5, "ExchangeFailedError")], rank
         assert "rank 1's averager _RaisesInSubgroup raised ValueError" in results[rank][0][2]
+
+
+class _OwnAllReduce(PeriodicAverager):
+    """A plugin's averager averaging with its own blocking ``dist.all_reduce`` (not
+    overlapkit's ``average_in_place``); raises in its first averaging on rank 1."""
+
+    def __init__(self, raising: bool) -> None:
+        super().__init__(period=1)
+        self.raising = raising
+
+    def average(self, params: list[torch.Tensor], group: Any) -> None:
+        if self.raising and dist.get_rank() == 1:
+            self.raising = False
+            raise ValueError("the plugin's own bug")
+        flat = torch.cat([p.detach().reshape(-1) for p in params]).div_(dist.get_world_size())
+        dist.all_reduce(flat, group=group)  # the plugin's own collective, blocking
+        torch.nn.utils.vector_to_parameters(flat, params)
+
+
+def _own_collective(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for raising in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        opt = overlapkit.PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                               _OwnAllReduce(raising))
+        start, errors = time.monotonic(), []
+        for step in range(3):
+            gen = torch.Generator().manual_seed(10 * rank + step)
+            model(torch.randn(3, 4, generator=gen)).sum().backward()
+            try:
+                opt.step()
+            except Exception as error:  # the user's loop goes on
+                errors.append((step, type(error).__name__, str(error),
+                               time.monotonic() - start))
+            opt.zero_grad()
+        out[raising] = {"errors": errors, "params": _flat(model)}
+    return out
+
+
+def test_a_plugin_averagers_own_collective_is_told_of_the_failing_rank() -> None:
+    # 968cf42: rank 0 waited in the averager's own dist.all_reduce until the process
+    # group's timeout (here the run's 60 s); now it raises ExchangeFailedError naming
+    # rank 1 at once, and without a failure the averaging is unchanged
+    results = run_distributed(_own_collective, 2, timeout=60)
+    assert results[0][False]["errors"] == results[1][False]["errors"] == []
+    assert torch.equal(results[0][False]["params"], results[1][False]["params"])
+    step, kind, message, seconds = results[0][True]["errors"][0]
+    assert (step, kind) == (0, "ExchangeFailedError"), results[0][True]["errors"]
+    assert "rank 1's averager _OwnAllReduce raised ValueError: the plugin's own bug" in message
+    assert seconds < 10, seconds
+    assert [e[:2] for e in results[1][True]["errors"]] == [
+        (0, "ValueError"), (1, "ExchangeFailedError"), (2, "ExchangeFailedError")]

@@ -7,6 +7,8 @@
 - :mod:`~overlapkit.local_sgd.hierarchy`: hierarchical levels from the launch;
 - :mod:`~overlapkit.local_sgd.failures`: an averager raising on one rank, the others
   told; an averager state that cannot be saved or loaded, refused naming it;
+- :mod:`~overlapkit.local_sgd.watched_collectives`: an averager's own blocking
+  collectives told of that failure too;
 - :mod:`~overlapkit.local_sgd.first_step`: ``learn_first_step`` passed down;
 - :mod:`~overlapkit.local_sgd.comm_hook`: the ``post_local_sgd`` DDP comm hook and its
   subgroup policy;

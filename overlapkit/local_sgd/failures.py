@@ -17,8 +17,10 @@ reaches the loop. Every collective overlapkit's averaging waits for
 (:func:`wait_watching`: the agreement on which parameters have a gradient, the
 averaging all-reduce, Streaming DiLoCo's) checks that note while it waits, and raises
 :class:`~overlapkit.errors.ExchangeFailedError` naming the averager and the failing
-rank within :data:`POLL_SECONDS`. A collective that is not watched (a plugin's own)
-that fails at the timeout is named the same way.
+rank within :data:`POLL_SECONDS`; so does an averager's own blocking collective
+(``dist.all_reduce`` called by a plugin's averager,
+:mod:`overlapkit.local_sgd.watched_collectives`). A collective that is still not
+watched (one a plugin waits for itself) that fails at the timeout is named the same way.
 
 After that the process group cannot be used (a collective is left half done), so the
 next ``step()`` on every rank involved refuses before its local step and averaging — unless
@@ -46,6 +48,7 @@ from overlapkit.errors import (
     OverlapkitError,
     RanksLostError,
 )
+from overlapkit.local_sgd.watched_collectives import begin, end
 from overlapkit.nodes.lost_ranks import is_peer_failure, name_lost_ranks, watch
 
 __all__ = ["POLL_SECONDS", "averaging_failures", "load_averager_state", "refuse_after_failure",
@@ -155,6 +158,7 @@ def averaging_failures(averager: Any) -> Iterator[None]:
     :func:`~overlapkit.nodes.lost_ranks.lost_ranks_named`, the lost ranks')."""
     step = getattr(averager, "step", "?")
     watch()  # this rank takes part in the roll call (lost ranks named)
+    watching = begin()  # a plugin's own blocking collectives watched too
     try:
         yield
     except (KeyboardInterrupt, SystemExit, GeneratorExit):
@@ -192,6 +196,8 @@ def averaging_failures(averager: Any) -> Iterator[None]:
                      "collective). The next step() refuses unless every rank raised "
                      "alike: restart the job.")
         raise
+    finally:
+        end(watching)
 
 
 def refuse_after_failure() -> None:

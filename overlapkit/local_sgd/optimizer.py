@@ -50,6 +50,7 @@ from overlapkit.local_sgd.failures import (
 )
 from overlapkit.local_sgd.first_step import LearnsFirstStep
 from overlapkit.local_sgd.plugin import create_averager
+from overlapkit.local_sgd.watched_collectives import install as install_watched_collectives
 from overlapkit.optimizer_wrapper import OptimizerWrapper
 from overlapkit.overlap.core.watched_reads import quiet_reads
 from overlapkit.plugin.manager import get_plugin_manager
@@ -85,6 +86,7 @@ class PostLocalSGDOptimizer(LearnsFirstStep, OptimizerWrapper):
         check_averager(averager)
         super().__init__(optim)
         self.averager = averager
+        install_watched_collectives()  # an averager's own collectives: failures told
         # overlap_ddp(..., comm_hook="post_local_sgd"): its hook's, saved and restored
         self.comm_hook_state = (comm_hook_state if comm_hook_state is not None
                                 else overlapped_hook_state(optim))

@@ -14,7 +14,8 @@ is raised as one overlapkit error when backward ends:
 gradients freed, likewise: :mod:`~overlapkit.overlap.ddp.unreduced`), the hooks on the parameters
 beside it (:mod:`~overlapkit.overlap.ddp.param_hooks`; where plain DDP divides gradients
 kept as bucket views: :mod:`~overlapkit.overlap.ddp.kept_gradients`) and the optimizer
-``overlap_ddp`` returns (:mod:`~overlapkit.overlap.ddp.optimizer`).
+``overlap_ddp`` returns (:mod:`~overlapkit.overlap.ddp.optimizer`; its comm hook's
+state in its ``state_dict()``: :mod:`~overlapkit.overlap.ddp.hook_state`).
 ``optimizer_in_backward`` on a DDP model and sharded state
 (:mod:`overlapkit.overlap.sharded`) take this path too.
 """
