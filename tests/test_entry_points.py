@@ -252,3 +252,39 @@ def test_a_hook_that_raises_is_one_line_naming_plugin_distribution_and_hook(
     message = proc.stderr.strip().splitlines()[-1]
     assert "'raises'" in message and "overlapkit-raises" in message
     assert "overlapkit_register_averagers" in message and "config file missing" in message
+
+
+def test_one_module_under_two_entry_point_names_is_one_line_naming_both(
+        tmp_path: Path) -> None:
+    # 968cf42: pluggy's bare "ValueError: Plugin already registered under a different
+    # name", a traceback (a distribution keeping an old entry point beside a new one)
+    path = make_plugin_dist(
+        tmp_path, dist="overlapkit-renamed", entry_points={"old": "shared", "new": "shared"},
+        modules={"shared": HOOK_PLUGIN.format(hook="h1", dist="overlapkit-renamed")})
+    proc = run_python(
+        "import sys; from overlapkit.cli import main; sys.exit(main(['plugins']))", path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    message = proc.stderr.strip().splitlines()[-1]
+    assert "the plugin 'shared' is registered twice, as 'old' and as 'new'" in message
+
+
+def test_one_plugin_returning_a_name_twice_is_named_as_one_plugin(tmp_path: Path) -> None:
+    # 968cf42: "comm hook 'h1' is provided by two plugins: 'dup' and 'dup'"
+    path = make_plugin_dist(
+        tmp_path, dist="overlapkit-dup", entry_points={"dup": "dup_plugin"},
+        modules={"dup_plugin": """
+            from overlapkit import hookimpl, CommHookRecord
+
+            def build(*, process_group=None, **options):
+                return process_group, lambda state, bucket: None
+
+            @hookimpl
+            def overlapkit_register_comm_hooks():
+                return [CommHookRecord(name="h1", build=build),
+                        CommHookRecord(name="h1", build=build)]
+            """})
+    proc = run_python(
+        "import sys; from overlapkit.cli import main; sys.exit(main(['plugins']))", path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    message = proc.stderr.strip().splitlines()[-1]
+    assert "plugin 'dup' returns two comm hooks named 'h1'" in message

@@ -122,6 +122,16 @@ class OverlapkitPluginManager(pluggy.PluginManager):
                 f"two plugins are named {name!r}; rename one of the entry points or "
                 f"block one with OVERLAPKIT_DISABLE_PLUGINS={name}."
             )
+        earlier = self.get_name(plugin)
+        if earlier is not None and name is not None and earlier != name:
+            # one module under two entry point names (a renamed one kept): pluggy's bare
+            # "ValueError: Plugin already registered under a different name" at 968cf42
+            raise PluginConflictError(
+                f"the plugin {getattr(plugin, '__name__', plugin)!r} is registered twice, "
+                f"as {earlier!r} and as {name!r} (two overlapkit entry points naming one "
+                "module); keep one entry point in its pyproject.toml, or block one with "
+                f"OVERLAPKIT_DISABLE_PLUGINS={name}."
+            )
         try:
             registered = super().register(plugin, name)
         except pluggy.PluginValidationError as exc:

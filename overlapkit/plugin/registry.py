@@ -179,6 +179,13 @@ class Registry:
     def _add(self, kind: HookKind, provided: Provided[Any]) -> None:
         table = self.tables[kind.table]
         key = kind.key(provided.record)
+        if key in table and table[key].plugin == provided.plugin:
+            raise PluginConflictError(
+                f"plugin {provided.plugin!r} returns two {kind.label}s named "
+                f"{provided.record.name!r} from its {kind.hook}(); return each "
+                f"{kind.label} once (rename one), or block the plugin with "
+                f"OVERLAPKIT_DISABLE_PLUGINS={provided.plugin}."
+            )
         if key in table:
             first = table[key].plugin
             # never suggest blocking a built-in: that takes its other records away too
