@@ -304,14 +304,37 @@ class DiLoCoAverager(PeriodicAverager):
             state["outer_optimizer"] = self.outer.state_dict()
         if self.in_flight is not None:  # waits for the sync: its mean is part of the state
             state["in_flight"] = {"fragment": self.in_flight.fragment,
-                                  "delta": [t.clone() for t in self.in_flight.wait()]}
+                                  "delta": [t.clone() for t in self.in_flight.wait()],
+                                  "settings": self._sync_settings()}
         return state
+
+    def _sync_settings(self) -> dict[str, int]:
+        """What decides at which step a sync in flight is applied."""
+        return {"period": self.period, "fragments": self.fragments,
+                "fragment_sync_delay": self.fragment_sync_delay}
+
+    def _check_in_flight(self, in_flight: Any) -> None:
+        """Refuse, before anything loads, a sync in flight saved under other settings:
+        at 968cf42 it loaded, and a later step raised "the averager's steps were
+        skipped. Call average_parameters after every optimizer step", which was not
+        the cause."""
+        saved = in_flight.get("settings") if isinstance(in_flight, Mapping) else None
+        if not isinstance(saved, Mapping) or dict(saved) == self._sync_settings():
+            return
+        raise CheckpointError(
+            f"the DiLoCo averager state holds a sync in flight (fragment "
+            f"{in_flight.get('fragment')}) saved with {dict(saved)}, but this averager has "
+            f"{self._sync_settings()}: the step that applies it would never come. Resume "
+            "with the saved period, fragments and fragment_sync_delay (change them at a "
+            "checkpoint with no sync in flight). Nothing was loaded.")
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore the step, the round start, the outer optimizer's state and a sync
         in flight (its averaged pseudo-gradient)."""
-        super().load_state_dict(state_dict)
         in_flight = state_dict.get("in_flight")
+        if in_flight is not None:
+            self._check_in_flight(in_flight)
+        super().load_state_dict(state_dict)
         self.in_flight = None if in_flight is None else InFlightAverage(
             int(in_flight["fragment"]),
             [torch.as_tensor(t).detach().clone() for t in in_flight["delta"]], None)
