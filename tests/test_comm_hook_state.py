@@ -69,9 +69,10 @@ def _model() -> DDP:
                                    torch.nn.Linear(16, 4)), bucket_cap_mb=0.001)
 
 
-def _ours(hook: str = "powerSGD", **options: Any) -> tuple[DDP, torch.optim.Optimizer]:
+def _ours(hook: str = "powerSGD", technique: str = "overlap_ddp",
+          **options: Any) -> tuple[DDP, torch.optim.Optimizer]:
     model = _model()
-    return model, overlapkit.overlap_ddp(
+    return model, getattr(overlapkit, technique)(
         model, torch.optim.SGD, lr=0.1, momentum=0.9, comm_hook=hook,
         comm_hook_options=(options or OPTIONS) if hook == "powerSGD" else None)
 
@@ -115,6 +116,18 @@ def _run(rank: int, world_size: int, directory: str) -> dict[str, Any]:
             opt.load_state_dict(torch.load(saved, weights_only=True))
         _steps(model, opt, range(4, 8))
         out[f"bitwise {resume_hook}"] = torch.equal(_flat(model), uninterrupted)
+    model, opt = _ours(technique="optimizer_in_backward")  # on DDP: the same hooks
+    _steps(model, opt, range(8))
+    uninterrupted = _flat(model)
+    model, opt = _ours(technique="optimizer_in_backward")
+    _steps(model, opt, range(4))
+    overlapkit.checkpoint.save(checkpoint + "-ib", model, opt)
+    torch.save(opt.state_dict(), saved + "-ib")
+    model, opt = _ours(technique="optimizer_in_backward")
+    overlapkit.checkpoint.load(checkpoint + "-ib", model, opt)
+    opt.load_state_dict(torch.load(saved + "-ib", weights_only=True))
+    _steps(model, opt, range(4, 8))
+    out["bitwise in backward"] = torch.equal(_flat(model), uninterrupted)
     model, opt = _ours(**{**OPTIONS, "matrix_approximation_rank": 2})
     before = (opt.comm_hook_state.iter, opt.state_dict()["state"])
     try:
@@ -149,6 +162,7 @@ def test_powersgd_state_resumes_bitwise_from_state_dict(results: list[dict[str, 
         assert result["keys"] == ["comm_hook", "param_groups", "state"]
         assert result["bitwise True"] is True
         assert result["bitwise False"] is False  # the checkpoint alone: hook afresh
+        assert result["bitwise in backward"] is True  # optimizer_in_backward on DDP
 
 
 def test_checkpoint_save_warns_that_it_does_not_hold_the_hook_state(

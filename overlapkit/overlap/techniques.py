@@ -220,7 +220,10 @@ def optimizer_in_backward(
                                grad_scaler=grad_scaler)
         check_on_ddp(setup)
         engine, stepper = set_up_on_ddp(setup, free_grads=True)
-        return mark_when_dropped(OptimizerInBackward(engine, stepper, setup.model))
+        optimizer = OptimizerInBackward(engine, stepper, setup.model)
+        assert setup.comm_hook is not None  # resolve_on_ddp resolved it
+        optimizer._hook_name = setup.comm_hook.name  # for CommHookStateFacade's messages
+        return mark_when_dropped(optimizer)
     if comm_hook is not None or comm_hook_options is not None:
         raise ConfigurationError(
             f"comm_hook applies to DistributedDataParallel models only, and this is "

@@ -36,8 +36,9 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
 from overlapkit.errors import CheckpointError
+from overlapkit.overlap.facade import OverlappedOptimizerFacade
 
-__all__ = ["KEY", "hook_state_loader", "saved_hook_state"]
+__all__ = ["KEY", "CommHookStateFacade", "hook_state_loader", "saved_hook_state"]
 
 #: the optimizer state dict's key for the comm hook's state
 KEY = "comm_hook"
@@ -174,3 +175,55 @@ def _power_sgd_loader(state: PowerSGDState, name: str,
             setattr(state, slot, {int(k): v.detach().clone() for k, v in saved[slot].items()})
 
     return load
+
+
+class CommHookStateFacade(OverlappedOptimizerFacade):
+    """The optimizers stepping a DDP model during backward (``overlap_ddp``'s, and
+    ``optimizer_in_backward``'s on a DDP model): ``state_dict()`` and
+    ``load_state_dict()`` with the comm hook's state (see the module)."""
+
+    #: the name the comm hook was chosen by (``comm_hook=``), for messages
+    _hook_name = "allreduce"
+
+    def _warned(self) -> list[bool]:
+        """Warned of, once each: an unknown state at state_dict(), at checkpoint.save()."""
+        flags: list[bool] | None = self.__dict__.get("_hook_warned")
+        if flags is None:
+            flags = self.__dict__["_hook_warned"] = [False, False]
+        return flags
+
+    @property
+    def comm_hook_state(self) -> Any:
+        """The state of the comm hook this optimizer's model reduces with (what
+        ``build_comm_hook(name)`` returns first: a ``PowerSGDState``, a process group)."""
+        return getattr(self._steps, "inner_state", None)  # a BucketStepper's
+
+    def state_dict(self) -> dict[str, Any]:
+        state_dict = super().state_dict()
+        saved = saved_hook_state(self.comm_hook_state, self._hook_name, self._warned())
+        if saved is not None:
+            state_dict[KEY] = saved
+        return state_dict
+
+    def left_out_of_checkpoints(self) -> str | None:
+        """What ``overlapkit.checkpoint.save`` warns of, once: the comm hook's state,
+        each rank's own, which DCP's replicated optimizer state cannot hold."""
+        warned = self._warned()
+        if warned[1] or saved_hook_state(
+                self.comm_hook_state, self._hook_name, [True]) is None:
+            return None
+        warned[1] = True
+        return (f"overlapkit.checkpoint.save() does not hold the state of the comm hook "
+                f"{self._hook_name!r}, each rank's own (PowerSGD's error feedback): "
+                "a run resumed from the checkpoint alone starts that hook afresh. Save "
+                "optimizer.state_dict() on every rank beside it (torch.save), and load it "
+                "after checkpoint.load() with optimizer.load_state_dict().")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The real optimizer's ``load_state_dict``, and the comm hook's state where
+        ``state_dict`` holds one (checked first: a refusal loads nothing)."""
+        saved = state_dict.get(KEY) if isinstance(state_dict, Mapping) else None
+        load_hook = hook_state_loader(self.comm_hook_state, self._hook_name, saved)
+        super().load_state_dict(state_dict)
+        load_hook()
+

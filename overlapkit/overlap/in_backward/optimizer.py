@@ -17,7 +17,8 @@ from contextlib import contextmanager
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.overlap.core.engine import OverlapEngine
-from overlapkit.overlap.facade import BackwardSteps, OverlappedOptimizerFacade
+from overlapkit.overlap.ddp.hook_state import CommHookStateFacade
+from overlapkit.overlap.facade import BackwardSteps
 from overlapkit.overlap.in_backward.param_stepper import ParamStepper
 from overlapkit.overlap.resolved import ModelFacts
 
@@ -26,13 +27,15 @@ __all__ = ["TECHNIQUE", "OptimizerInBackward"]
 TECHNIQUE = "optimizer_in_backward"
 
 
-class OptimizerInBackward(OverlappedOptimizerFacade):
+class OptimizerInBackward(CommHookStateFacade):
     """The optimizer :func:`optimizer_in_backward` returns: a ``torch.optim.Optimizer``
     whose steps happen during backward, after which the gradients are None.
 
     ``param_groups``, ``state``, ``defaults``, ``state_dict()`` and
     ``load_state_dict()`` are those of the real optimizer inside (see
-    :attr:`optimizer`); :meth:`step` is a no-op after a backward that stepped.
+    :attr:`optimizer`; on a DDP model ``state_dict()`` adds the comm hook's state,
+    see :mod:`overlapkit.overlap.ddp.hook_state`); :meth:`step` is a no-op after a
+    backward that stepped.
     """
 
     def __init__(
