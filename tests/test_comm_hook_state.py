@@ -136,6 +136,14 @@ def _run(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     except overlapkit.CheckpointError as refused:
         out["other settings"] = str(refused)
     out["nothing loaded"] = before == (opt.comm_hook_state.iter, opt.state_dict()["state"])
+    model, opt = _ours()
+    malformed = torch.load(saved, weights_only=True)
+    del malformed["comm_hook"]["rng"]
+    try:
+        opt.load_state_dict(malformed)
+        out["malformed"] = "loaded"
+    except overlapkit.CheckpointError as refused:
+        out["malformed"] = str(refused)
     model, opt = _ours("counted")
     _steps(model, opt, range(2))
     counted = opt.state_dict()
@@ -177,6 +185,7 @@ def test_other_powersgd_settings_are_refused_nothing_loaded(
     for result in results:
         assert "matrix_approximation_rank 1 saved, 2 now" in result["other settings"]
         assert result["nothing loaded"] is True
+        assert "saved PowerSGD state is malformed (KeyError: 'rng')" in result["malformed"]
 
 
 def test_a_plugin_state_with_state_dict_is_saved_and_an_opaque_one_warned_once(

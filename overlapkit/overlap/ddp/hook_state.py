@@ -161,18 +161,25 @@ def _power_sgd_loader(state: PowerSGDState, name: str,
             "resumed run differs from the uninterrupted one. Save and load each rank's "
             "optimizer.state_dict() (or overlapkit.checkpoint with the optimizer).",
             UserWarning, stacklevel=4)
-    rng = saved["rng"]
-    generator = np.random.RandomState()
-    generator.set_state((rng["name"], rng["keys"].numpy().astype(np.uint32), rng["pos"],
-                         rng["has_gauss"], rng["cached_gaussian"]))
+    try:  # everything read and converted before anything changes
+        rng = saved["rng"]
+        generator = np.random.RandomState()
+        generator.set_state((rng["name"], rng["keys"].numpy().astype(np.uint32),
+                             rng["pos"], rng["has_gauss"], rng["cached_gaussian"]))
+        counters = {slot: saved[slot] for slot in _COUNTERS}
+        # copies: the hook writes into them (``out=``) from the next backward on
+        tensors = {slot: {int(k): v.detach().clone() for k, v in saved[slot].items()}
+                   for slot in _TENSORS}
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise CheckpointError(
+            f"the comm hook {name!r}'s saved PowerSGD state is malformed "
+            f"({type(error).__name__}: {error}); load what this optimizer's state_dict() "
+            "returned. Nothing was loaded.") from error
 
     def load() -> None:
         state.rng = generator
-        for slot in _COUNTERS:
-            setattr(state, slot, saved[slot])
-        for slot in _TENSORS:
-            # copies: the hook writes into them (``out=``) from the next backward on
-            setattr(state, slot, {int(k): v.detach().clone() for k, v in saved[slot].items()})
+        for slot, value in {**counters, **tensors}.items():
+            setattr(state, slot, value)
 
     return load
 
