@@ -39,6 +39,7 @@ from overlapkit.overlap.rules.amp_scaler import (
 )
 from overlapkit.overlap.rules.global_step import model_order
 from overlapkit.overlap.rules.late_clipping import watch
+from overlapkit.overlap.rules.released import is_released, loop_clipped, released_rule
 from overlapkit.overlap.setup import (
     check_unclaimed,
     claim_params,
@@ -97,8 +98,9 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
     #: ``torch.amp.GradScaler.step`` hands an optimizer with this flag the scale and
     #: the inf check as attributes (``grad_scale``, ``found_inf``) and calls its
     #: ``step()`` directly, instead of unscaling its gradients itself: so ``step()``
-    #: sees that a GradScaler drives it (see :meth:`_scaler_driving`).
-    _step_supports_amp_scaling = True
+    #: sees that a GradScaler drives it (see :meth:`_scaler_driving`). Not once released
+    #: (:mod:`~overlapkit.overlap.rules.released`): a scaler drives it as a plain one.
+    _step_supports_amp_scaling = property(lambda self: not is_released(self._steps))
 
     def _scaler_driving(self) -> Any | None:
         """The ``grad_scaler=`` scaler when a ``GradScaler`` calls :meth:`step` (it set
@@ -125,8 +127,8 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         """The real optimizer's groups. ``GradScaler.unscale_`` reading them is refused
         (:func:`~overlapkit.overlap.rules.amp_scaler.guard_param_groups`)."""
         rule = self._steps.full_step
-        guard_param_groups(sys._getframe(1), self._technique,
-                           None if rule is None else rule.grad_scaler)
+        if not is_released(self._steps):  # released: a scaler unscales as torch's does
+            guard_param_groups(sys._getframe(1), self._technique, rule and rule.grad_scaler)
         return self._wrapped.param_groups
 
     @param_groups.setter
@@ -309,7 +311,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
                                          self._technique)
             rule = steps.global_step
         else:
-            rule = steps.full_step
+            rule = released_rule(steps) if is_released(steps) else steps.full_step
             if rule is None or (clipped_by_loop and rule.grad_scaler is None):
                 # the loop's own clip of the kept gradients was the plain loop's
                 rule = None
@@ -347,6 +349,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
             warnings.warn(zeros_warning(self._technique, what), UserWarning, stacklevel=2)
             self.learn_first_step(plain_order=True)
         self._steps.zero_grad_called()
+        loop_clipped(self._steps)  # released: the next gradients not clipped yet
         self.synchronize()
         if not asked:
             self._engine.zero_grad(set_to_none=set_to_none)

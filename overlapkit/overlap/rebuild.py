@@ -46,6 +46,7 @@ from overlapkit.overlap.plain_step_guard import (  # re-exported: the facades im
     retired_error,
 )
 from overlapkit.overlap.rules.late_clipping import current_stepper, unwatch
+from overlapkit.overlap.rules.released import note_release
 from overlapkit.overlap.setup import check_unclaimed, unclaim_params
 
 T = TypeVar("T")
@@ -216,3 +217,4 @@ def release_steps(stepper: Any, params: list[torch.Tensor]) -> None:
         remove()
     unclaim_params(params)
     unwatch(params)
+    note_release(stepper, params)  # its step() is the plain one from now on

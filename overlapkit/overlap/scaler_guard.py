@@ -57,6 +57,7 @@ from overlapkit.overlap.plain_step_guard import (
 )
 from overlapkit.overlap.rules.amp_scaler import SCALERS
 from overlapkit.overlap.rules.late_clipping import current_stepper
+from overlapkit.overlap.rules.released import is_released
 
 __all__ = ["check_scaler_call", "install"]
 
@@ -110,18 +111,6 @@ def _facade_behind(optimizer: Any) -> Any | None:
     return None
 
 
-def _released(facade: Any) -> bool:
-    """Whether ``facade`` was released (``opt.release()``): its parameters no longer
-    name its step account as their stepper, so its ``step()`` is a plain step of the
-    kept gradients (bitwise the plain optimizer's), which a scaler may drive."""
-    engine = getattr(facade, "_engine", None)
-    if engine is None:
-        return False
-    first = next((p for group in engine.optimizer.param_groups for p in group["params"]),
-                 None)
-    return first is not None and current_stepper(first) is not facade._steps
-
-
 def _path(wrapper: Any, facade: Any) -> str:
     """How to reach ``facade`` from ``wrapper``: ``optimizer.optimizer``, ..."""
     path, here = "optimizer", wrapper
@@ -143,7 +132,10 @@ def check_scaler_call(optimizer: Any, name: str, scaler: Any = None) -> None:
         (:func:`_other_scaler`).
     """
     if isinstance(optimizer, OptimizerWrapper):
-        _refuse_replaced(getattr(optimizer, "_steps", None), name)
+        steps = getattr(optimizer, "_steps", None)
+        _refuse_replaced(steps, name)
+        if steps is not None and is_released(steps):
+            return  # a plain optimizer again: the scaler drives it as torch's
         _other_scaler(optimizer, name, scaler)
         return  # else the overlapped optimizer's own rules (rules.amp_scaler)
     facade = _facade_behind(optimizer)
@@ -210,10 +202,10 @@ def _check_wrapper(wrapper: Any, facade: Any, name: str) -> None:
     rule = steps.full_step
     window = steps.first_window
     given = rule is not None and rule.grad_scaler is not None
-    if rule is None and _released(facade):
-        # it steps nothing during backward and, set up without clipping or a scaler,
-        # its step() is the plain step: honoured. With clip_grad_norm= its step() clips
-        # again what the loop clipped (3e-8 off): refused as before
+    if is_released(steps):
+        # it steps nothing during backward and its step() is the plain step (the set-up
+        # clip only where the loop did not clip, the set-up scaler not applied again):
+        # honoured (rules.released)
         return
     if not given and window is not None and steps.deferring:
         if not window.plain_order and window.scaler is None:  # the first step: the window

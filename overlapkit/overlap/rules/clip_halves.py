@@ -23,6 +23,7 @@ as :mod:`~overlapkit.overlap.rules.late_clipping` guards the whole (installed wi
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -40,6 +41,7 @@ from overlapkit.overlap.rules.late_clipping import (
     _stepped,
     late_clip_error,
 )
+from overlapkit.overlap.rules.released import note_loop_clip
 
 __all__ = ["given_or_freed", "guarded_clip_grads_with_norm_", "guarded_get_total_norm",
            "stepped_answered", "unguarded_clip_grads_with_norm_", "unguarded_get_total_norm"]
@@ -67,6 +69,8 @@ def guarded_clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: 
         with quiet_reads():
             unguarded_clip_grads_with_norm_(params, max_norm, total_norm, foreach)
         _clipped_in_window(params, before)
+        if not math.isinf(float(max_norm)):
+            note_loop_clip(params)  # a released optimizer's step() does not clip again
         return
     max_norm = float(max_norm)
     rule = steppers[0].global_step

@@ -55,6 +55,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.core.window import quiet_reads, state
+from overlapkit.overlap.rules.released import note_loop_clip
 
 __all__ = ["FreedGradientNormWarning", "current_stepper", "guarded_clip_grad_norm_",
            "guarded_clip_grad_value_", "install", "late_clip_error", "stepper_gone",
@@ -326,6 +327,8 @@ def guarded_clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float =
             total = unguarded_clip_grad_norm_(given, max_norm, norm_type,
                                               error_if_nonfinite, foreach)
         _clipped_in_window(params, before, finite=not math.isinf(float(max_norm)))
+        if not math.isinf(float(max_norm)):
+            note_loop_clip(params)  # a released optimizer's step() does not clip again
         return total
     max_norm = float(max_norm)
     if len(steppers) == 1:
@@ -387,6 +390,7 @@ def guarded_clip_grad_value_(parameters: Any, clip_value: float,
         with quiet_reads():
             unguarded_clip_grad_value_(params, clip_value, foreach)
         _clipped_in_window(params, before, by_norm=False)  # clamping again changes nothing
+        note_loop_clip(params)
         return
     if len(steppers) == 1 and steppers[0].clipping.value == float(clip_value) and all(
             p.grad is None or _stepper_of(p) is steppers[0] for p in params):
