@@ -24,6 +24,10 @@ reads, a step hook registered in the window, a learnt loop's load there.
   learning rate differed, 0.023 off the plain SGD loop after 4 steps (0.018 learnt),
   silently. Now warned of once (``FreedGradientReadWarning``), watched until
   ``zero_grad()``, the next backward or forward.
+- (eleventh round) A learnt loop calling ``step()`` under ``torch.inference_mode()``:
+  its first step's state made there, the second step (during backward) failed with
+  torch's bare "Inplace update to inference tensor outside InferenceMode"; now every
+  step in the plain order, bitwise, one warning.
 """
 
 from __future__ import annotations
@@ -227,3 +231,32 @@ def test_freed_gradients_read_after_step_are_warned_of_once(read: str,
     assert len(warned) == 1, [str(w.message) for w in caught]
     assert "after optimizer.step()" in str(warned[0].message)
     assert "register_post_accumulate_grad_hook" in str(warned[0].message)
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.AdamW])
+def test_a_learnt_step_under_inference_mode_keeps_the_plain_order_bitwise(
+        optimizer: Any) -> None:
+    # 968cf42: the first step's state made under inference_mode, the second step (in
+    # backward, outside it) torch's bare "Inplace update to inference tensor" error
+    def run(overlapped: bool) -> tuple[list[torch.Tensor], list[str]]:
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+        settings = {"momentum": 0.9} if optimizer is torch.optim.SGD else {}
+        opt: Any = optimizer(module.parameters(), lr=0.1, **settings)
+        if overlapped:
+            opt = overlapkit.optimizer_in_backward(module, opt)
+            opt.learn_first_step(module)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for batch in rank_batches(0, 3):
+                module(batch).square().mean().backward()
+                with torch.inference_mode():
+                    opt.step()
+                opt.zero_grad()
+        return ([p.detach().clone() for p in module.parameters()],
+                [str(w.message) for w in caught if "inference_mode" in str(w.message)])
+
+    (plain, _), (got, warned) = run(False), run(True)
+    assert compare(plain, got)
+    assert len(warned) == 1, warned
+

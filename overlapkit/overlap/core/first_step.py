@@ -96,6 +96,9 @@ def end_first_window(steps: Any, names: Mapping[int, str], params: list[torch.Te
         moved = window.moved(dict(names), params)
         if moved:
             used.append(f"the values of {shown_names(moved)} were changed in place")
+        if torch.is_inference_mode_enabled():  # 968cf42: torch's bare RuntimeError later
+            used.append("optimizer.step() ran under torch.inference_mode() (the state it "
+                        "creates there cannot be updated during backward, outside it)")
         if window.discarded:
             used.append("zero_grad() discarded the gradients of a backward without a step "
                         "(a second optimizer's loss reaching these parameters)")
