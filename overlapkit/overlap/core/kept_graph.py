@@ -40,6 +40,9 @@ class _BackwardsThrough:
     def __call__(self, grad_outputs: Any) -> None:
         self._runs += 1
         steps = self._steps
+        unreduced = getattr(steps, "unreduced", None)  # a DDP model's: names the reason
+        if self._runs > 1 and unreduced is not None:
+            unreduced.again_through_kept_graph = True
         if self._runs > 1 and steps.stepped_since_step and not steps.deferring:
             raise kept_graph_refusal(steps)
 

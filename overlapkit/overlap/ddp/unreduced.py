@@ -62,6 +62,10 @@ class UnreducedGradients:
         self._scope = BackwardScope(self._check_after_the_others)
         #: a forward with autograd ran through the DDP model since the last check
         self._through_ddp = False
+        #: this backward runs again through a graph kept with ``retain_graph=True``
+        #: (:mod:`~overlapkit.overlap.core.kept_graph` sets it): DDP reduces once per
+        #: forward, so nothing here, the forward having run through it all the same
+        self.again_through_kept_graph = False
 
     def forward_through_ddp(self, module: torch.nn.Module, args: Any) -> None:
         """A forward pre-hook of the DDP model (an :class:`~overlapkit.overlap.core.
@@ -99,10 +103,22 @@ class UnreducedGradients:
         waiting, self._waiting = self._waiting, {}
         reduced_any, self._reduced = bool(self._reduced), set()
         through_ddp, self._through_ddp = self._through_ddp, False
+        again, self.again_through_kept_graph = self.again_through_kept_graph, False
         if not waiting or self.refused_elsewhere:
             self.refused_elsewhere = False
             return
         self._refused()
+        if not reduced_any and again:  # 968cf42: named a forward past the DDP model
+            raise ConfigurationError(
+                f"backward() ran again through a graph kept with retain_graph=True, with no "
+                f"new forward of the DistributedDataParallel model: DDP reduces once per "
+                f"forward, so it reduced nothing in this backward ({len(waiting)} "
+                "parameters' gradients were freed into their buckets, nothing was "
+                f"stepped; the plain loop would add this rank's unreduced gradients to the "
+                f"first backward's averaged ones). {self._technique} steps each bucket once "
+                "reduced. Sum the losses into one backward (loss + aux_loss), or run a "
+                "forward of the DDP model before each backward; restart from the last "
+                "checkpoint after fixing the loop.")
         if not reduced_any and not through_ddp:
             raise ConfigurationError(
                 f"backward() ended with no DDP reduction run ({len(waiting)} parameters' "
