@@ -98,8 +98,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
     #: ``torch.amp.GradScaler.step`` hands an optimizer with this flag the scale and
     #: the inf check as attributes (``grad_scale``, ``found_inf``) and calls its
     #: ``step()`` directly, instead of unscaling its gradients itself: so ``step()``
-    #: sees that a GradScaler drives it (see :meth:`_scaler_driving`). Not once released
-    #: (:mod:`~overlapkit.overlap.rules.released`): a scaler drives it as a plain one.
+    #: sees that a GradScaler drives it (:meth:`_scaler_driving`); not once released.
     _step_supports_amp_scaling = property(lambda self: not is_released(self._steps))
 
     def _scaler_driving(self) -> Any | None:
@@ -328,12 +327,10 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         """The real optimizer's ``zero_grad``. Also ends the optimizer iteration: the
         next backward may step (see :mod:`overlapkit.overlap.core.step_accounting`).
 
-        :raises ConfigurationError: ``set_to_none=False`` (or an optimizer's own
-            ``zero_grad`` that zeroes: :mod:`~overlapkit.overlap.core.zeroing`) after a
-            backward that freed the gradients it stepped (``optimizer_in_backward``),
-            before anything is zeroed (:func:`~overlapkit.overlap.core.first_step.
-            zeros_refusal`). Before one, in a loop that learnt its first step, every later
-            step is taken in the plain order instead, with one warning."""
+        :raises ConfigurationError: ``set_to_none=False`` (or an own ``zero_grad``
+            that zeroes: :mod:`~overlapkit.overlap.core.zeroing`) after a backward that
+            freed the gradients it stepped, before anything is zeroed (``zeros_refusal``);
+            before one, once learnt, later steps take the plain order, with one warning."""
         refuse_retired(self._steps, "zero_grad()")
         zeroes, asked = not set_to_none or self._zeroing.zeroes, False
         if zeroes is None:  # an override of zero_grad, not asked yet (core/zeroing.py)
