@@ -39,9 +39,13 @@ import torch.distributed as dist
 from overlapkit.errors import ConfigurationError
 from overlapkit.nodes.failed_collective import collective_failure
 
-__all__ = ["SettingsAgreement", "settings_read", "settings_refusal"]
+__all__ = ["GATHERING", "SettingsAgreement", "settings_read", "settings_refusal"]
 
 _MASK = (1 << 62) - 1
+#: what ``consolidate_state_dict()`` sends in the check's place (above every digest):
+#: a rank that gathers while another starts a backward or ``step()`` is told at once
+#: (:meth:`SettingsAgreement.meet_to_gather`)
+GATHERING = 1 << 62
 
 
 def _value(value: Any) -> Any:
@@ -128,6 +132,8 @@ class SettingsAgreement:
         #: the settings as last read (no tensor among them), their read and digest:
         #: unchanged settings are not read and hashed again
         self._last: tuple[list[list[Any]], list[list[tuple[str, Any]]], int] | None = None
+        #: the refusal read when a peer was gathering instead (:meth:`peer_gathering`)
+        self._gathering: ConfigurationError | None = None
 
     def _read(self) -> tuple[list[list[tuple[str, Any]]], int]:
         """This rank's :func:`settings_read` and its digest, from the last ones when the
@@ -171,6 +177,9 @@ class SettingsAgreement:
             highest, lowest = reduced.tolist()
             if highest == -lowest:
                 return None
+            if highest >= GATHERING:  # a peer is in consolidate_state_dict() instead
+                self._gathering = _gathering_refusal(what, here="a backward or step()")
+                return self._gathering
             gathered: list[Any] = [None] * dist.get_world_size(self._group)
             dist.all_gather_object(gathered, read, group=self._group)
         except Exception as error:  # a peer stalled or is gone
@@ -183,3 +192,66 @@ class SettingsAgreement:
         :meth:`refusal`."""
         self.launch()
         return self.refusal(what)
+
+    def peer_gathering(self, what: str) -> ConfigurationError | None:
+        """Where this backward's reduction failed: the refusal of ``what`` when its
+        launched check has arrived and says a peer is in ``consolidate_state_dict()``
+        (the reduction waited for that peer), else None. No wait."""
+        seen, self._gathering = self._gathering, None
+        pending = self._pending
+        if seen is not None or pending is None or not pending[0].is_completed() or \
+                pending[1][0].item() < GATHERING:
+            return seen
+        self._pending = None
+        return _gathering_refusal(what, here="a backward or step()")
+
+    def meet_to_gather(self) -> None:
+        """Before ``consolidate_state_dict()`` gathers: the check's all-reduce with
+        :data:`GATHERING` in place of the digest, on every rank. Where a rank started a
+        backward or ``step()`` instead (the gathering under ``if rank == 0:``, the others
+        training on), its check pairs with this one: both refuse at once, nothing
+        gathered or stepped (0.4.0: the gathering rank waited until the process group's
+        timeout, the others in their gradients' reduction). No-op where the check is
+        off (module docstring).
+
+        :raises ConfigurationError: a rank started a backward or ``step()``.
+        :raises ExchangeFailedError: a rank did neither within the group's timeout (it
+            waits in another collective, e.g. a ``dist.barrier()`` called before its
+            own ``consolidate_state_dict()``), named (or ``RanksLostError``)."""
+        if self._group is None:
+            return
+        if self._pending is not None:  # (a backward that raised before its end)
+            self.refusal()
+        sent = torch.tensor([GATHERING, -GATHERING], dtype=torch.int64)
+        what = ("meeting the other ranks to gather the sharded optimizer state "
+                "(consolidate_state_dict() is a collective: every rank of the DDP model's "
+                "process group calls it, none under `if rank == 0:`, and in the same order "
+                "as its other collectives, e.g. all before or all after a dist.barrier())")
+        try:
+            dist.all_reduce(sent, op=dist.ReduceOp.MAX, group=self._group)
+        except Exception as error:  # a peer stalled in another collective, or is gone
+            failed = collective_failure(error, what, self._group)
+            if failed is None:
+                raise
+            raise failed from error
+        if -sent[1].item() != GATHERING:  # a rank sent its settings' digest
+            raise _gathering_refusal("consolidate_state_dict()", here="")
+
+
+def _gathering_refusal(what: str, *, here: str) -> ConfigurationError:
+    """The refusal of ``what`` where some ranks called ``consolidate_state_dict()`` and
+    the others started a backward or ``step()`` (``here``: which this rank did)."""
+    if here:
+        did = (f"another rank of the DDP model's process group called "
+               f"consolidate_state_dict() while this rank started {here}")
+    else:
+        did = ("another rank of the DDP model's process group started a backward or "
+               "step() instead of calling it")
+    return ConfigurationError(
+        f"{what}: {did}. consolidate_state_dict() is a collective: every rank calls it, "
+        "at the same point of the loop (not under `if rank == 0:`), then state_dict() on "
+        "the rank named by `to` alone: `optimizer.consolidate_state_dict(to=0)` on every "
+        "rank, then `if rank == 0: torch.save(optimizer.state_dict(), path)`; or save "
+        "with overlapkit.checkpoint.save(path, model, optimizer) on every rank. Nothing "
+        "was gathered or stepped; the ranks' collectives may be out of step now (the "
+        "others' gradient reduction waits): fix the loop and restart.")

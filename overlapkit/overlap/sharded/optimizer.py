@@ -205,10 +205,9 @@ class ShardedOverlapOptimizer(ShardedHooks, OverlappedOptimizerFacade):
     # -- the Optimizer API --------------------------------------------------------
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        """As ``overlap_ddp``'s ``step()``: nothing to do after a backward that
-        stepped (it returns once the other ranks' updates have landed). A full step (no
-        stepping backward since the last ``step()``) steps this rank's share, then
-        exchanges it.
+        """As ``overlap_ddp``'s ``step()``: nothing to do after a backward that stepped
+        (it returns once the other ranks' updates have landed). A full step (no stepping
+        backward since the last ``step()``) steps this rank's share, then exchanges it.
 
         torch's initialising step (``get_optimizer_state_dict`` /
         ``set_optimizer_state_dict`` on a rank whose share holds no state) steps
@@ -244,12 +243,14 @@ class ShardedOverlapOptimizer(ShardedHooks, OverlappedOptimizerFacade):
 
         Rank ``to`` then holds every rank's state, as CPU tensors (as
         ``ZeroRedundancyOptimizer.consolidate_state_dict`` does); ``overlapkit.checkpoint``
-        saves without gathering.
+        saves without gathering. Called on some ranks while the others start a backward
+        or ``step()``, it is refused at once on those (nothing gathered or stepped).
         """
         to = destination_rank(to, self._ownership.world_size)
         self._stepper.raise_if_destroyed("consolidate_state_dict()")
         self.synchronize()
         self._held_now()
+        self._stepper.meet_to_gather()  # every rank here, none training on: else refused
         with self._engine.lock:
             local = plain_state_dict(self._engine.optimizer)
             share = share_fingerprint(self._engine.optimizer, self._ownership)

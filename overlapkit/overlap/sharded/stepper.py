@@ -104,7 +104,7 @@ class ShardedBucketStepper(BucketStepper):
         self.per_bucket = self.global_step is None and not self.track_usage
         self.agreement = SettingsAgreement(self.engine.optimizer, exchange.group)
 
-    def _exchanging(self) -> bool:
+    def exchanging(self) -> bool:
         """Whether the exchange's group can be used now (not destroyed, no failure)."""
         exchange = self.exchange
         return exchange.active and exchange.failure is None and \
@@ -113,7 +113,7 @@ class ShardedBucketStepper(BucketStepper):
     def starting_backward(self) -> OverlapkitError | None:
         # the settings check, launched on every rank whatever this backward becomes
         # (refused, deferred), as the exchange's broadcasts are issued: in bucket order
-        if self._exchanging():
+        if self.exchanging():
             self.agreement.launch()
         return super().starting_backward()
 
@@ -139,9 +139,16 @@ class ShardedBucketStepper(BucketStepper):
         :raises ConfigurationError: the exchange's group was destroyed; the ranks'
             settings differ (nothing stepped)."""
         self.raise_if_destroyed("step()")
-        if agree and self._exchanging() and (
+        if agree and self.exchanging() and (
                 refused := self._kept_failure(self.agreement.now("step()"))) is not None:
             raise refused
+
+    def meet_to_gather(self) -> None:
+        """Before ``consolidate_state_dict()`` gathers: refused where another rank
+        started a backward or ``step()`` instead (:meth:`SettingsAgreement.
+        meet_to_gather`); nothing to meet at one rank, or once the exchange failed."""
+        if self.exchanging():
+            self.agreement.meet_to_gather()
 
     def run(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         if torch._C._current_graph_task_id() == -1 and self._scope.enter() == OUTSIDE:
@@ -203,6 +210,10 @@ class ShardedBucketStepper(BucketStepper):
         kept (a peer killed mid-backward on a loaded machine: the next forward named
         "exchanging the updated parameters" where backward had named the bucket)."""
         reduction = super().comm_failure()
+        if reduction is not None and not isinstance(reduction, ConfigurationError) and (
+                gathering := self.agreement.peer_gathering("backward()")) is not None:
+            gathering.__cause__ = reduction  # it waited for a peer gathering the state
+            reduction = self.reduction_error = gathering
         failed = reduction or self.exchange.failure
         if reduction is not None or self.exchange.failure is None:
             self.exchange.failure = failed
