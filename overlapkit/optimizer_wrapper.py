@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["OptimizerWrapper", "local_state_params", "unwrapped"]
+__all__ = ["OptimizerWrapper", "local_state_params", "meet_for_checkpoint", "unwrapped"]
 
 
 class OptimizerWrapper(torch.optim.Optimizer):
@@ -65,6 +65,16 @@ class OptimizerWrapper(torch.optim.Optimizer):
         wrapper exactly (it saves the real optimizer's state, one copy of what DDP
         replicates), with what to do instead; None (the default) when it can."""
         return None
+
+    def meet_for_checkpoint(self, *, loading: bool = False) -> None:
+        """Called by :mod:`overlapkit.checkpoint` on every level of wrappers before its
+        first collective of a save (or, ``loading``, a load), which every rank makes: a
+        wrapper whose ranks run collectives of their own can refuse there, at once,
+        where some ranks went on training instead (raising an ``OverlapkitError``).
+        Nothing by default.
+
+        .. versionadded:: 0.4
+        """
 
     def rewritten_unchanged(self, versions: dict[int, int]) -> None:
         """:mod:`overlapkit.checkpoint` rewrote parameters in place with their own values
@@ -159,6 +169,15 @@ class OptimizerWrapper(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._wrapped!r})"
+
+
+def meet_for_checkpoint(optimizer: torch.optim.Optimizer, *, loading: bool) -> None:
+    """:meth:`OptimizerWrapper.meet_for_checkpoint` of every wrapper level of
+    ``optimizer``, outermost first."""
+    level: Any = optimizer
+    while isinstance(level, OptimizerWrapper):
+        level.meet_for_checkpoint(loading=loading)
+        level = level.wrapped
 
 
 def local_state_params(optimizer: torch.optim.Optimizer) -> set[int] | None:

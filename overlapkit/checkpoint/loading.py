@@ -39,7 +39,7 @@ from overlapkit.checkpoint.state_dicts import (
 )
 from overlapkit.checkpoint.validation import check_against_metadata, check_param_groups
 from overlapkit.nodes.lost_ranks import lost_ranks_named, note_complete_checkpoint
-from overlapkit.optimizer_wrapper import local_state_params, unwrapped
+from overlapkit.optimizer_wrapper import local_state_params, meet_for_checkpoint, unwrapped
 
 __all__ = ["load"]
 
@@ -96,6 +96,9 @@ def load(
 def _load(path: str | os.PathLike[str], model: torch.nn.Module,
           optimizer: torch.optim.Optimizer | None, planner: LoadPlanner | str | None
           ) -> dict[str, Any]:
+    if optimizer is not None and isinstance(optimizer, torch.optim.Optimizer):
+        # a sharded optimizer's ranks meet first: refused at once where some train on
+        meet_for_checkpoint(optimizer, loading=True)
     with checks_on_every_rank("load"):
         directory = check_path(path, "load")
         check_model_and_optimizer(model, optimizer, "load")

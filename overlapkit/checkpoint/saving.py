@@ -52,7 +52,12 @@ from overlapkit.checkpoint.state_dicts import (
 from overlapkit.checkpoint.visibility import check_every_rank_sees
 from overlapkit.errors import CheckpointError
 from overlapkit.nodes.lost_ranks import lost_ranks_named, note_complete_checkpoint
-from overlapkit.optimizer_wrapper import local_state_params, rewritten_unchanged, unwrapped
+from overlapkit.optimizer_wrapper import (
+    local_state_params,
+    meet_for_checkpoint,
+    rewritten_unchanged,
+    unwrapped,
+)
 
 __all__ = ["save"]
 
@@ -160,6 +165,9 @@ def save(
 
 def _save(path: str | os.PathLike[str], model: torch.nn.Module,
           optimizer: torch.optim.Optimizer | None, extra: Mapping[str, Any] | None) -> Path:
+    if optimizer is not None and isinstance(optimizer, torch.optim.Optimizer):
+        # a sharded optimizer's ranks meet first: refused at once where some train on
+        meet_for_checkpoint(optimizer, loading=False)
     with checks_on_every_rank("save"):
         path = check_path(path, "save")
         check_model_and_optimizer(model, optimizer, "save")

@@ -39,13 +39,15 @@ import torch.distributed as dist
 from overlapkit.errors import ConfigurationError
 from overlapkit.nodes.failed_collective import collective_failure
 
-__all__ = ["GATHERING", "SettingsAgreement", "settings_read", "settings_refusal"]
+__all__ = ["GATHERING", "MET_BY", "SettingsAgreement", "settings_read", "settings_refusal"]
 
 _MASK = (1 << 62) - 1
-#: what ``consolidate_state_dict()`` sends in the check's place (above every digest):
-#: a rank that gathers while another starts a backward or ``step()`` is told at once
-#: (:meth:`SettingsAgreement.meet_to_gather`)
+#: what a collective call of the sharded optimizer (:data:`MET_BY`) sends in the
+#: check's place, plus the call's index (above every digest): a rank making it while
+#: another starts a backward or ``step()`` is told at once (:meth:`SettingsAgreement.meet`)
 GATHERING = 1 << 62
+#: the calls that meet the other ranks first, by marker
+MET_BY = ("consolidate_state_dict()", "overlapkit.checkpoint.save", "overlapkit.checkpoint.load")
 
 
 def _value(value: Any) -> Any:
@@ -178,7 +180,8 @@ class SettingsAgreement:
             if highest == -lowest:
                 return None
             if highest >= GATHERING:  # a peer is in consolidate_state_dict() instead
-                self._gathering = _gathering_refusal(what, here="a backward or step()")
+                self._gathering = _gathering_refusal(what, here="a backward or step()",
+                                                     call=_called(highest))
                 return self._gathering
             gathered: list[Any] = [None] * dist.get_world_size(self._group)
             dist.all_gather_object(gathered, read, group=self._group)
@@ -203,30 +206,35 @@ class SettingsAgreement:
                 pending[1][0].item() < GATHERING:
             return seen
         self._pending = None
-        return _gathering_refusal(what, here="a backward or step()")
+        return _gathering_refusal(what, here="a backward or step()",
+                                  call=_called(int(pending[1][0].item())))
 
-    def meet_to_gather(self) -> None:
-        """Before ``consolidate_state_dict()`` gathers: the check's all-reduce with
-        :data:`GATHERING` in place of the digest, on every rank. Where a rank started a
-        backward or ``step()`` instead (the gathering under ``if rank == 0:``, the others
-        training on), its check pairs with this one: both refuse at once, nothing
-        gathered or stepped (0.4.0: the gathering rank waited until the process group's
-        timeout, the others in their gradients' reduction). No-op where the check is
+    def meet(self, call: str) -> None:
+        """Before a collective call of the sharded optimizer's ranks (``call``, one of
+        :data:`MET_BY`: ``consolidate_state_dict()``, ``overlapkit.checkpoint.save`` or
+        ``load``): the check's all-reduce with its marker (above :data:`GATHERING`) in
+        place of the digest, on every rank. Where a rank started a backward or ``step()``
+        instead (the call under ``if rank == 0:``, the others training on), its check
+        pairs with this one: both refuse at once, nothing changed (0.4.0: the calling
+        rank waited until the process group's timeout, the others in their gradients'
+        reduction); ranks in different calls refuse alike. No-op where the check is
         off (module docstring).
 
-        :raises ConfigurationError: a rank started a backward or ``step()``.
+        :raises ConfigurationError: a rank started a backward or ``step()``, or another
+            of these calls.
         :raises ExchangeFailedError: a rank did neither within the group's timeout (it
             waits in another collective, e.g. a ``dist.barrier()`` called before its
-            own ``consolidate_state_dict()``), named (or ``RanksLostError``)."""
+            own ``call``), named (or ``RanksLostError``)."""
         if self._group is None:
             return
         if self._pending is not None:  # (a backward that raised before its end)
             self.refusal()
-        sent = torch.tensor([GATHERING, -GATHERING], dtype=torch.int64)
-        what = ("meeting the other ranks to gather the sharded optimizer state "
-                "(consolidate_state_dict() is a collective: every rank of the DDP model's "
-                "process group calls it, none under `if rank == 0:`, and in the same order "
-                "as its other collectives, e.g. all before or all after a dist.barrier())")
+        marker = GATHERING + MET_BY.index(call)
+        sent = torch.tensor([marker, -marker], dtype=torch.int64)
+        what = (f"meeting the other ranks for {call} (a collective: every rank of the DDP "
+                "model's process group calls it, none under `if rank == 0:`, and in the "
+                "same order as its other collectives, e.g. all before or all after a "
+                "dist.barrier())")
         try:
             dist.all_reduce(sent, op=dist.ReduceOp.MAX, group=self._group)
         except Exception as error:  # a peer stalled in another collective, or is gone
@@ -234,24 +242,42 @@ class SettingsAgreement:
             if failed is None:
                 raise
             raise failed from error
-        if -sent[1].item() != GATHERING:  # a rank sent its settings' digest
-            raise _gathering_refusal("consolidate_state_dict()", here="")
+        highest, lowest = int(sent[0].item()), -int(sent[1].item())
+        if lowest < GATHERING:  # a rank sent its settings' digest
+            raise _gathering_refusal(call, here="")
+        if highest != lowest:
+            others = MET_BY[(highest if lowest == marker else lowest) - GATHERING]
+            raise ConfigurationError(
+                f"{call}: another rank of the DDP model's process group called {others} "
+                "at the same time. Both are collectives: every rank calls the same one, "
+                "in the same order. Nothing was saved, gathered or loaded.")
 
 
-def _gathering_refusal(what: str, *, here: str) -> ConfigurationError:
-    """The refusal of ``what`` where some ranks called ``consolidate_state_dict()`` and
-    the others started a backward or ``step()`` (``here``: which this rank did)."""
+def _gathering_refusal(what: str, *, here: str, call: str | None = None
+                       ) -> ConfigurationError:
+    """The refusal of ``what`` where some ranks made a collective call of the sharded
+    optimizer (``call``, else ``what``) and the others started a backward or ``step()``
+    (``here``: which this rank did)."""
+    call = call or what
     if here:
-        did = (f"another rank of the DDP model's process group called "
-               f"consolidate_state_dict() while this rank started {here}")
+        did = (f"another rank of the DDP model's process group called {call} while this "
+               f"rank started {here}")
     else:
         did = ("another rank of the DDP model's process group started a backward or "
                "step() instead of calling it")
+    fix = ("`optimizer.consolidate_state_dict(to=0)` on every rank, then `if rank == 0: "
+           "torch.save(optimizer.state_dict(), path)`; or save with "
+           "overlapkit.checkpoint.save(path, model, optimizer) on every rank"
+           if call.startswith("consolidate") else
+           f"call {call}(path, model, optimizer) on every rank with the same path")
     return ConfigurationError(
-        f"{what}: {did}. consolidate_state_dict() is a collective: every rank calls it, "
-        "at the same point of the loop (not under `if rank == 0:`), then state_dict() on "
-        "the rank named by `to` alone: `optimizer.consolidate_state_dict(to=0)` on every "
-        "rank, then `if rank == 0: torch.save(optimizer.state_dict(), path)`; or save "
-        "with overlapkit.checkpoint.save(path, model, optimizer) on every rank. Nothing "
-        "was gathered or stepped; the ranks' collectives may be out of step now (the "
-        "others' gradient reduction waits): fix the loop and restart.")
+        f"{what}: {did}. {call} is a collective: every rank calls it, at the same point "
+        f"of the loop (not under `if rank == 0:`): {fix}. Nothing was saved, gathered, "
+        "loaded or stepped; the ranks' collectives may be out of step now (a gradient "
+        "reduction may be waiting): fix the loop and restart.")
+
+
+def _called(marker: int) -> str:
+    """The call a peer's marker names (the check's maximum: one of them)."""
+    index = marker - GATHERING
+    return MET_BY[index] if 0 <= index < len(MET_BY) else MET_BY[0]

@@ -106,15 +106,10 @@ class ShardedOverlapOptimizer(ShardedHooks, OverlappedOptimizerFacade):
 
     # -- what is sharded --------------------------------------------------------
 
-    @property
-    def ownership(self) -> Ownership:
-        """Which rank owns each parameter (an :class:`Ownership`)."""
-        return self._ownership
-
-    @property
-    def policy(self) -> ShardingPolicy:
-        """The sharding policy that assigned the parameters."""
-        return self._policy
+    ownership = property(lambda self: self._ownership,
+                         doc="Which rank owns each parameter (an :class:`Ownership`).")
+    policy = property(lambda self: self._policy,
+                      doc="The sharding policy that assigned the parameters.")
 
     @property
     def state(self) -> Any:
@@ -148,10 +143,8 @@ class ShardedOverlapOptimizer(ShardedHooks, OverlappedOptimizerFacade):
         exchange has landed) and, on an accelerator, make the current stream wait for
         the steps and copies on the side stream.
 
-        Done at the end of every backward; called again by :meth:`step`,
-        :meth:`zero_grad`, the state-dict methods, checkpoint save and load, and before
-        each forward of the model, which matters only after a backward that raised.
-        """
+        Done at the end of every backward; called again by :meth:`step`, :meth:`zero_grad`,
+        the state-dict methods, checkpoint save and load, and before each forward."""
         self._stepper.wait_for_parameters()
 
     def quiesced(self) -> AbstractContextManager[Any]:
@@ -250,7 +243,7 @@ class ShardedOverlapOptimizer(ShardedHooks, OverlappedOptimizerFacade):
         self._stepper.raise_if_destroyed("consolidate_state_dict()")
         self.synchronize()
         self._held_now()
-        self._stepper.meet_to_gather()  # every rank here, none training on: else refused
+        self._stepper.meet("consolidate_state_dict()")  # every rank here, else refused
         with self._engine.lock:
             local = plain_state_dict(self._engine.optimizer)
             share = share_fingerprint(self._engine.optimizer, self._ownership)
@@ -349,6 +342,11 @@ class ShardedOverlapOptimizer(ShardedHooks, OverlappedOptimizerFacade):
         self._stepper.advance(holds_state="state" not in state_dict or torch_s_broadcast_load()
                               or any(map(bool, state_dict["state"].values())))
         self._consolidated = None
+
+    def meet_for_checkpoint(self, *, loading: bool = False) -> None:
+        """Before ``overlapkit.checkpoint``'s collectives: refused at once where a rank
+        started a backward or ``step()`` instead (``SettingsAgreement.meet``)."""
+        self._stepper.meet(f"overlapkit.checkpoint.{'load' if loading else 'save'}")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of the model's parameters; the sharding policy assigns them to

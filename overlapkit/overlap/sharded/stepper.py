@@ -143,12 +143,13 @@ class ShardedBucketStepper(BucketStepper):
                 refused := self._kept_failure(self.agreement.now("step()"))) is not None:
             raise refused
 
-    def meet_to_gather(self) -> None:
-        """Before ``consolidate_state_dict()`` gathers: refused where another rank
-        started a backward or ``step()`` instead (:meth:`SettingsAgreement.
-        meet_to_gather`); nothing to meet at one rank, or once the exchange failed."""
+    def meet(self, call: str) -> None:
+        """Before a collective ``call`` (``consolidate_state_dict()``, checkpoint save
+        or load): refused where another rank started a backward or ``step()`` instead
+        (:meth:`SettingsAgreement.meet`); nothing to meet at one rank, or once the
+        exchange failed."""
         if self.exchanging():
-            self.agreement.meet_to_gather()
+            self.agreement.meet(call)
 
     def run(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         if torch._C._current_graph_task_id() == -1 and self._scope.enter() == OUTSIDE:
