@@ -1,7 +1,8 @@
 """The rank side of tests/test_sharded_gathering_some_ranks.py: ``consolidate_state_dict()``
 or ``overlapkit.checkpoint.save`` called on rank 0 alone (the ``if rank == 0:`` save of a
-loop ported from a plain optimizer), the other rank training on, at 2 gloo ranks, each part on a process group
-of its own with an 8 s timeout (the part leaves its collectives out of step).
+loop ported from a plain optimizer), the other rank training on, at 2 gloo ranks, each
+part on a process group of its own with an 8 s timeout (it leaves its collectives out of
+step).
 
 Each part returns what was raised on each rank (:func:`~helpers.error_of`), the seconds
 it took, and whether anything changed (parameters, optimizer state).

@@ -22,6 +22,13 @@ gathered, to name them. The exchange group is used in the order of its broadcast
 the check is issued on the thread running backward, before any broadcast of that
 backward, on every rank alike.
 
+The same all-reduce is the meeting of a collective call of the sharded optimizer
+(``consolidate_state_dict()``, ``overlapkit.checkpoint.save`` / ``load``): those send a
+marker above every digest (:meth:`SettingsAgreement.meet`), so a rank making the call
+while another starts a backward or ``step()`` (the call under ``if rank == 0:``) is
+told at once, and so is that other rank, instead of each waiting in its own collective
+until the group's timeout.
+
 Not checked where the exchange's group has no CPU backend (NCCL alone): reading the
 result there would wait for the compute stream in the middle of backward.
 
