@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from overlapkit.errors import ConfigurationError
+from overlapkit.nodes.exit_safe import Hold
 from overlapkit.nodes.failed_collective import collective_failure
 
 __all__ = ["GATHERING", "MET_BY", "SettingsAgreement", "settings_read", "settings_refusal"]
@@ -237,13 +238,15 @@ class SettingsAgreement:
         if self._pending is not None:  # (a backward that raised before its end)
             self.refusal()
         marker = GATHERING + MET_BY.index(call)
-        sent = torch.tensor([marker, -marker], dtype=torch.int64)
+        with torch.inference_mode(False):  # (an inference tensor cannot be held)
+            sent = torch.tensor([marker, -marker], dtype=torch.int64)
         what = (f"meeting the other ranks for {call} (a collective: every rank of the DDP "
                 "model's process group calls it, none under `if rank == 0:`, and in the "
                 "same order as its other collectives, e.g. all before or all after a "
                 "dist.barrier())")
-        try:
-            dist.all_reduce(sent, op=dist.ReduceOp.MAX, group=self._group)
+        try:  # held: gloo's threads must not need the GIL for it (nodes.exit_safe)
+            with Hold([sent], self._group):
+                dist.all_reduce(sent, op=dist.ReduceOp.MAX, group=self._group)
         except Exception as error:  # a peer stalled in another collective, or is gone
             failed = collective_failure(error, what, self._group)
             if failed is None:
