@@ -195,3 +195,84 @@ def test_a_plugin_state_with_state_dict_is_saved_and_an_opaque_one_warned_once(
         assert saved is not None and saved["buckets"] > 0 and loaded == saved["buckets"]
         (warning,) = result["opaque warned"]
         assert "does not hold the state of the comm hook 'opaque'" in warning
+
+
+def _sharded(hook: str = "powerSGD") -> tuple[DDP, torch.optim.Optimizer]:
+    model = _model()
+    return model, overlapkit.overlap_ddp(
+        model, torch.optim.SGD, lr=0.1, momentum=0.9, comm_hook=hook,
+        comm_hook_options=OPTIONS if hook == "powerSGD" else None,
+        shard_optimizer_state=True)
+
+
+def _run_sharded(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    get_plugin_manager().register(SimpleNamespace(
+        overlapkit_register_comm_hooks=overlapkit_register_comm_hooks), name="stateful")
+    out: dict[str, Any] = {}
+    model, opt = _sharded()
+    _steps(model, opt, range(8))
+    uninterrupted = _flat(model)
+    model, opt = _sharded()
+    _steps(model, opt, range(4))
+    checkpoint, local = os.path.join(directory, "sk"), os.path.join(directory, f"s{rank}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        overlapkit.checkpoint.save(checkpoint, model, opt)
+        opt.consolidate_state_dict(to=0)
+        if rank == 0:
+            opt.state_dict()
+            opt.state_dict()
+    out["warned"] = [str(w.message) for w in caught]
+    torch.save(opt.local_state_dict(), local)
+    out["keys"] = sorted(torch.load(local, weights_only=True))
+    for resume_hook in (True, False):
+        model, opt = _sharded()
+        overlapkit.checkpoint.load(checkpoint, model, opt)
+        saved = torch.load(local, weights_only=True)
+        if not resume_hook:
+            del saved["comm_hook"]
+        opt.load_state_dict(saved)
+        _steps(model, opt, range(4, 8))
+        out[f"bitwise {resume_hook}"] = torch.equal(_flat(model), uninterrupted)
+    model, opt = _sharded()
+    other = torch.load(local, weights_only=True)
+    other["comm_hook"]["matrix_approximation_rank"] = 2
+    try:
+        opt.load_state_dict(other)
+        out["other settings"] = "loaded"
+    except overlapkit.CheckpointError as refused:
+        out["other settings"] = str(refused)
+    out["nothing loaded"] = opt.comm_hook_state.iter == 0 and len(opt.state) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharded_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    directory = str(tmp_path_factory.mktemp("hook-state-sharded"))
+    return run_distributed(_run_sharded, 2, args=(directory,), timeout=180)
+
+
+def test_sharded_powersgd_state_resumes_bitwise_from_local_state_dict(
+        sharded_results: list[dict[str, Any]]) -> None:
+    """258114a: the sharded optimizer's state dicts held nothing of the hook's state,
+    and the resumed run started PowerSGD afresh, silently."""
+    for result in sharded_results:
+        assert "comm_hook" in result["keys"]
+        assert result["bitwise True"] is True
+        assert result["bitwise False"] is False  # without the entry: the hook afresh
+
+
+def test_sharded_whole_state_dict_and_checkpoint_warn_once_of_the_hook_state(
+        sharded_results: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(sharded_results):
+        saved = [w for w in result["warned"] if "overlapkit.checkpoint.save()" in w]
+        gathered = [w for w in result["warned"] if "optimizer.state_dict() (gathered)" in w]
+        assert len(saved) == 1 and "local_state_dict()" in saved[0]
+        assert len(gathered) == (1 if rank == 0 else 0)
+
+
+def test_sharded_other_powersgd_settings_are_refused_nothing_loaded(
+        sharded_results: list[dict[str, Any]]) -> None:
+    for result in sharded_results:
+        assert "matrix_approximation_rank 2 saved, 1 now" in result["other settings"]
+        assert result["nothing loaded"] is True

@@ -16,6 +16,8 @@ while backward goes on. Split by the question each part answers:
 - :mod:`~overlapkit.overlap.sharded.hooks`: the hooks it takes (step hooks refused,
   state-dict hooks handed the optimizer itself);
 - :mod:`~overlapkit.overlap.sharded.held_params`: its ``param_groups`` edited by hand;
+- :mod:`~overlapkit.overlap.sharded.hook_state`: the comm hook's state (PowerSGD's), each
+  rank's own, in ``local_state_dict()``;
 - :mod:`~overlapkit.overlap.sharded.share_state`: its ``state``, this rank's share;
 - :mod:`~overlapkit.overlap.sharded.state_dicts`: whole and per-rank state dicts;
 - :mod:`~overlapkit.overlap.sharded.misfit`: whether a state dict fits, before loading;

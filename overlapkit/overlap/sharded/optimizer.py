@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from overlapkit.overlap.setup import (
     materialise_params,
 )
 from overlapkit.overlap.sharded.held_params import flat_params, reordered
+from overlapkit.overlap.sharded.hook_state import ShardedCommHookState
 from overlapkit.overlap.sharded.hooks import ShardedHooks
 from overlapkit.overlap.sharded.misfit import misfit_refusal
 from overlapkit.overlap.sharded.ownership import (
@@ -81,7 +82,7 @@ __all__ = ["TECHNIQUE", "ShardedOverlapOptimizer"]
 TECHNIQUE = "overlap_ddp"
 
 
-class ShardedOverlapOptimizer(ShardedHooks, OverlappedOptimizerFacade):
+class ShardedOverlapOptimizer(ShardedCommHookState, ShardedHooks, OverlappedOptimizerFacade):
     """A ``torch.optim.Optimizer`` stepping during backward, one DDP bucket at a time,
     each rank stepping (and keeping the state of) only the parameters it owns.
 
@@ -106,10 +107,8 @@ class ShardedOverlapOptimizer(ShardedHooks, OverlappedOptimizerFacade):
 
     # -- what is sharded --------------------------------------------------------
 
-    ownership = property(lambda self: self._ownership,
-                         doc="Which rank owns each parameter (an :class:`Ownership`).")
-    policy = property(lambda self: self._policy,
-                      doc="The sharding policy that assigned the parameters.")
+    ownership = property(lambda self: self._ownership, doc="Which rank owns each parameter.")
+    policy = property(lambda self: self._policy, doc="The policy that assigned them.")
 
     @property
     def state(self) -> Any:
@@ -147,16 +146,13 @@ class ShardedOverlapOptimizer(ShardedHooks, OverlappedOptimizerFacade):
         the state-dict methods, checkpoint save and load, and before each forward."""
         self._stepper.wait_for_parameters()
 
-    def quiesced(self) -> AbstractContextManager[Any]:
+    @contextmanager
+    def quiesced(self) -> Iterator[None]:
         """The parameters updated (:meth:`synchronize`), then the engine's lock held:
         what checkpoint save and load work under."""
-        @contextmanager
-        def updated_and_locked() -> Iterator[None]:
-            self.synchronize()
-            with self._engine.lock:
-                yield
-
-        return updated_and_locked()
+        self.synchronize()
+        with self._engine.lock:
+            yield
 
     # -- param_groups edited by hand (held_params) ----------------------------------
 
@@ -267,7 +263,11 @@ class ShardedOverlapOptimizer(ShardedHooks, OverlappedOptimizerFacade):
 
         :raises ConfigurationError: at world size > 1, no current consolidated state
             dict on this rank (never gathered, gathered on another rank, or a step since).
+        A stateful comm hook's state (PowerSGD's) is in :meth:`local_state_dict` only.
         """
+        return self._with_whole_hook_state(self._whole_state_dict())
+
+    def _whole_state_dict(self) -> dict[str, Any]:
         self.synchronize()
         self._held_now()
         if self._ownership.world_size == 1:
@@ -310,7 +310,7 @@ class ShardedOverlapOptimizer(ShardedHooks, OverlappedOptimizerFacade):
         self._held_now()
         with self._engine.lock:
             local = self._engine.state_dict()
-        return sharded_state_dict(local, self._ownership)
+        return self._with_local_hook_state(sharded_state_dict(local, self._ownership))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a whole state dict (from :meth:`state_dict`, a plain optimizer of the same
@@ -326,6 +326,7 @@ class ShardedOverlapOptimizer(ShardedHooks, OverlappedOptimizerFacade):
         if (refusal := self._steps.window_refusal("optimizer.load_state_dict()",
                                                   loading=True)) is not None:
             raise ConfigurationError(f"{refusal} Nothing was loaded.")
+        state_dict, load_hook_state = self._without_hook_state(state_dict)  # checked
         self.synchronize()
         self._held_now()
         state_dict, hooks_run = load_pre_hooked(self._engine.optimizer, state_dict,
@@ -337,6 +338,7 @@ class ShardedOverlapOptimizer(ShardedHooks, OverlappedOptimizerFacade):
             raise misfit
         with hooks_run:
             self._engine.load_state_dict(share)
+        load_hook_state()
         # a whole dict without state (DCP's template: empty entries) empties the plain
         # optimizer's (torch's initialising step then steps it on every rank)
         self._stepper.advance(holds_state="state" not in state_dict or torch_s_broadcast_load()

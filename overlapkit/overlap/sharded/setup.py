@@ -247,4 +247,7 @@ def shard_on_ddp(setup: ResolvedSetup) -> ShardedOverlapOptimizer:
         exchange_group(group, world_size), stepper.side_stream,
         cap_bytes=int(model.bucket_bytes_cap)))
     wait_before_module_forward(model.module, stepper)
-    return ShardedOverlapOptimizer(engine, stepper, setup.model, ownership, setup.policy)
+    optimizer = ShardedOverlapOptimizer(engine, stepper, setup.model, ownership, setup.policy)
+    assert setup.comm_hook is not None  # resolve_on_ddp resolved it
+    optimizer._hook_name = setup.comm_hook.name  # for the hook state's messages
+    return optimizer
