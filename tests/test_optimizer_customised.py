@@ -159,3 +159,31 @@ def test_a_step_patch_is_walked_again_once_replaced() -> None:
     del optimizer, noisy
     gc.collect()
     assert kept() is None
+
+
+def test_step_with_a_closure_after_a_stepping_backward_says_the_step_was_taken() -> None:
+    """258114a: ``loss.backward(); opt.step(closure)`` was refused without saying that
+    the backward had stepped the parameters already; called before any backward (torch's
+    recipe, the closure running backward) it changes nothing and says nothing of it."""
+    import overlapkit
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = overlapkit.optimizer_in_backward(model, torch.optim.SGD, lr=0.1)
+    x = torch.randn(3, 4)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(x).square().sum()
+        loss.backward()
+        return loss
+
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(overlapkit.ConfigurationError, match="takes no closure") as first:
+        opt.step(closure)
+    assert "stepped the parameters already" not in str(first.value)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    model(x).square().sum().backward()
+    with pytest.raises(overlapkit.ConfigurationError,
+                       match=r"stepped the parameters already.*restart from the last"):
+        opt.step(closure)

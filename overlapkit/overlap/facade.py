@@ -287,7 +287,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         refuse_retired(self._steps, "step()")
         self._steps.release_state(at_step=True)  # the loop's reads, writes watched
         if closure is not None:
-            raise closure_refusal(self._technique)
+            raise closure_refusal(self._technique, self._steps.stepped_since_step)
         scaler = self._scaler_driving()
         self.synchronize()
         steps, names = self._steps, self._parameter_names()

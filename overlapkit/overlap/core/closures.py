@@ -50,10 +50,15 @@ def required_closure_refusal(optim_cls: type) -> UnsupportedOptimizerError | Non
     )
 
 
-def closure_refusal(technique: str) -> ConfigurationError:
-    """The refusal of ``step(closure)`` on the overlapped optimizer."""
+def closure_refusal(technique: str, stepped: bool = False) -> ConfigurationError:
+    """The refusal of ``step(closure)`` on the overlapped optimizer; ``stepped``: a
+    backward since the last ``step()`` has stepped the parameters already (a loop
+    calling ``loss.backward()`` and then ``step(closure)``), which the message says."""
+    taken = (" The backward before this call has stepped the parameters already, with its "
+             "own gradients, where the plain step would have taken the closure's: restart "
+             "from the last checkpoint after fixing the loop." if stepped else "")
     return ConfigurationError(
-        f"{technique} steps during backward, so step() takes no closure; "
+        f"{technique} steps during backward, so step() takes no closure.{taken} Instead, "
         "call loss.backward() yourself and then step() (or nothing). With PyTorch "
         "Lightning (whose automatic optimization calls step(closure)), return the "
         "plain optimizer from configure_optimizers and pass strategy="
