@@ -90,15 +90,22 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
-def _run(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+def _halfway(build: Any) -> tuple[torch.Tensor, DDP, torch.optim.Optimizer]:
+    """The plugin registered; the parameters after 8 steps of a run built by ``build``,
+    and another such run after 4 steps, to be saved and resumed."""
     get_plugin_manager().register(SimpleNamespace(
         overlapkit_register_comm_hooks=overlapkit_register_comm_hooks), name="stateful")
-    out: dict[str, Any] = {}
-    model, opt = _ours()
+    model, opt = build()
     _steps(model, opt, range(8))
     uninterrupted = _flat(model)
-    model, opt = _ours()
+    model, opt = build()
     _steps(model, opt, range(4))
+    return uninterrupted, model, opt
+
+
+def _run(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    uninterrupted, model, opt = _halfway(_ours)
     checkpoint, saved = os.path.join(directory, "ck"), os.path.join(directory, f"o{rank}")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -206,14 +213,8 @@ def _sharded(hook: str = "powerSGD") -> tuple[DDP, torch.optim.Optimizer]:
 
 
 def _run_sharded(rank: int, world_size: int, directory: str) -> dict[str, Any]:
-    get_plugin_manager().register(SimpleNamespace(
-        overlapkit_register_comm_hooks=overlapkit_register_comm_hooks), name="stateful")
     out: dict[str, Any] = {}
-    model, opt = _sharded()
-    _steps(model, opt, range(8))
-    uninterrupted = _flat(model)
-    model, opt = _sharded()
-    _steps(model, opt, range(4))
+    uninterrupted, model, opt = _halfway(_sharded)
     checkpoint, local = os.path.join(directory, "sk"), os.path.join(directory, f"s{rank}")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
