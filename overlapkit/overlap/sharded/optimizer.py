@@ -259,11 +259,11 @@ class ShardedOverlapOptimizer(ShardedCommHookState, ShardedHooks, OverlappedOpti
         share (:func:`~overlapkit.overlap.sharded.torch_api.load_template`); by its
         ``get_optimizer_state_dict`` with ``full_state_dict`` and ``cpu_offload``, the
         gathered state on global rank 0 (which torch keeps) and the share elsewhere
-        (torch returns ``{}`` there).
+        (torch returns ``{}`` there). A comm hook's state (PowerSGD's) is in
+        :meth:`local_state_dict` only.
 
         :raises ConfigurationError: at world size > 1, no current consolidated state
             dict on this rank (never gathered, gathered on another rank, or a step since).
-        A stateful comm hook's state (PowerSGD's) is in :meth:`local_state_dict` only.
         """
         return self._with_whole_hook_state(self._whole_state_dict())
 
