@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import pytest
 import torch
 from torch import nn
 
@@ -234,3 +235,21 @@ def learned_loop(overlap: bool, iteration: Callable[[nn.Module, Any, int, torch.
         for i, batch in enumerate(rank_batches(0, steps)):
             iteration(module, opt, i, batch)
     return values(module), [str(w.message) for w in caught]
+
+
+def ranks_fixture(run: Callable[[int, int], Any], timeout: float = 300) -> Any:
+    """A module-scoped fixture named ``ranks``: ``run`` (a rank module's) on 2 gloo ranks,
+    each rank's findings. Assign it in the test module: ``ranks = ranks_fixture(run)``."""
+    from overlapkit.distributed import run_distributed
+
+    @pytest.fixture(scope="module")
+    def ranks() -> list[Any]:
+        return run_distributed(run, 2, timeout=timeout)
+
+    return ranks
+
+
+def each_setting(ranks: Sequence[Any], setting: str) -> Sequence[Any]:
+    """The ranks' findings to check for ``setting``: every rank's for ``"DDP"``, rank 0's
+    for another (a plain module is trained on rank 0 only)."""
+    return ranks if setting == "DDP" else ranks[:1]

@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import each_setting, ranks_fixture
 from optimizer_customised_ranks import SETTINGS, run
 from torch import nn
 
-from overlapkit.distributed import run_distributed
 from overlapkit.overlap.core.step_hooks import PER_PART_MARK, instance_override
 
 CASES = [
@@ -37,13 +37,7 @@ NAMED = {
 }
 
 
-@pytest.fixture(scope="module")
-def ranks() -> list[dict[Any, Any]]:
-    return run_distributed(run, 2, timeout=300)
-
-
-def _each(ranks: list[dict[Any, Any]], setting: str) -> list[dict[Any, Any]]:
-    return ranks if setting == "DDP" else ranks[:1]
+ranks = ranks_fixture(run)
 
 
 @pytest.mark.parametrize("build", NAMED)
@@ -51,7 +45,7 @@ def _each(ranks: list[dict[Any, Any]], setting: str) -> list[dict[Any, Any]]:
 def test_a_zero_grad_keeping_zeros_is_the_plain_loop_once_learnt(
     ranks: list[dict[Any, Any]], setting: str, technique: str, build: str
 ) -> None:
-    for results in _each(ranks, setting):
+    for results in each_setting(ranks, setting):
         found = results[setting, technique, build, True]
         assert found["error"] is None and found["bitwise"], found
         if technique == "optimizer_in_backward":
@@ -69,7 +63,7 @@ def test_a_zero_grad_keeping_zeros_is_refused_after_a_freeing_backward(
     """Not learnt: ``optimizer_in_backward`` refuses the first ``zero_grad()`` after a
     backward that freed the gradients, nothing changed by it; ``overlap_ddp`` keeps the
     gradients, as the plain loop: bitwise."""
-    for results in _each(ranks, setting):
+    for results in each_setting(ranks, setting):
         found = results[setting, technique, build, False]
         if technique == "overlap_ddp":
             assert found["error"] is None and found["bitwise"], found
@@ -86,7 +80,7 @@ def test_an_optimizer_whose_step_requires_a_closure_is_refused_at_set_up(
 ) -> None:
     """Before: torch's bare ``TypeError: step() missing 1 required positional argument:
     'closure'`` from inside the first backward."""
-    for results in _each(ranks, setting):
+    for results in each_setting(ranks, setting):
         found = results[setting, technique, "closure"]
         error = found["error"]
         assert error is not None and error["type"] == "UnsupportedOptimizerError", error
@@ -104,7 +98,7 @@ def test_a_step_calling_its_closure_all_the_same_is_refused_as_that(
     bare ``TypeError: 'NoneType' object is not callable`` (or the ``AssertionError``)
     from inside backward."""
     name = {"closure called": "CallsClosure", "closure asserted": "AssertsClosure"}[kind]
-    for results in _each(ranks, setting):
+    for results in each_setting(ranks, setting):
         found = results[setting, technique, kind]
         error = found["error"]
         assert error is not None and error["type"] == "UnsupportedOptimizerError", error
@@ -120,7 +114,7 @@ def test_a_parameter_put_in_a_second_group_by_hand_is_refused_as_that(
     """At the next backward, nothing stepped in it. Before: refused as parameters added
     by the adopted optimizer's own ``add_param_group()``, telling to call it on the
     overlapped optimizer instead (which refuses a parameter in two groups)."""
-    for results in _each(ranks, setting):
+    for results in each_setting(ranks, setting):
         found = results[setting, technique, "listed twice"]
         error = found["error"]
         assert error is not None and error["overlapkit"], error

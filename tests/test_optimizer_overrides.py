@@ -24,12 +24,11 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import compare, error_of, values
+from helpers import compare, each_setting, error_of, ranks_fixture, values
 from optimizer_overrides_ranks import SETTINGS, STEPS, run
 from torch import nn
 
 import overlapkit
-from overlapkit.distributed import run_distributed
 
 CASES = [(setting, technique) for setting, (_, techniques) in SETTINGS.items()
          for technique in techniques]
@@ -39,13 +38,7 @@ NAMED = {"subclass": "Noisy.step() overrides Adam.step()",
                            "replaces AdamW.step()"}
 
 
-@pytest.fixture(scope="module")
-def ranks() -> list[dict[Any, Any]]:
-    return run_distributed(run, 2, timeout=300)
-
-
-def _each(ranks: list[dict[Any, Any]], setting: str) -> list[dict[Any, Any]]:
-    return ranks if setting == "DDP" else ranks[:1]
+ranks = ranks_fixture(run)
 
 
 @pytest.mark.parametrize("build", NAMED)
@@ -55,7 +48,7 @@ def test_a_step_override_runs_once_per_step_in_the_plain_order_once_learnt(
     """``build``: a subclass overriding ``step()``, or ``step`` patched on the instance
     (over an LR scheduler's patch): before, the patch ran inside backward (0.0092 off
     the plain loop after 4 steps, 0.011 not learnt, silently)."""
-    for results in _each(ranks, setting):
+    for results in each_setting(ranks, setting):
         found = results[setting, technique, "learnt", build]
         assert found["error"] is None and found["bitwise"], found
         assert found["calls"] == (STEPS, STEPS), found
@@ -67,7 +60,7 @@ def test_a_step_override_runs_once_per_step_in_the_plain_order_once_learnt(
 @pytest.mark.parametrize(("setting", "technique"), CASES)
 def test_a_step_override_in_a_loop_not_learnt_is_refused_at_its_first_step(
         ranks: list[dict[Any, Any]], setting: str, technique: str, build: str) -> None:
-    for results in _each(ranks, setting):
+    for results in each_setting(ranks, setting):
         error = results[setting, technique, "not learnt", build]["error"]
         assert error is not None and error["overlapkit"], error
         assert NAMED[build] in error["message"]
@@ -83,7 +76,7 @@ def test_a_backward_only_loop_runs_the_override_per_part(
 @pytest.mark.parametrize(("setting", "technique"), CASES)
 def test_the_adopted_optimizers_own_step_is_refused_before_it_steps(
         ranks: list[dict[Any, Any]], setting: str, technique: str) -> None:
-    for results in _each(ranks, setting):
+    for results in each_setting(ranks, setting):
         found = results[setting, technique, "adopted step()"]
         error = found["error"]
         assert error is not None and error["overlapkit"], error
@@ -95,7 +88,7 @@ def test_the_adopted_optimizers_own_step_is_refused_before_it_steps(
 @pytest.mark.parametrize(("setting", "technique"), CASES)
 def test_parameters_added_to_the_adopted_optimizer_itself_are_refused_at_the_next_backward(
         ranks: list[dict[Any, Any]], setting: str, technique: str) -> None:
-    for results in _each(ranks, setting):
+    for results in each_setting(ranks, setting):
         found = results[setting, technique, "added behind"]
         error = found["error"]
         assert error is not None and error["overlapkit"], error

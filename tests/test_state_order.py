@@ -12,27 +12,20 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from helpers import each_setting, ranks_fixture
 from state_order_ranks import OPTIMIZERS, SETTINGS, run
-
-from overlapkit.distributed import run_distributed
 
 CASES = [(setting, technique, optimizer) for setting, (_, techniques) in SETTINGS.items()
          for technique in techniques for optimizer in OPTIMIZERS]
 
 
-@pytest.fixture(scope="module")
-def ranks() -> list[dict[Any, Any]]:
-    return run_distributed(run, 2, timeout=300)
-
-
-def _each(ranks: list[dict[Any, Any]], setting: str) -> list[dict[Any, Any]]:
-    return ranks if setting == "DDP" else ranks[:1]
+ranks = ranks_fixture(run)
 
 
 @pytest.mark.parametrize(("setting", "technique", "optimizer"), CASES)
 def test_the_state_lists_its_entries_in_the_plain_loops_order(
         ranks: list[dict[Any, Any]], setting: str, technique: str, optimizer: str) -> None:
-    for results in _each(ranks, setting):
+    for results in each_setting(ranks, setting):
         found = results[setting, technique, optimizer, False]
         ours, plain = found["order"]
         assert ours == plain, found
@@ -43,7 +36,7 @@ def test_the_state_lists_its_entries_in_the_plain_loops_order(
 @pytest.mark.parametrize(("setting", "technique", "optimizer"), CASES)
 def test_a_loop_resetting_the_first_entry_resets_the_plain_loops_first_entry(
         ranks: list[dict[Any, Any]], setting: str, technique: str, optimizer: str) -> None:
-    for results in _each(ranks, setting):
+    for results in each_setting(ranks, setting):
         found = results[setting, technique, optimizer, True]
         assert found["bitwise"], found
         assert found["order"][0] == found["order"][1], found

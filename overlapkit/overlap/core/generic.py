@@ -18,6 +18,7 @@ import torch
 from overlapkit.overlap.core.direct_step import step_optimizer
 from overlapkit.overlap.core.engine import OverlapEngine, ParamGroup, StepPlan
 from overlapkit.overlap.core.functional_step import FunctionalSteps
+from overlapkit.overlap.core.part_steps import check_steps_per_part
 
 __all__ = ["GenericOverlapEngine"]
 
@@ -44,6 +45,7 @@ class GenericOverlapEngine(OverlapEngine):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        check_steps_per_part(optimizer)  # before anything is set up: may refuse it
         self._functional = FunctionalSteps(optimizer)  # before reindex() runs
         super().__init__(optimizer)
 
