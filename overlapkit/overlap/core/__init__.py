@@ -2,8 +2,9 @@
 
 What every overlapped technique shares, whatever the model: the engine
 (:mod:`~overlapkit.overlap.core.engine`, the base class plugins subclass, and
-:mod:`~overlapkit.overlap.core.generic`, the engine for any ``torch.optim`` optimizer,
-with the cheaper :mod:`~overlapkit.overlap.core.direct_step` and
+:mod:`~overlapkit.overlap.core.generic`, the engine for any ``torch.optim`` optimizer
+whose step is per parameter (:mod:`~overlapkit.overlap.core.part_steps` tells at
+set-up), with the cheaper :mod:`~overlapkit.overlap.core.direct_step` and
 :mod:`~overlapkit.overlap.core.functional_step` calls of ``step()``, whose tensor lists
 are kept per subset: :mod:`~overlapkit.overlap.core.tensor_lists`), what is kept per
 bucket between backwards (:mod:`~overlapkit.overlap.core.bucket_layout`), which
