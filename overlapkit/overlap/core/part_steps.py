@@ -17,9 +17,11 @@ on CPU, so a small model stepped in one part hid it).
 So, once at set-up, for an optimizer that is not one of torch's own classes and whose
 ``step()`` is not overridden on a torch class (that one is taken at ``step()``, see
 :func:`~overlapkit.overlap.core.step_hooks.step_override`): a deep copy of it over twins
-of its parameters (each dimension at most 3, the same dtype, on the CPU, a seeded
-gradient each; no state, no hooks) is stepped twice with every parameter at once, and
-another copy twice one parameter at a time in reverse order, as the engine would. A
+of its parameters (the first 3 trainable ones of each group, each dimension at most 3,
+the same dtype, on the CPU, a seeded gradient each; no state, no hooks) is stepped
+twice with all of them at once, and another copy twice one parameter at a time in
+reverse order, as the engine would (0.05 s for an ``AdamW`` subclass of 200
+parameters, where twins of all of them took 6.6 s on a shared 2-core machine). A
 difference in a parameter or its state refuses the optimizer before anything changes. A
 copy that cannot be made or stepped that way (an attribute that does not deep-copy, a
 CUDA-only setting) lets it through: its own errors come at the real step.
@@ -41,6 +43,7 @@ __all__ = ["check_steps_per_part"]
 
 _STEPS = 2
 _EDGE = 3
+_PER_GROUP = 3
 
 
 def _own_step(optimizer: torch.optim.Optimizer) -> Callable[[Any], Any]:
@@ -50,14 +53,17 @@ def _own_step(optimizer: torch.optim.Optimizer) -> Callable[[Any], Any]:
     return step.__wrapped__ if getattr(step, "hooked", False) else step  # type: ignore[attr-defined]
 
 
-def _twin(optimizer: torch.optim.Optimizer,
-          twins: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
+def _twin(optimizer: torch.optim.Optimizer, twins: dict[int, torch.Tensor],
+          sampled: list[list[torch.Tensor]]) -> torch.optim.Optimizer:
     """A deep copy of ``optimizer`` (its attributes too: ``Optimizer.__getstate__``
     keeps only its groups, defaults and state) over copies of ``twins`` (by the id of
-    the real parameter), without state or step hooks."""
+    the real parameter: any reference to a parameter is copied as its twin), each group
+    holding the twins of its ``sampled`` parameters, without state or step hooks."""
     memo: dict[int, Any] = {
         key: torch.nn.Parameter(twin.detach().clone(), requires_grad=twin.requires_grad)
         for key, twin in twins.items()}
+    for group, chosen in zip(optimizer.param_groups, sampled, strict=True):
+        memo[id(group["params"])] = [memo[id(p)] for p in chosen]
     memo[id(optimizer.state)] = defaultdict(dict)
     for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
                  "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
@@ -101,35 +107,34 @@ def _tensors(optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]
     """The parameters and their state tensors, named, in the groups' order."""
     out: list[tuple[str, torch.Tensor]] = []
     for index, param in enumerate(_params(optimizer)):
-        out.append((f"parameter {index}", param))
+        out.append((f"twin {index}", param))
         for key, value in sorted(optimizer.state.get(param, {}).items(), key=str):
             if isinstance(value, torch.Tensor):
-                out.append((f"parameter {index}'s state {key!r}", value))
+                out.append((f"twin {index}'s state {key!r}", value))
     return out
 
 
 def _difference(optimizer: torch.optim.Optimizer) -> str | None:
-    """What differs between ``optimizer`` stepped whole and part by part, on twins."""
+    """What differs between ``optimizer`` stepped whole and part by part, on twins of
+    the first ``_PER_GROUP`` trainable parameters of each group."""
     generator = torch.Generator().manual_seed(0)
     twins: dict[int, torch.Tensor] = {}
-    grads: dict[int, list[torch.Tensor]] = {}
     for param in _params(optimizer):
-        if id(param) in twins:
-            continue
         shape = tuple(min(size, _EDGE) for size in param.shape)
-        twin = torch.nn.Parameter(
+        twins.setdefault(id(param), torch.nn.Parameter(
             torch.randn(shape, generator=generator).to(param.dtype),
-            requires_grad=param.requires_grad)
-        twins[id(param)] = twin
-        grads[id(param)] = [torch.randn(shape, generator=generator).to(param.dtype)
-                            for _ in range(_STEPS)]
+            requires_grad=param.requires_grad))
+    sampled = [[p for p in group["params"] if p.requires_grad][:_PER_GROUP]
+               for group in optimizer.param_groups]
+    grads = {id(p): [torch.randn(twins[id(p)].shape, generator=generator).to(p.dtype)
+                     for _ in range(_STEPS)] for chosen in sampled for p in chosen}
     step = _own_step(optimizer)
-    whole, parts = _twin(optimizer, twins), _twin(optimizer, twins)
+    whole, parts = _twin(optimizer, twins, sampled), _twin(optimizer, twins, sampled)
+    reals = [p for chosen in sampled for p in chosen]
     for index in range(_STEPS):
         for twinned in (whole, parts):
-            for real, stepped in zip(_params(optimizer), _params(twinned), strict=True):
-                stepped.grad = (grads[id(real)][index].clone() if real.requires_grad
-                                else None)
+            for real, stepped in zip(reals, _params(twinned), strict=True):
+                stepped.grad = grads[id(real)][index].clone()
         with torch.no_grad():
             state = torch.random.get_rng_state()
             step(whole)
