@@ -54,16 +54,24 @@ def bucket_gradient_views(buffer: torch.Tensor,
     2.13: 0.0135 off plain DDP after 3 SGD steps, silently) and, lent to the parameter
     as ``.grad``, overlap DDP's own view when it copies the bucket back after backward.
     The reducer places the gradients one after the other, each ``numel`` long
-    (``Reducer::initialize_bucket_views``).
+    (``Reducer::initialize_bucket_views``). A complex parameter's gradient is held
+    there as its real view (``torch.view_as_real``: ``2 * numel`` real elements of the
+    bucket's real dtype); read as ``param.numel()`` elements of the bucket, it was torch's
+    bare dtype error at the first stepping backward (0.4.0, ``cdd1705``).
     """
     views = []
     offset = 0
     for param in params:
+        size, stride, numel = param.size(), param.stride(), param.numel()
+        complex_ = param.is_complex()
+        if complex_:  # the reducer holds it as ``view_as_real`` would lay it out
+            size, stride, numel = (*size, 2), (*(2 * s for s in stride), 1), 2 * numel
         if _non_overlapping_and_dense(param):
-            views.append(buffer.as_strided(param.size(), param.stride(), offset))
+            view = buffer.as_strided(size, stride, offset)
         else:
-            views.append(buffer.narrow(0, offset, param.numel()).view(param.size()))
-        offset += param.numel()
+            view = buffer.narrow(0, offset, numel).view(size)
+        views.append(torch.view_as_complex(view) if complex_ else view)
+        offset += numel
     return views
 
 
