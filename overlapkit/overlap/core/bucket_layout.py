@@ -62,7 +62,8 @@ def bucket_gradient_views(buffer: torch.Tensor,
     views = []
     offset = 0
     for param in params:
-        size, stride, numel = param.size(), param.stride(), param.numel()
+        size: tuple[int, ...] = tuple(param.size())
+        stride, numel = param.stride(), param.numel()
         complex_ = param.is_complex()
         if complex_:  # the reducer holds it as ``view_as_real`` would lay it out
             size, stride, numel = (*size, 2), (*(2 * s for s in stride), 1), 2 * numel
