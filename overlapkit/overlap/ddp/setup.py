@@ -27,6 +27,7 @@ from overlapkit.overlap.core.own_hooks import OwnHook
 from overlapkit.overlap.core.side_stream import SideStream
 from overlapkit.overlap.ddp import comm_hook_guard
 from overlapkit.overlap.ddp.bucket_stepper import BucketStepper
+from overlapkit.overlap.ddp.join_divide import refuse_join_dividing_by_remaining_ranks
 from overlapkit.overlap.ddp.kept_gradients import KeptGradientAveraging
 from overlapkit.overlap.plain_step_guard import release_advice
 from overlapkit.overlap.rebuild import before_forward_hook, check_takeover, plan_takeover, retire
@@ -300,5 +301,8 @@ def set_up_on_ddp(
     stepper.handles.append(
         model.register_forward_pre_hook(OwnHook(before_forward_hook, stepper)))
     stepper.handles.append(model.register_forward_hook(refusing_second_backwards(stepper)))
+    if inner_hook is allreduce_hook:  # a comm hook of the user's: plain DDP ignores it too
+        stepper.handles.append(model.register_forward_pre_hook(OwnHook(
+            refuse_join_dividing_by_remaining_ranks, setup.model.technique), prepend=True))
     claim_params(owned, setup.model.technique)
     return engine, stepper
