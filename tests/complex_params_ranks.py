@@ -39,12 +39,17 @@ def _state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def train(rank: int, technique: str, name: str, bucket_view: bool) -> dict[str, Any]:
-    """4 steps; ``technique``: ``plain``, ``overlap_ddp`` or ``optimizer_in_backward``."""
+    """4 steps; ``technique``: ``plain``, ``overlap_ddp``, ``optimizer_in_backward`` or
+    ``sharded`` (``overlap_ddp(shard_optimizer_state=True)``)."""
     model = ComplexNet()
     ddp = DDP(model, gradient_as_bucket_view=bucket_view, bucket_cap_mb=0.001)
     cls, settings = OPTIMIZERS[name]
-    opt: Any = (cls(model.parameters(), **settings) if technique == "plain"
-                else getattr(overlapkit, technique)(ddp, cls, **settings))
+    if technique == "sharded":  # ZeRO-1: the same bucket views
+        opt: Any = overlapkit.overlap_ddp(ddp, cls, shard_optimizer_state=True, **settings)
+    elif technique == "plain":
+        opt = cls(model.parameters(), **settings)
+    else:
+        opt = getattr(overlapkit, technique)(ddp, cls, **settings)
     generator = torch.Generator().manual_seed(rank)
 
     def steps() -> None:
@@ -68,4 +73,8 @@ def run(rank: int, world_size: int) -> dict[tuple[str, str, bool], dict[str, Any
                     "error": got["error"],
                     "values": compare(plain["values"], got["values"]),
                     "state": compare(plain["state"], got["state"])}
+            got = train(rank, "sharded", name, bucket_view)
+            out["sharded", name, bucket_view] = {  # its state is each rank's share
+                "error": got["error"], "values": compare(plain["values"], got["values"]),
+                "state": compare([], [])}
     return out

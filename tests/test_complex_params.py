@@ -5,7 +5,8 @@ Before (``cdd1705``): both techniques read it as ``numel`` elements of the bucke
 the first stepping backward failed with torch's bare "attempting to assign a gradient
 with dtype 'float' to a tensor with grad_dtype 'ComplexFloat'" from inside backward
 (the plain DDP loop trains). Now bitwise the plain loop, parameters and state, 1
-process and 2 gloo ranks, ``gradient_as_bucket_view`` off and on.
+process and 2 gloo ranks, ``gradient_as_bucket_view`` off and on; the sharded
+optimizer (``shard_optimizer_state=True``), which steps the same views, too.
 """
 
 from __future__ import annotations

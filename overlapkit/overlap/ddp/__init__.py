@@ -11,8 +11,9 @@ copied into ``.grad`` while later reductions are in flight:
 :mod:`~overlapkit.overlap.ddp.filled_grads`; a reduction that fails
 is raised as one overlapkit error when backward ends:
 :mod:`~overlapkit.overlap.ddp.failed_reductions`; a bucket DDP never reduced, its
-gradients freed, likewise: :mod:`~overlapkit.overlap.ddp.unreduced`; a join dividing by the ranks left, refused
-at the forward: :mod:`~overlapkit.overlap.ddp.join_divide`), the hooks on the parameters
+gradients freed, likewise: :mod:`~overlapkit.overlap.ddp.unreduced`; a join dividing
+by the ranks left, refused at the forward: :mod:`~overlapkit.overlap.ddp.join_divide`),
+the hooks on the parameters
 beside it (:mod:`~overlapkit.overlap.ddp.param_hooks`; where plain DDP divides gradients
 kept as bucket views: :mod:`~overlapkit.overlap.ddp.kept_gradients`) and the optimizer
 ``overlap_ddp`` returns (:mod:`~overlapkit.overlap.ddp.optimizer`; its comm hook's
