@@ -145,6 +145,7 @@ def check_ddp_model(ddp_model: Any, technique: str) -> DistributedDataParallel:
             f"{technique} needs a torch.nn.parallel.DistributedDataParallel model, got "
             f"{type(ddp_model).__name__}; wrap it first: DistributedDataParallel(model)."
         )
+    _refuse_sparse_gradients(ddp_model, technique)
     slot = getattr(ddp_model, _MARKER, None)
     if isinstance(slot, CommHookSlot):
         bound = slot.stepper
@@ -164,6 +165,27 @@ def check_ddp_model(ddp_model: Any, technique: str) -> DistributedDataParallel:
             "comm_hook=NAME) and overlapkit runs it before stepping."
         )
     return ddp_model
+
+
+def _refuse_sparse_gradients(ddp_model: DistributedDataParallel, technique: str) -> None:
+    """Refuse, at set-up, a module DDP reduces sparse gradients of (``nn.Embedding`` /
+    ``nn.EmbeddingBag`` with ``sparse=True``, DDP's own test): DDP gives each its own
+    bucket, the sparse gradient itself, which the comm hook cannot step as a bucket of
+    dense views. 0.4.0 (``cdd1705``) failed at the end of the first backward with
+    torch's bare "Cannot access data pointer of Tensor that doesn't have storage",
+    the other buckets already stepped.
+
+    :raises ConfigurationError: naming the first such module.
+    """
+    for name, module in ddp_model.module.named_modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and \
+                module.sparse and any(p.requires_grad for p in module.parameters()):
+            raise ConfigurationError(
+                f"{name or 'the model'} ({type(module).__name__}(sparse=True)) has sparse "
+                f"gradients, which DDP reduces as a bucket of their own; {technique} "
+                "steps each bucket's dense gradients during backward and cannot step "
+                "those. Nothing was set up. Use sparse=False (dense gradients), or a plain "
+                "optimizer on this model.")
 
 
 def check_clipping_for_model(model: DistributedDataParallel, clipping: GradClipping,
