@@ -21,6 +21,8 @@ while backward goes on. Split by the question each part answers:
 - :mod:`~overlapkit.overlap.sharded.share_state`: its ``state``, this rank's share;
 - :mod:`~overlapkit.overlap.sharded.state_dicts`: whole and per-rank state dicts;
 - :mod:`~overlapkit.overlap.sharded.misfit`: whether a state dict fits, before loading;
+- :mod:`~overlapkit.overlap.sharded.model_group`: whether the DDP model's process group
+  is still registered, before a gathering or a checkpoint;
 - :mod:`~overlapkit.overlap.sharded.torch_api`: what it answers torch's
   ``get/set_optimizer_state_dict`` and DCP's ``save`` / ``load`` of it.
 

@@ -41,6 +41,7 @@ from overlapkit.overlap.sharded.held_params import flat_params, reordered
 from overlapkit.overlap.sharded.hook_state import ShardedCommHookState
 from overlapkit.overlap.sharded.hooks import ShardedHooks
 from overlapkit.overlap.sharded.misfit import misfit_refusal
+from overlapkit.overlap.sharded.model_group import raise_if_groups_gone
 from overlapkit.overlap.sharded.ownership import (
     Ownership,
     ShardingPolicy,
@@ -236,7 +237,7 @@ class ShardedOverlapOptimizer(ShardedCommHookState, ShardedHooks, OverlappedOpti
         or ``step()``, it is refused at once on those (nothing gathered or stepped).
         """
         to = destination_rank(to, self._ownership.world_size)
-        self._stepper.raise_if_destroyed("consolidate_state_dict()")
+        raise_if_groups_gone(self._stepper, self._model, "consolidate_state_dict()")
         self.synchronize()
         self._held_now()
         self._stepper.meet("consolidate_state_dict()")  # every rank here, else refused
@@ -346,9 +347,10 @@ class ShardedOverlapOptimizer(ShardedCommHookState, ShardedHooks, OverlappedOpti
         self._consolidated = None
 
     def meet_for_checkpoint(self, *, loading: bool = False) -> None:
-        """Before ``overlapkit.checkpoint``'s collectives: refused at once where a rank
-        started a backward or ``step()`` instead (``SettingsAgreement.meet``)."""
-        self._stepper.meet(f"overlapkit.checkpoint.{'load' if loading else 'save'}")
+        """Before ``overlapkit.checkpoint``'s collectives: its groups gone, ranks elsewhere."""
+        what = f"overlapkit.checkpoint.{'load' if loading else 'save'}"
+        raise_if_groups_gone(self._stepper, self._model, what)
+        self._stepper.meet(what)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of the model's parameters; the sharding policy assigns them to
@@ -387,13 +389,11 @@ class ShardedOverlapOptimizer(ShardedCommHookState, ShardedHooks, OverlappedOpti
 
     def __getstate__(self) -> dict[str, Any]:
         raise NotPicklableError(
-            f"this {type(self).__name__} is bound to a live model and its ranks' process "
-            "group, and holds only this rank's share of the state, so it cannot be "
-            "pickled or deep-copied. Save the state instead: overlapkit.checkpoint.save("
-            "path, model, optimizer) on every rank; or consolidate_state_dict(to=0) on "
-            "every rank, then state_dict() on rank 0 (the whole state); or "
-            "local_state_dict() (this rank's share)."
-        )
+            f"this {type(self).__name__} is bound to a live model and its ranks' process group, "
+            "and holds only this rank's share of the state, so it cannot be pickled or "
+            "deep-copied. Save the state instead: overlapkit.checkpoint.save(path, model, "
+            "optimizer) on every rank; or consolidate_state_dict(to=0) on every rank, then "
+            "state_dict() on rank 0 (the whole state); or local_state_dict() (this rank's share).")
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self._engine.optimizer!r}, rank {self._ownership.rank}"

@@ -1,0 +1,73 @@
+"""The rank side of tests/test_sharded_model_group.py: a sharded optimizer over a DDP
+model built on a subgroup, after ``dist.destroy_process_group(subgroup)``, against plain
+DDP + AdamW on a live subgroup of the same ranks, on 2 gloo ranks.
+
+Each function returns the errors raised (:func:`~helpers.error_of`) and what differed
+(:class:`~helpers.Comparison`).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from helpers import compare, error_of, values
+from sharded_state_ranks import LR, Net, _loss, batches
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import overlapkit
+
+
+def _on(group: Any) -> DDP:
+    torch.manual_seed(0)
+    return DDP(Net(), bucket_cap_mb=0.001, process_group=group)
+
+
+def _train(ddp: DDP, opt: Any, data: list[torch.Tensor]) -> None:
+    for tokens in data:
+        _loss(ddp, tokens).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def subgroup_destroyed(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    """Train 2 steps, save a checkpoint, destroy the DDP model's subgroup; then
+    ``consolidate_state_dict()``, ``overlapkit.checkpoint.save`` and ``load``: each
+    refused, nothing gathered, written or loaded; training goes on bitwise plain DDP,
+    and DCP saves the plain optimizer's checkpoint."""
+    timeout = datetime.timedelta(seconds=30)
+    sub = dist.new_group(list(range(world_size)), backend="gloo", timeout=timeout)
+    live = dist.new_group(list(range(world_size)), backend="gloo", timeout=timeout)
+    reference, ddp = _on(live), _on(sub)
+    plain = torch.optim.AdamW(reference.parameters(), lr=LR)
+    opt = overlapkit.overlap_ddp(ddp, torch.optim.AdamW, lr=LR, shard_optimizer_state=True)
+    data = batches(rank, 4)
+    _train(reference, plain, data[:2])
+    _train(ddp, opt, data[:2])
+    saved = os.path.join(directory, "before")
+    overlapkit.checkpoint.save(saved, ddp, opt)
+    dist.destroy_process_group(sub)
+    kept = copy.deepcopy(opt.local_state_dict())
+    params = [p.detach().clone() for p in ddp.parameters()]
+    out: dict[str, Any] = {}
+    out["consolidate"] = error_of(lambda: opt.consolidate_state_dict(0))
+    out["save"] = error_of(lambda: overlapkit.checkpoint.save(
+        os.path.join(directory, "after"), ddp, opt))
+    out["written"] = os.path.exists(os.path.join(directory, "after"))
+    opt.param_groups[0]["lr"] = LR * 3  # a load would put LR back
+    out["load"] = error_of(lambda: overlapkit.checkpoint.load(saved, ddp, opt))
+    out["load left lr"] = opt.param_groups[0]["lr"] == LR * 3
+    opt.param_groups[0]["lr"] = LR
+    now = opt.local_state_dict()
+    out["unchanged"] = compare(params, [p.detach() for p in ddp.parameters()])
+    out["state unchanged"] = compare(
+        [v for e in kept["sharded_state"].values() for v in e.values()],
+        [v for e in now["sharded_state"].values() for v in e.values()])
+    _train(reference, plain, data[2:])
+    _train(ddp, opt, data[2:])
+    out["values"] = compare(values(reference), values(ddp))
+    return out

@@ -1,0 +1,31 @@
+"""A sharded optimizer (``overlap_ddp(..., shard_optimizer_state=True)``) over a DDP
+model on a subgroup the loop destroyed (``dist.destroy_process_group(subgroup)``) while
+training on: the gathering and ``overlapkit.checkpoint`` are refused with what to do,
+nothing gathered, written or loaded, and training goes on bitwise plain DDP, on 2 gloo
+ranks (``overlap/sharded/model_group.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import sharded_model_group_ranks as ranks_
+from helpers import failures
+
+from overlapkit.distributed import run_distributed
+
+
+def test_a_destroyed_ddp_subgroup_refuses_the_gathering_and_checkpoints_before_anything(
+        tmp_path: Path) -> None:
+    results = run_distributed(ranks_.subgroup_destroyed, 2, args=(str(tmp_path),),
+                              timeout=300)
+    for rank, result in enumerate(results):
+        for name in ("consolidate", "save", "load"):
+            error = result[name]
+            assert error is not None and error["type"] == "ConfigurationError", (rank, name,
+                                                                                 error)
+            assert "destroy_process_group" in error["message"], error
+            assert "torch.distributed.checkpoint.save" in error["message"], error
+        assert not result["written"], rank
+        assert result["load left lr"], rank
+    for key in ("unchanged", "state unchanged", "values"):
+        assert not failures(results, key), key
