@@ -71,3 +71,16 @@ def subgroup_destroyed(rank: int, world_size: int, directory: str) -> dict[str, 
     _train(ddp, opt, data[2:])
     out["values"] = compare(values(reference), values(ddp))
     return out
+
+
+def one_rank_subgroup_destroyed(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    """The same at one rank: the gathering and ``overlapkit.checkpoint.save`` look no
+    group up there, and work as before."""
+    sub = dist.new_group([0], backend="gloo")
+    ddp = _on(sub)
+    opt = overlapkit.overlap_ddp(ddp, torch.optim.AdamW, lr=LR, shard_optimizer_state=True)
+    _train(ddp, opt, batches(rank, 2))
+    dist.destroy_process_group(sub)
+    return {"consolidate": error_of(lambda: (opt.consolidate_state_dict(0), opt.state_dict())),
+            "save": error_of(lambda: overlapkit.checkpoint.save(
+                os.path.join(directory, "one"), ddp, opt))}

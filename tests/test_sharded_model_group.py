@@ -29,3 +29,9 @@ def test_a_destroyed_ddp_subgroup_refuses_the_gathering_and_checkpoints_before_a
         assert result["load left lr"], rank
     for key in ("unchanged", "state unchanged", "values"):
         assert not failures(results, key), key
+
+
+def test_at_one_rank_a_destroyed_subgroup_still_gathers_and_saves(tmp_path: Path) -> None:
+    (result,) = run_distributed(ranks_.one_rank_subgroup_destroyed, 1,
+                                args=(str(tmp_path),), timeout=120)
+    assert result == {"consolidate": None, "save": None}, result

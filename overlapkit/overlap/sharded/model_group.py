@@ -11,8 +11,8 @@ torch's bare ``ValueError`` ("Group <...ProcessGroup object at 0x...> is not
 registered, please create group with torch.distributed.new_group API") from inside the
 gathering and the buffers' broadcast (measured: 2 gloo ranks, AdamW; nothing gathered or
 written). They are now refused with what to do, before any collective, on every rank that
-destroyed the group. A single check of a dict's keys, made by these calls only (nothing
-per step).
+destroyed the group (not on a group of one rank, where they look nothing up and work). A
+check of a dict's keys, made by these calls only (nothing per step).
 
 .. versionadded:: 0.4
 """
@@ -38,8 +38,8 @@ def raise_if_groups_gone(stepper: ShardedBucketStepper, model: DistributedDataPa
     :raises ConfigurationError: either; nothing gathered, written or read."""
     stepper.raise_if_destroyed(what)
     group = getattr(model, "process_group", None)
-    if group is None or group in dist.distributed_c10d._world.pg_map:
-        return
+    if group is None or group in dist.distributed_c10d._world.pg_map or group.size() == 1:
+        return  # (a group of one rank: nothing is looked up, the calls work as before)
     raise ConfigurationError(
         f"{what}: the DDP model's process group was destroyed "
         "(dist.destroy_process_group(group)) while the model still uses it. DDP and this "
