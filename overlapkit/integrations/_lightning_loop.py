@@ -30,13 +30,13 @@ from lightning.pytorch.trainer import call
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.errors import ConfigurationError, OverlapkitError
+from overlapkit.integrations._lightning_by_hand import by_hand_warning, refuse_manual
 from overlapkit.integrations._lightning_setup import clipping_of, step_patch_refusal
 from overlapkit.integrations._lightning_window import (
     SKIPPED_BACKWARD,
     WRAPPED_CLOSURE,
     GradientWrites,
     OptimizerChanges,
-    by_hand_warning,
     second_backward_error,
     skipped_backward_error,
     switch_warning,
@@ -213,15 +213,15 @@ class AutomaticOptimization:
         under ``no_step()``."""
         module = strategy.lightning_module
         assert module is not None
+        refuse_manual(module, self)  # manual optimization switched on after the set-up
         precision = strategy.precision_plugin
         strategy.pre_backward(closure_loss)
         closure_loss = precision.pre_backward(closure_loss, module)
         accumulating = (self.optimizer is not None and self.accumulate_with_no_step
                         and not self._in_optimizer_step)
-        # DDP: a synchronised backward outside optimizer.step(closure) is the user's
-        # optimizer_step running the closure itself; whether a step() follows is not
-        # known yet, so it steps nothing (step() takes it in the plain order, or the
-        # next zero_grad drops it, as in the plain loop)
+        # DDP: a synchronised backward outside optimizer.step(closure) (the user's
+        # optimizer_step, step wrapper or manual optimization runs it) steps nothing:
+        # step() takes it in the plain order, or the next zero_grad drops it
         by_hand = (self.optimizer is not None and not self.accumulate_with_no_step
                    and not self._in_optimizer_step and _reduces(strategy))
         probing = not self._probed
@@ -230,7 +230,7 @@ class AutomaticOptimization:
                    and not by_hand and _reduces(strategy) and closure_loss.requires_grad)
         handle = closure_loss.register_hook(self._count_probe_backward) if counted else None
         if by_hand or (accumulating and not _accumulates(module)):  # one device: a
-            self._warn_by_hand()  # step() follows or not, its backward is a no_step() one
+            self._warn_by_hand(strategy)  # step() follows or not: a no_step() backward
         context: Any = nullcontext()
         if accumulating:
             context = self.optimizer.no_step()  # type: ignore[union-attr]
@@ -344,12 +344,12 @@ class AutomaticOptimization:
         warnings.warn(switch_warning(self.strategy_name, self.technique, steps, why, keep),
                       UserWarning, stacklevel=3)
 
-    def _warn_by_hand(self) -> None:
-        """Once per fit: a step taken at ``step()`` because the closure ran outside it."""
+    def _warn_by_hand(self, strategy: pl.strategies.Strategy) -> None:
+        """Once per fit: steps taken at ``step()``, the closure run outside it."""
         if not (self._warned_by_hand or self.plain_order):
             self._warned_by_hand = True
-            warnings.warn(by_hand_warning(self.strategy_name, self.technique), UserWarning,
-                          stacklevel=3)
+            warnings.warn(by_hand_warning(self.strategy_name, self.technique, strategy),
+                          UserWarning, stacklevel=3)
 
     # -- the gate ---------------------------------------------------------------------
 

@@ -40,7 +40,7 @@ from overlapkit.overlap.core.watched_params import (
 )
 
 __all__ = ["AFTER_STEP_HOOKS", "GRADIENT_HOOKS", "SKIPPED_BACKWARD", "WRAPPED_CLOSURE",
-           "WRITING_HOOKS", "GradientWrites", "OptimizerChanges", "by_hand_warning",
+           "WRITING_HOOKS", "GradientWrites", "OptimizerChanges",
            "clips_itself", "follow_hooked_loss", "plain_order_warning",
            "second_backward_error",
            "skipped_backward_error", "switch_warning", "window_users"]
@@ -284,20 +284,6 @@ def skipped_backward_error() -> ConfigurationError:
         "plain run keeps them. Nothing was stepped in this step. To keep training: "
         f"{SKIPPED_BACKWARD[1]}, or use technique='overlap_ddp' (it honours this in the "
         "plain order).")
-
-
-def by_hand_warning(strategy: str, technique: str) -> str:
-    """The one warning of a fit whose ``optimizer_step`` override runs the closure itself
-    (on DDP: those steps are taken at ``step()``)."""
-    return (
-        f"{strategy} ({technique}) takes the steps whose closure the optimizer_step "
-        "override runs itself (optimizer_closure() outside optimizer.step(closure=...)) "
-        "at optimizer.step(), in the plain order, without overlap: that backward cannot "
-        "know whether a step follows or is skipped. Those steps are the plain Trainer's, "
-        "bitwise. To keep the overlap: pass the closure, "
-        "optimizer.step(closure=optimizer_closure), and skip an update by other means "
-        "(a zero learning rate)."
-    )
 
 
 class GradientWrites:
