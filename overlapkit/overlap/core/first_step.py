@@ -102,7 +102,12 @@ def end_first_window(steps: Any, names: Mapping[int, str], params: list[torch.Te
         if window.discarded:
             used.append("zero_grad() discarded the gradients of a backward without a step "
                         "(a second optimizer's loss reaching these parameters)")
-        if window.clipped_again:
+        if window.clipped_per_backward:  # twelfth probe: was the text below
+            used.append("clip_grad_norm_ was called after each backward of one step "
+                        "(every micro-batch of the accumulation, not only where "
+                        "accelerator.sync_gradients is true: the plain one clips the "
+                        "partial sums and returns their norms)")
+        elif window.clipped_again:
             used.append("clip_grad_norm_ was called again after the loop's clip (the "
                         "plain one returns the clipped gradients' norm)")
         if window.clipped_part:

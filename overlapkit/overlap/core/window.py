@@ -140,6 +140,11 @@ class FirstWindow:
     #: the loop clipped (or asked their norm) again after that: it reads the clipped
     #: gradients' norm, which a step taken during backward does not keep
     clipped_again: bool = False
+    #: how many backwards the window had at the loop's last clip by norm, and whether a
+    #: clip came again after a later backward of the same step (a clip per micro-batch:
+    #: the plain loop clips the partial sums, and each returns their norm)
+    clipped_at_backward: int = -1
+    clipped_per_backward: bool = False
     #: the ``clip_grad_norm=`` the loop says it clips with before each ``step()``
     #: (Accelerate's ``prepare``), or None: a first step without that clip is refused
     loop_clips: float | None = None
@@ -273,6 +278,19 @@ class FirstWindow:
                      and f"{key} of param group {index}" not in found)
         return found
 
+    def note_clip(self, by_norm: bool, finite: bool) -> None:
+        """Once per call of the loop's clip on gradients this window keeps: whether it
+        clips (or asks the norm) again after a clip by a finite norm, and whether a
+        backward came between the two (twelfth probe: Accelerate clipping every
+        micro-batch was warned of as a second clip after the loop's)."""
+        if by_norm and self.clipped_to_norm:
+            self.clipped_again = True
+            self.clipped_per_backward = (self.clipped_per_backward
+                                         or self.backwards > self.clipped_at_backward)
+        if by_norm:
+            self.clipped_at_backward = self.backwards
+        self.clipped_to_norm = self.clipped_to_norm or finite
+
     def discard(self) -> None:
         """``zero_grad()`` was called: the backwards so far are not this step's."""
         self.discarded = self.discarded or self.backwards > 0
@@ -356,3 +374,4 @@ class FirstWindow:
         self.close_data_writes()
         self.data_writes = None
         self.clipped_to_norm = False
+        self.clipped_at_backward = -1

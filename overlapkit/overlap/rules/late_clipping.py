@@ -235,8 +235,7 @@ def _clipped_in_window(params: list[torch.Tensor], before: list[tuple[int, int]]
         if marks is not None:
             marks.clipped_by_loop(param, was)
     for window in windows.values():  # once per call
-        window.clipped_again = window.clipped_again or (by_norm and window.clipped_to_norm)
-        window.clipped_to_norm = window.clipped_to_norm or finite
+        window.note_clip(by_norm, finite)
 
 
 def _stepper_of(param: torch.Tensor) -> Any:
