@@ -80,9 +80,9 @@ def manual_optimization_refusal(strategy_name: str, technique: str) -> Configura
         f"(e.g. in on_train_start), and training_step now runs self.manual_backward(...): "
         f"under {strategy_name} ({technique}) on DDP each gradient is freed once DDP has "
         "taken it, so what a manual backward accumulates would be lost where the plain "
-        "run keeps it. Nothing was stepped. Leave automatic_optimization on and return the "
-        "loss from training_step, use technique='overlap_ddp' (it takes manual steps in "
-        "the plain order), or train this module with strategy='ddp'."
+        "run keeps it. Nothing was stepped in this step. Leave automatic_optimization on "
+        "and return the loss from training_step, use technique='overlap_ddp' (it takes "
+        "manual steps in the plain order), or train this module with strategy='ddp'."
     )
 
 
