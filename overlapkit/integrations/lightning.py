@@ -205,7 +205,8 @@ class OverlapDDPStrategy(_StepsInBackward, pl.strategies.DDPStrategy):
     :param reads_grads_after_step: ``optimizer_in_backward`` only. By default, when the
         module or a callback of the user's overrides a hook that runs after a step and
         before the next ``zero_grad`` (``on_train_batch_end`` / ``_start``, the
-        ``on_train_epoch_*``, ``on_validation_*`` and ``on_train_end`` hooks), which may
+        ``on_train_epoch_*``, ``on_validation_*`` and ``on_train_end`` hooks, the
+        module's ``lr_scheduler_step``), which may
         read ``.grad`` there (the plain loop keeps the gradients until the next
         ``zero_grad``; ``optimizer_in_backward`` frees them during backward),
         every step of the fit is taken at ``optimizer.step()`` in the plain order,
