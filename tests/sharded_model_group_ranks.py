@@ -21,6 +21,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlapkit
 
+#: what a rank built on the destroyed subgroup, kept until the rank exits: freed when
+#: the function returns, a DDP model's reducer over a destroyed gloo group could hang in
+#: its destructor (seen once in a few runs), and the rank never reported
+_KEPT: list[Any] = []
+
 
 def _on(group: Any) -> DDP:
     torch.manual_seed(0)
@@ -70,6 +75,7 @@ def subgroup_destroyed(rank: int, world_size: int, directory: str) -> dict[str, 
     _train(reference, plain, data[2:])
     _train(ddp, opt, data[2:])
     out["values"] = compare(values(reference), values(ddp))
+    _KEPT.extend((sub, ddp, opt))
     return out
 
 
@@ -84,3 +90,38 @@ def one_rank_subgroup_destroyed(rank: int, world_size: int, directory: str) -> d
     return {"consolidate": error_of(lambda: (opt.consolidate_state_dict(0), opt.state_dict())),
             "save": error_of(lambda: overlapkit.checkpoint.save(
                 os.path.join(directory, "one"), ddp, opt))}
+
+
+def unsharded_subgroup_destroyed(rank: int, world_size: int, directory: str,
+                                 technique: str) -> dict[str, Any]:
+    """The same with the plain optimizer or ``overlap_ddp`` unsharded: the checkpoint's
+    ``save`` and ``load`` are refused on every rank (``checkpoint/arguments.py``),
+    nothing written or loaded; training goes on bitwise plain DDP."""
+    timeout = datetime.timedelta(seconds=30)
+    sub = dist.new_group(list(range(world_size)), backend="gloo", timeout=timeout)
+    live = dist.new_group(list(range(world_size)), backend="gloo", timeout=timeout)
+    reference, ddp = _on(live), _on(sub)
+    plain = torch.optim.AdamW(reference.parameters(), lr=LR)
+    opt = (torch.optim.AdamW(ddp.parameters(), lr=LR) if technique == "plain"
+           else overlapkit.overlap_ddp(ddp, torch.optim.AdamW, lr=LR))
+    data = batches(rank, 4)
+    _train(reference, plain, data[:2])
+    _train(ddp, opt, data[:2])
+    saved = os.path.join(directory, "before")
+    overlapkit.checkpoint.save(saved, ddp, opt)
+    dist.destroy_process_group(sub)
+    params = [p.detach().clone() for p in ddp.parameters()]
+    out: dict[str, Any] = {}
+    out["save"] = error_of(lambda: overlapkit.checkpoint.save(
+        os.path.join(directory, "after"), ddp, opt))
+    out["written"] = os.path.exists(os.path.join(directory, "after"))
+    opt.param_groups[0]["lr"] = LR * 3  # a load would put LR back
+    out["load"] = error_of(lambda: overlapkit.checkpoint.load(saved, ddp, opt))
+    out["load left lr"] = opt.param_groups[0]["lr"] == LR * 3
+    opt.param_groups[0]["lr"] = LR
+    out["unchanged"] = compare(params, [p.detach() for p in ddp.parameters()])
+    _train(reference, plain, data[2:])
+    _train(ddp, opt, data[2:])
+    out["values"] = compare(values(reference), values(ddp))
+    _KEPT.extend((sub, ddp, opt))
+    return out

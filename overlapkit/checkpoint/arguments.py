@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.errors import CheckpointError
 from overlapkit.optimizer_wrapper import OptimizerWrapper
@@ -45,6 +47,7 @@ def check_model_and_optimizer(model: Any, optimizer: Any, call: str) -> None:
             f"{call}: model must be a torch.nn.Module (the plain, DDP or FSDP model), "
             f"got {type(model).__name__}{hint}; call {call}(path, model, optimizer)."
         )
+    _check_model_group(model, call)
     if optimizer is None:
         return
     if isinstance(optimizer, type):
@@ -75,6 +78,29 @@ def check_model_and_optimizer(model: Any, optimizer: Any, call: str) -> None:
                     f"{tuple(param.shape)} that is not a parameter of the model; pass "
                     "the model whose parameters the optimizer steps."
                 )
+
+
+def _check_model_group(model: torch.nn.Module, call: str) -> None:
+    """A DDP model on a subgroup the loop destroyed (``dist.destroy_process_group``)
+    trains on (DDP holds the group itself), but the checkpoint's broadcast of the
+    buffers and its settings check find the group's ranks in torch's registry: up to
+    0.4.0 (``cdd1705``) torch's bare ``ValueError`` "Group ... is not registered" from
+    inside the save or load. A group of one rank looks nothing up.
+
+    :raises CheckpointError: the model's group is no longer registered."""
+    group = getattr(model, "process_group", None)
+    if (not isinstance(model, DistributedDataParallel) or group is None
+            or not dist.is_initialized()
+            or group in dist.distributed_c10d._world.pg_map or group.size() == 1):
+        return
+    raise CheckpointError(
+        f"{call}: the DDP model's process group was destroyed "
+        "(dist.destroy_process_group(group)) while the model still uses it: DDP trains on "
+        "without it being registered, but the checkpoint finds the group's ranks through "
+        "torch's registry, which no longer holds it. Nothing was written or changed. "
+        f"Call {call}() before destroying the group, or wrap the module in a new DDP "
+        "model on a live group (and its optimizer over that model's parameters)."
+    )
 
 
 def check_load_planner(planner: Any, call: str) -> None:
