@@ -10,7 +10,8 @@ Package it with an entry point in the ``overlapkit`` group::
 
 and overlapkit loads it on first use (``overlapkit plugins`` lists it). Everything a
 plugin needs is importable from here; the other modules of this package are the
-machinery (``manager``: loading and blocking; ``registry``: lookups and conflicts).
+machinery (``manager``: loading and blocking; ``registry``: lookups and conflicts;
+``wrappers``: pluggy's hook wrappers in the registry's collection).
 
 .. versionadded:: 0.2
 """

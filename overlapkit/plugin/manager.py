@@ -136,7 +136,9 @@ class OverlapkitPluginManager(pluggy.PluginManager):
             registered = super().register(plugin, name)
         except pluggy.PluginValidationError as exc:
             raise PluginValidationError(
-                name or self.get_canonical_name(plugin), f"{exc} Fix the hook function."
+                name or self.get_canonical_name(plugin),
+                f"{exc}. overlapkit's hooks take no arguments: define the hook "
+                "function with none.",
             ) from exc
         self._registry = None
         return registered

@@ -26,6 +26,7 @@ from overlapkit.plugin.records import (
     OptimizerRecord,
     normalize_name,
 )
+from overlapkit.plugin.wrappers import is_wrapper, wrapped_results
 
 if TYPE_CHECKING:
     import pluggy
@@ -111,21 +112,32 @@ def _calls_per_plugin(pm: pluggy.PluginManager, kind: HookKind) -> Iterator[tupl
     """
     trace = pm.trace.root.get("registry")
     distribution_of = getattr(pm, "distribution_of", lambda name: None)
-    for impl in getattr(pm.hook, kind.hook).get_hookimpls():  # registration order
+
+    def fail(plugin: str, what: str, error: BaseException | None) -> PluginValidationError:
+        where = distribution_of(plugin)
+        return PluginValidationError(
+            plugin,
+            what + (f" (distribution {where})" if where else "")
+            + f". Fix the plugin, or block it with OVERLAPKIT_DISABLE_PLUGINS={plugin}.",
+        )
+
+    def call(impl: Any) -> Any:
         trace(f"{kind.hook} [{impl.plugin_name}]")
         try:
             result = impl.function()
         except Exception as error:
-            where = distribution_of(impl.plugin_name)
-            raise PluginValidationError(
-                impl.plugin_name,
-                f"its {kind.hook}() hook raised {type(error).__name__}: {error}"
-                + (f" (distribution {where})" if where else "")
-                + f". Fix the plugin, or block it with "
-                f"OVERLAPKIT_DISABLE_PLUGINS={impl.plugin_name}.",
-            ) from error
+            raise fail(impl.plugin_name,
+                       f"its {kind.hook}() hook raised {type(error).__name__}: {error}",
+                       error) from error
         trace(f"  -> {result!r}")
-        yield impl.plugin_name, result
+        return result
+
+    impls = getattr(pm.hook, kind.hook).get_hookimpls()  # registration order
+    if any(is_wrapper(impl) for impl in impls):  # run around the others, as pluggy does
+        yield from wrapped_results(impls, kind.hook, call, fail)
+        return
+    for impl in impls:
+        yield impl.plugin_name, call(impl)
 
 
 class Registry:
