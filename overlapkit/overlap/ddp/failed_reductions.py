@@ -100,7 +100,27 @@ class FailedReductions(StepAccount):
         if self.reduction_error is None:  # the first failure of this backward
             what = ("reducing gradient bucket " + (f"{bucket} " if bucket is not None else "")
                     + f"(DDP comm hook of {self.technique})")
-            self.reduction_error = collective_failure(error, what, self._group()) or error
+            failed = collective_failure(error, what, self._group())
+            if failed is None and not isinstance(error, OverlapkitError):
+                failed = self._hook_raised(error, what)
+            self.reduction_error = failed or error
+
+    def _hook_raised(self, error: BaseException, what: str) -> ConfigurationError:
+        """The comm hook's own error (its future set to an exception, a ``then``
+        callback raising), not a peer's: at ``cdd1705`` raised as it was, the hook
+        unnamed and the buckets stepped before it unsaid, where plain DDP raises after
+        backward with nothing stepped."""
+        hook = getattr(self.inner_hook, "__qualname__", repr(self.inner_hook))
+        module = getattr(self.inner_hook, "__module__", None)
+        failed = ConfigurationError(
+            f"the comm hook {module + '.' if module else ''}{hook} failed {what}: "
+            f"{type(error).__name__}: {error}. Plain DDP raises this after backward with "
+            "nothing stepped; here the buckets reduced before it in this backward may "
+            "have been stepped already (their parameters and optimizer state changed), "
+            "nothing from this bucket on. Fix the hook (or its plugin) and restart from "
+            "the last checkpoint.")
+        failed.__cause__ = error
+        return failed
 
     def _group(self) -> Any:
         """The process group the inner hook reduces over, for the error's timeout:
