@@ -184,7 +184,7 @@ class BucketStepper(BucketSteps):
             self._seen_buckets[bucket.index()] = bucket.parameters()
         if self._answers_itself and self.global_step is None and not self.deferring:
             return self._launch(bucket)
-        future = self.inner_hook(self.inner_state, bucket)
+        future = self.call_hook(bucket)  # a hook replacing the buffer: DDP's kept
         if self.global_step is not None or self.deferring:
             # reduced now; stepped with every other after finalize, or (defer_steps())
             # left in .grad by DDP's finalize for step()'s full step

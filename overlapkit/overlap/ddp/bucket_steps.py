@@ -27,6 +27,7 @@ from overlapkit.overlap.core.engine import OverlapEngine, StepPlan
 from overlapkit.overlap.core.side_stream import SideStream
 from overlapkit.overlap.ddp.failed_reductions import FailedReductions
 from overlapkit.overlap.ddp.filled_grads import FilledGradients
+from overlapkit.overlap.ddp.replaced_buffers import call_hook, original_buffer
 from overlapkit.overlap.rules.clipping import GradClipping
 
 __all__ = ["BucketSteps", "PendingBucket"]
@@ -101,6 +102,11 @@ class BucketSteps(FailedReductions):
             return _INLINE
         return self.side_stream.running(params, after_compute=False)  # type: ignore[union-attr]
 
+    def call_hook(self, bucket: dist.GradBucket) -> torch.futures.Future[Any]:
+        """Run the inner comm hook on ``bucket`` (:mod:`.replaced_buffers`: a hook that
+        replaces the bucket's buffer is stepped from DDP's)."""
+        return call_hook(self, bucket)
+
     def _step_bucket(self, bucket: dist.GradBucket,
                      future: torch.futures.Future[Any]) -> torch.Tensor:
         """Step one bucket (see :meth:`_step_buckets`); its reduced buffer."""
@@ -129,7 +135,7 @@ class BucketSteps(FailedReductions):
             #: (a future's tensor of its own, the bucket it was copied into)
             results: list[tuple[torch.Tensor, torch.Tensor]] = []
             for bucket, future in items:
-                buffer = bucket.buffer()
+                buffer = original_buffer(self, bucket)
                 result = (self.hook_result(future.value(), buffer, bucket.index())
                           if self.reduced(future, bucket.index()) else None)
                 if result is not None:
