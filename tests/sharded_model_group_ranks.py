@@ -39,27 +39,33 @@ def _train(ddp: DDP, opt: Any, data: list[torch.Tensor]) -> None:
         opt.zero_grad()
 
 
-def subgroup_destroyed(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+def subgroup_destroyed(rank: int, world_size: int, directory: str,
+                       technique: str = "sharded") -> dict[str, Any]:
     """Train 2 steps, save a checkpoint, destroy the DDP model's subgroup; then
-    ``consolidate_state_dict()``, ``overlapkit.checkpoint.save`` and ``load``: each
-    refused, nothing gathered, written or loaded; training goes on bitwise plain DDP,
-    and DCP saves the plain optimizer's checkpoint."""
+    ``overlapkit.checkpoint.save`` and ``load`` (and, sharded, ``consolidate_state_dict()``):
+    each refused, nothing gathered, written or loaded; training goes on bitwise plain
+    DDP. ``technique``: ``"sharded"`` (``overlap/sharded/model_group.py``), ``"plain"``
+    (torch's AdamW) or ``"overlap_ddp"`` unsharded (``checkpoint/arguments.py``)."""
     timeout = datetime.timedelta(seconds=30)
     sub = dist.new_group(list(range(world_size)), backend="gloo", timeout=timeout)
     live = dist.new_group(list(range(world_size)), backend="gloo", timeout=timeout)
     reference, ddp = _on(live), _on(sub)
     plain = torch.optim.AdamW(reference.parameters(), lr=LR)
-    opt = overlapkit.overlap_ddp(ddp, torch.optim.AdamW, lr=LR, shard_optimizer_state=True)
+    opt = (torch.optim.AdamW(ddp.parameters(), lr=LR) if technique == "plain"
+           else overlapkit.overlap_ddp(ddp, torch.optim.AdamW, lr=LR,
+                                       shard_optimizer_state=technique == "sharded"))
     data = batches(rank, 4)
     _train(reference, plain, data[:2])
     _train(ddp, opt, data[:2])
     saved = os.path.join(directory, "before")
     overlapkit.checkpoint.save(saved, ddp, opt)
     dist.destroy_process_group(sub)
-    kept = copy.deepcopy(opt.local_state_dict())
+    sharded = technique == "sharded"
+    kept = copy.deepcopy(opt.local_state_dict()) if sharded else None
     params = [p.detach().clone() for p in ddp.parameters()]
     out: dict[str, Any] = {}
-    out["consolidate"] = error_of(lambda: opt.consolidate_state_dict(0))
+    if sharded:
+        out["consolidate"] = error_of(lambda: opt.consolidate_state_dict(0))
     out["save"] = error_of(lambda: overlapkit.checkpoint.save(
         os.path.join(directory, "after"), ddp, opt))
     out["written"] = os.path.exists(os.path.join(directory, "after"))
@@ -67,11 +73,12 @@ def subgroup_destroyed(rank: int, world_size: int, directory: str) -> dict[str, 
     out["load"] = error_of(lambda: overlapkit.checkpoint.load(saved, ddp, opt))
     out["load left lr"] = opt.param_groups[0]["lr"] == LR * 3
     opt.param_groups[0]["lr"] = LR
-    now = opt.local_state_dict()
     out["unchanged"] = compare(params, [p.detach() for p in ddp.parameters()])
-    out["state unchanged"] = compare(
-        [v for e in kept["sharded_state"].values() for v in e.values()],
-        [v for e in now["sharded_state"].values() for v in e.values()])
+    if kept is not None:
+        now = opt.local_state_dict()
+        out["state unchanged"] = compare(
+            [v for e in kept["sharded_state"].values() for v in e.values()],
+            [v for e in now["sharded_state"].values() for v in e.values()])
     _train(reference, plain, data[2:])
     _train(ddp, opt, data[2:])
     out["values"] = compare(values(reference), values(ddp))
@@ -90,38 +97,3 @@ def one_rank_subgroup_destroyed(rank: int, world_size: int, directory: str) -> d
     return {"consolidate": error_of(lambda: (opt.consolidate_state_dict(0), opt.state_dict())),
             "save": error_of(lambda: overlapkit.checkpoint.save(
                 os.path.join(directory, "one"), ddp, opt))}
-
-
-def unsharded_subgroup_destroyed(rank: int, world_size: int, directory: str,
-                                 technique: str) -> dict[str, Any]:
-    """The same with the plain optimizer or ``overlap_ddp`` unsharded: the checkpoint's
-    ``save`` and ``load`` are refused on every rank (``checkpoint/arguments.py``),
-    nothing written or loaded; training goes on bitwise plain DDP."""
-    timeout = datetime.timedelta(seconds=30)
-    sub = dist.new_group(list(range(world_size)), backend="gloo", timeout=timeout)
-    live = dist.new_group(list(range(world_size)), backend="gloo", timeout=timeout)
-    reference, ddp = _on(live), _on(sub)
-    plain = torch.optim.AdamW(reference.parameters(), lr=LR)
-    opt = (torch.optim.AdamW(ddp.parameters(), lr=LR) if technique == "plain"
-           else overlapkit.overlap_ddp(ddp, torch.optim.AdamW, lr=LR))
-    data = batches(rank, 4)
-    _train(reference, plain, data[:2])
-    _train(ddp, opt, data[:2])
-    saved = os.path.join(directory, "before")
-    overlapkit.checkpoint.save(saved, ddp, opt)
-    dist.destroy_process_group(sub)
-    params = [p.detach().clone() for p in ddp.parameters()]
-    out: dict[str, Any] = {}
-    out["save"] = error_of(lambda: overlapkit.checkpoint.save(
-        os.path.join(directory, "after"), ddp, opt))
-    out["written"] = os.path.exists(os.path.join(directory, "after"))
-    opt.param_groups[0]["lr"] = LR * 3  # a load would put LR back
-    out["load"] = error_of(lambda: overlapkit.checkpoint.load(saved, ddp, opt))
-    out["load left lr"] = opt.param_groups[0]["lr"] == LR * 3
-    opt.param_groups[0]["lr"] = LR
-    out["unchanged"] = compare(params, [p.detach() for p in ddp.parameters()])
-    _train(reference, plain, data[2:])
-    _train(ddp, opt, data[2:])
-    out["values"] = compare(values(reference), values(ddp))
-    _KEPT.extend((sub, ddp, opt))
-    return out
