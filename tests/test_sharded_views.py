@@ -90,8 +90,14 @@ def test_the_process_group_destroyed_and_made_again_in_the_same_process() -> Non
     for rank, result in enumerate(_run(ranks_.group_made_again, 2)):
         assert all(result["values"]), (rank, result["values"])
         assert result["destroyed groups kept"] == [0] * 4, rank
-        # in the worlds made again (the first world's store is run_distributed's)
-        assert result["counts"][1] == result["counts"][-1], (rank, result["counts"])
+        # in the worlds made again (the first world's store is run_distributed's): the
+        # same threads and groups; file descriptors within one of each other (a socket
+        # of the destroyed world may close a moment late on a loaded machine: 36 then 35
+        # seen in CI), where a leak of one per world would be two apart
+        first, last = result["counts"][1], result["counts"][-1]
+        assert (first["threads"], first["groups"]) == (last["threads"], last["groups"]), (
+            rank, result["counts"])
+        assert abs(first["fds"] - last["fds"]) <= 1, (rank, result["counts"])
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

@@ -12,7 +12,9 @@ copied into ``.grad`` while later reductions are in flight:
 is raised as one overlapkit error when backward ends:
 :mod:`~overlapkit.overlap.ddp.failed_reductions`; a bucket DDP never reduced, its
 gradients freed, likewise: :mod:`~overlapkit.overlap.ddp.unreduced`; a join dividing
-by the ranks left, refused at the forward: :mod:`~overlapkit.overlap.ddp.join_divide`),
+by the ranks left, refused at the forward: :mod:`~overlapkit.overlap.ddp.join_divide`;
+a comm hook that replaced its bucket's buffer, stepped from DDP's own:
+:mod:`~overlapkit.overlap.ddp.replaced_buffers`),
 the hooks on the parameters
 beside it (:mod:`~overlapkit.overlap.ddp.param_hooks`; where plain DDP divides gradients
 kept as bucket views: :mod:`~overlapkit.overlap.ddp.kept_gradients`) and the optimizer

@@ -145,7 +145,7 @@ def check_ddp_model(ddp_model: Any, technique: str) -> DistributedDataParallel:
             f"{technique} needs a torch.nn.parallel.DistributedDataParallel model, got "
             f"{type(ddp_model).__name__}; wrap it first: DistributedDataParallel(model)."
         )
-    _refuse_sparse_gradients(ddp_model, technique)
+    _refuse_sparse_gradients(ddp_model.module.named_modules(), technique)
     slot = getattr(ddp_model, _MARKER, None)
     if isinstance(slot, CommHookSlot):
         bound = slot.stepper
@@ -167,8 +167,10 @@ def check_ddp_model(ddp_model: Any, technique: str) -> DistributedDataParallel:
     return ddp_model
 
 
-def _refuse_sparse_gradients(ddp_model: DistributedDataParallel, technique: str) -> None:
-    """Refuse, at set-up, a module DDP reduces sparse gradients of (``nn.Embedding`` /
+def _refuse_sparse_gradients(modules: Iterable[tuple[str, torch.nn.Module]],
+                             technique: str) -> None:
+    """Refuse, at set-up, a module of ``modules`` (the DDP model's wrapped module's,
+    named) that DDP reduces sparse gradients of (``nn.Embedding`` /
     ``nn.EmbeddingBag`` with ``sparse=True``, DDP's own test): DDP gives each its own
     bucket, the sparse gradient itself, which the comm hook cannot step as a bucket of
     dense views. 0.4.0 (``cdd1705``) failed at the end of the first backward with
@@ -177,7 +179,7 @@ def _refuse_sparse_gradients(ddp_model: DistributedDataParallel, technique: str)
 
     :raises ConfigurationError: naming the first such module.
     """
-    for name, module in ddp_model.module.named_modules():
+    for name, module in modules:
         if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and \
                 module.sparse and any(p.requires_grad for p in module.parameters()):
             raise ConfigurationError(
