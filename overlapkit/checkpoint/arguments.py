@@ -11,11 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.errors import CheckpointError
 from overlapkit.optimizer_wrapper import OptimizerWrapper
+from overlapkit.overlap.sharded.model_group import ddp_group_destroyed
 
 __all__ = ["check_load_planner", "check_model_and_optimizer", "check_path"]
 
@@ -88,10 +87,7 @@ def _check_model_group(model: torch.nn.Module, call: str) -> None:
     inside the save or load. A group of one rank looks nothing up.
 
     :raises CheckpointError: the model's group is no longer registered."""
-    group = getattr(model, "process_group", None)
-    if (not isinstance(model, DistributedDataParallel) or group is None
-            or not dist.is_initialized()
-            or group in dist.distributed_c10d._world.pg_map or group.size() == 1):
+    if not ddp_group_destroyed(model):
         return
     raise CheckpointError(
         f"{call}: the DDP model's process group was destroyed "
