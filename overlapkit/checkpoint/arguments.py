@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.errors import CheckpointError
 from overlapkit.optimizer_wrapper import OptimizerWrapper
-from overlapkit.overlap.sharded.model_group import ddp_group_destroyed
 
 __all__ = ["check_load_planner", "check_model_and_optimizer", "check_path"]
 
@@ -84,10 +85,15 @@ def _check_model_group(model: torch.nn.Module, call: str) -> None:
     trains on (DDP holds the group itself), but the checkpoint's broadcast of the
     buffers and its settings check find the group's ranks in torch's registry: up to
     0.4.0 (``cdd1705``) torch's bare ``ValueError`` "Group ... is not registered" from
-    inside the save or load. A group of one rank looks nothing up.
+    inside the save or load. A group of one rank looks nothing up. The same condition as
+    ``overlap.sharded.model_group.ddp_group_destroyed``, written here again on purpose:
+    storage imports no technique (``tests/test_optimizer_wrapper.py``).
 
     :raises CheckpointError: the model's group is no longer registered."""
-    if not ddp_group_destroyed(model):
+    group = getattr(model, "process_group", None)
+    if (not isinstance(model, DistributedDataParallel) or group is None
+            or not dist.is_initialized()
+            or group in dist.distributed_c10d._world.pg_map or group.size() == 1):
         return
     raise CheckpointError(
         f"{call}: the DDP model's process group was destroyed "

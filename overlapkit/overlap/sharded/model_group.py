@@ -25,18 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from overlapkit.errors import ConfigurationError
 from overlapkit.overlap.sharded.stepper import ShardedBucketStepper
 
-__all__ = ["ddp_group_destroyed", "raise_if_groups_gone"]
-
-
-def ddp_group_destroyed(model: object) -> bool:
-    """Whether ``model`` is a DDP model whose own process group (of more than one rank:
-    a group of one looks nothing up, and its calls work) is no longer in torch's
-    registry; also what ``overlapkit.checkpoint`` refuses a plain optimizer's save or
-    load on (:mod:`overlapkit.checkpoint.arguments`)."""
-    group = getattr(model, "process_group", None)
-    return (isinstance(model, DistributedDataParallel) and group is not None
-            and dist.is_initialized()
-            and group not in dist.distributed_c10d._world.pg_map and group.size() > 1)
+__all__ = ["raise_if_groups_gone"]
 
 
 def raise_if_groups_gone(stepper: ShardedBucketStepper, model: DistributedDataParallel,
@@ -48,8 +37,9 @@ def raise_if_groups_gone(stepper: ShardedBucketStepper, model: DistributedDataPa
 
     :raises ConfigurationError: either; nothing gathered, written or read."""
     stepper.raise_if_destroyed(what)
-    if not ddp_group_destroyed(model):
-        return
+    group = getattr(model, "process_group", None)
+    if group is None or group in dist.distributed_c10d._world.pg_map or group.size() == 1:
+        return  # (a group of one rank: nothing is looked up, the calls work as before)
     raise ConfigurationError(
         f"{what}: the DDP model's process group was destroyed "
         "(dist.destroy_process_group(group)) while the model still uses it. DDP and this "
