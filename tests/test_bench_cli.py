@@ -15,7 +15,7 @@ from overlapkit.cli.bench.runner import ALIASES, BENCHMARKS
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 #: the module's one bench run (about 85 s alone) is the fixture of its first test, and
-#: the test command runs it beside other workers' ranks: pytest-timeout's 300 s
+#: the test command runs it beside other workers' ranks: pytest-timeout's default (300 s then)
 #: (pyproject.toml) was seen exceeded on a loaded machine, the run's own limit is 600 s
 pytestmark = pytest.mark.timeout(660)
 
