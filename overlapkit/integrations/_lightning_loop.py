@@ -32,13 +32,12 @@ from torch.nn.parallel import DistributedDataParallel
 from overlapkit.errors import ConfigurationError, OverlapkitError
 from overlapkit.integrations._lightning_by_hand import by_hand_warning, refuse_manual
 from overlapkit.integrations._lightning_setup import clipping_of, step_patch_refusal
+from overlapkit.integrations._lightning_skipped import skipped_backward
 from overlapkit.integrations._lightning_window import (
-    SKIPPED_BACKWARD,
     WRAPPED_CLOSURE,
     GradientWrites,
     OptimizerChanges,
     second_backward_error,
-    skipped_backward_error,
     switch_warning,
 )
 from overlapkit.overlap.core.window import FirstWindow
@@ -287,10 +286,10 @@ class AutomaticOptimization:
             self._in_optimizer_step = False
         if (not (self._closure_backwards or self.plain_order or self.accumulate_with_no_step)
                 and isinstance(closure, Closure) and trainer.accumulate_grad_batches > 1):
-            # SKIPPED_BACKWARD: the plain order reduces and steps as the plain loop does
-            if self._freeing_ddp_model is not None:  # its early freeing loses gradients
-                raise skipped_backward_error()
-            self._plain_order_from_now("from this one on", *SKIPPED_BACKWARD)
+            # the plain order reduces and steps as the plain loop does (DDP's early
+            # reduction; SWA's BatchNorm epoch), refused where the gradients were freed
+            self._plain_order_from_now("from this one on", *skipped_backward(
+                trainer, freeing=self._freeing_ddp_model is not None))
         with self._watch("on_before_optimizer_step", self._stepped > 0, probing):
             call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
             call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)

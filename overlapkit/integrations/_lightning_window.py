@@ -33,17 +33,17 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from overlapkit.errors import ConfigurationError
+from overlapkit.integrations._lightning_skipped import swa_batch_norm_epoch
 from overlapkit.overlap.core.watched_params import (
     unwatch_params,
     watch_params,
     watched_class,
 )
 
-__all__ = ["AFTER_STEP_HOOKS", "GRADIENT_HOOKS", "SKIPPED_BACKWARD", "WRAPPED_CLOSURE",
+__all__ = ["AFTER_STEP_HOOKS", "GRADIENT_HOOKS", "WRAPPED_CLOSURE",
            "WRITING_HOOKS", "GradientWrites", "OptimizerChanges",
            "clips_itself", "follow_hooked_loss", "plain_order_warning",
-           "second_backward_error",
-           "skipped_backward_error", "switch_warning", "window_users"]
+           "second_backward_error", "switch_warning", "window_users"]
 
 #: the hooks of a LightningModule or a Callback that Lightning's plain loop calls after
 #: backward and before the step (and before clipping): the gradients, parameters and
@@ -120,6 +120,8 @@ def window_users(trainer: pl.Trainer, module: pl.LightningModule, technique: str
     if technique == "optimizer_in_backward" and reads_grads_after_step is not False:
         found += [f"{owner}.{hook}"
                   for owner, hook in overriding(trainer, module, AFTER_STEP_HOOKS)]
+    if technique == "optimizer_in_backward" and (swa := swa_batch_norm_epoch(trainer, module)):
+        found.append(swa)
     return found, watched
 
 
@@ -144,6 +146,9 @@ def plain_order_warning(users: list[str], strategy: str, technique: str) -> str:
         hints.append("pass OverlapDDPStrategy('overlap_ddp', hooks_read_only_grads=True) "
                      "without gradient_clip_val if on_after_backward / "
                      "on_before_optimizer_step only read .grad")
+    if any("its BatchNorm epoch" in u for u in users):  # swa_batch_norm_epoch
+        hints.append("use OverlapDDPStrategy('overlap_ddp'), which keeps the gradients "
+                     "(it takes only that epoch's step in the plain order)")
     if any(u.endswith("optimizer_zero_grad (an override)") for u in users):
         hints.append("leave optimizer_zero_grad to Lightning, or use "
                      "OverlapDDPStrategy('overlap_ddp'), which keeps the gradients")
@@ -262,30 +267,6 @@ WRAPPED_CLOSURE = (
     "pass optimizer.step(closure=optimizer_closure) as Lightning does; clip with "
     "Trainer(gradient_clip_val=...), and change the learning rate before the closure or "
     "after optimizer.step() returns")
-
-
-#: why a DDP fit turns to the plain order when a synchronised micro-batch's
-#: training_step returns None (Lightning skips its backward): DDP's reducer stays
-#: prepared, so the next backward reduces even inside no_sync(), and the gradients
-#: accumulated before are stepped unreduced
-SKIPPED_BACKWARD = (
-    "training_step returned None in a micro-batch that ends an optimizer step on DDP, so "
-    "that step takes the gradients accumulated before it unreduced, and DDP's next "
-    "backward reduces even inside no_sync() (its forward prepared it for the backward "
-    "that never came)",
-    "skip a batch by a zero loss (loss * 0) instead of returning None, or skip only "
-    "batches that do not end an accumulation window")
-
-
-def skipped_backward_error() -> ConfigurationError:
-    """:data:`SKIPPED_BACKWARD` under ``optimizer_in_backward`` on DDP, refused before
-    that step: its early freeing of the gradients DDP has taken would lose some."""
-    return ConfigurationError(
-        f"{SKIPPED_BACKWARD[0]}: under optimizer_in_backward on DDP the gradients of that "
-        "early reduction are freed, so the next optimizer step would lose some, where the "
-        "plain run keeps them. Nothing was stepped in this step. To keep training: "
-        f"{SKIPPED_BACKWARD[1]}, or use technique='overlap_ddp' (it honours this in the "
-        "plain order).")
 
 
 class GradientWrites:

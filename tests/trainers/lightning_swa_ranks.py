@@ -1,0 +1,60 @@
+"""Rank code of tests/trainers/test_lightning_swa.py: ``StochasticWeightAveraging`` on a
+module with BatchNorm, whose extra last epoch (forwards only, no backward, no
+``zero_grad``) ends with an optimizer step that steps the last training step's gradients
+again; against the plain strategy's fit: the parameters, the BatchNorm buffers and
+AdamW's state, bitwise, and the warnings."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from helpers import compare
+from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning_models import Regression, data, quiet, trainer, values
+from lightning_parity_ranks import strategy
+from torch import nn
+
+PAIRS = {1: {"overlap_ddp": "ddp", "optimizer_in_backward": "ddp",
+             "one device": "single device"},
+         2: {"overlap_ddp": "ddp", "optimizer_in_backward": "ddp"}}
+
+
+class WithBatchNorm(Regression):
+    """A linear layer, BatchNorm, GELU, a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.GELU(),
+                                 nn.Linear(32, 1))
+
+
+def _fit(label: str, world_size: int, root: Path) -> list[torch.Tensor]:
+    module = WithBatchNorm()
+    trainer(strategy(label), world_size, root, max_epochs=2,
+            callbacks=[StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1)]
+            ).fit(module, data())
+    saved = module.optimizers().state_dict()  # type: ignore[union-attr]
+    return [*values(module), *[b.clone() for b in module.buffers()],
+            *[v for i in sorted(saved["state"]) for v in saved["state"][i].values()]]
+
+
+def run(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    quiet()
+    plain = {p: _fit(p, world_size, Path(root) / p) for p in set(PAIRS[world_size].values())}
+    out: dict[str, Any] = {}
+    for label, plain_label in PAIRS[world_size].items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                got = _fit(label, world_size, Path(root) / label)
+            except Exception as error:  # reported, not raised: every rank answers
+                out[label] = f"{type(error).__name__}: {error}"
+                continue
+        out[label] = bool(compare(plain[plain_label], got))
+        out[f"{label} | warnings"] = [str(w.message) for w in caught
+                                      if "in the plain order" in str(w.message)]
+    return out
