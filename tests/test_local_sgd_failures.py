@@ -222,13 +222,15 @@ class _OwnAllReduce(PeriodicAverager):
         torch.nn.utils.vector_to_parameters(flat, params)
 
 
-def _own_collective(rank: int, world_size: int) -> dict[str, Any]:
+def _own_collective(rank: int, world_size: int,
+                    averager: type[_OwnAllReduce] = _OwnAllReduce,
+                    raisings: tuple[bool, ...] = (False, True)) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for raising in (False, True):
+    for raising in raisings:
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 2)
         opt = overlapkit.PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                               _OwnAllReduce(raising))
+                                               averager(raising))
         start, errors = time.monotonic(), []
         for step in range(3):
             gen = torch.Generator().manual_seed(10 * rank + step)
@@ -255,4 +257,50 @@ def test_a_plugin_averagers_own_collective_is_told_of_the_failing_rank() -> None
     assert "rank 1's averager _OwnAllReduce raised ValueError: the plugin's own bug" in message
     assert seconds < 10, seconds
     assert [e[:2] for e in results[1][True]["errors"]] == [
+        (0, "ValueError"), (1, "ExchangeFailedError"), (2, "ExchangeFailedError")]
+
+
+class _OwnAsyncAllReduce(_OwnAllReduce):
+    """As :class:`_OwnAllReduce`, with one ``dist.all_reduce(..., async_op=True)`` per
+    parameter (``async_op`` by keyword, then positionally), waited for by the averager
+    itself."""
+
+    def average(self, params: list[torch.Tensor], group: Any) -> None:
+        if self.raising and dist.get_rank() == 1:
+            self.raising = False
+            raise ValueError("the plugin's own bug")
+        works = []
+        for i, p in enumerate(params):
+            p.detach().div_(dist.get_world_size())
+            if i % 2:
+                works.append(dist.all_reduce(p.detach(), dist.ReduceOp.SUM, group, True))
+            else:
+                works.append(dist.all_reduce(p.detach(), group=group, async_op=True))
+        assert all(isinstance(w, dist.Work) for w in works)
+        for w in works:
+            assert w.wait() is True
+
+
+def _own_async_collective(rank: int, world_size: int) -> dict[str, Any]:
+    # the blocking one first: after a failure the group is out of step
+    blocking = _own_collective(rank, world_size, raisings=(False,))
+    return {"blocking": blocking, "async": _own_collective(rank, world_size, _OwnAsyncAllReduce)}
+
+
+def test_a_plugin_averagers_own_async_collective_is_told_of_the_failing_rank() -> None:
+    # be7423f: a collective the averager started with async_op=True and waited for
+    # itself was left unwatched: rank 0 waited in its wait() until the process group's
+    # timeout (here the run's 60 s, the test's run failing). Now its Work's wait() is
+    # watched as the blocking collectives are; without a failure the averaging is the
+    # blocking one's, bitwise
+    results = run_distributed(_own_async_collective, 2, timeout=60)
+    for rank in (0, 1):
+        assert results[rank]["async"][False]["errors"] == [], results[rank]["async"]
+        assert torch.equal(results[rank]["async"][False]["params"],
+                           results[rank]["blocking"][False]["params"])
+    step, kind, message, seconds = results[0]["async"][True]["errors"][0]
+    assert (step, kind) == (0, "ExchangeFailedError"), results[0]["async"][True]["errors"]
+    assert "rank 1's averager _OwnAsyncAllReduce raised ValueError" in message
+    assert seconds < 10, seconds
+    assert [e[:2] for e in results[1]["async"][True]["errors"]] == [
         (0, "ValueError"), (1, "ExchangeFailedError"), (2, "ExchangeFailedError")]

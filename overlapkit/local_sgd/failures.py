@@ -130,6 +130,7 @@ def wait_watching(work: Any) -> None:
     :data:`POLL_SECONDS` of waiting, look for a failure note, and raise
     :class:`~overlapkit.errors.ExchangeFailedError` if a rank's averager raised.
     Without torch.distributed, a plain ``work.wait()``."""
+    work = getattr(work, "work", work)  # a WatchedWork: the collective's own
     state = _active()
     if state is None:
         work.wait()
