@@ -138,3 +138,101 @@ def test_a_planner_builder_returning_no_planner_is_refused_naming_it(
                        match="load planner 'nothing' returned a NoneType"):
         checkpoint.load(tmp_path / "ck", model, opt, planner="nothing")
     assert _same(_snapshot(model, opt), before)
+
+
+class _Midway(SafeLoadPlanner):
+    """Raises in its fourth ``resolve_tensor`` (three tensors read already), or in
+    ``load_bytes`` (every tensor read already)."""
+
+    def __init__(self, where: str, **options: Any) -> None:
+        super().__init__(**options)
+        self.where, self.calls = where, 0
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        self.calls += 1
+        if self.where == "resolve_tensor" and self.calls == 4:
+            raise ValueError("the planner's own bug")
+        return super().resolve_tensor(read_item)
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        if self.where == "load_bytes":
+            raise ValueError("the planner's own bug")
+        super().load_bytes(read_item, value)
+
+
+class _Copies(SafeLoadPlanner):
+    """Reads each tensor into a copy (a clone, or a float16 one) it never writes back."""
+
+    def __init__(self, dtype: torch.dtype | None, **options: Any) -> None:
+        super().__init__(**options)
+        self.dtype = dtype
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        tensor = super().resolve_tensor(read_item)
+        return tensor.clone() if self.dtype is None else tensor.to(self.dtype)
+
+
+class _CopiesBack(_Copies):
+    """Reads into a float16 copy and writes it back in ``commit_tensor``: allowed."""
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        self.lookup_tensor(read_item.dest_index).copy_(tensor)
+
+
+class _Failing:
+    @overlapkit.hookimpl
+    def overlapkit_register_load_planners(self) -> list[overlapkit.LoadPlannerRecord]:
+        def build(cls: Any, arg: Any) -> Any:
+            return lambda **options: cls(arg, **{k: v for k, v in options.items()
+                                                 if k != "fqn_to_offset"})
+        return [overlapkit.LoadPlannerRecord(name=name, build=build(cls, arg))
+                for name, cls, arg in (("resolve_raises", _Midway, "resolve_tensor"),
+                                       ("bytes_raise", _Midway, "load_bytes"),
+                                       ("clones", _Copies, None),
+                                       ("halves", _Copies, torch.float16),
+                                       ("halves_back", _CopiesBack, torch.float16))]
+
+
+@pytest.mark.parametrize("name", ["resolve_raises", "bytes_raise"])
+def test_a_planner_plugin_raising_midway_changes_nothing(
+        overlapkit_plugin_manager: Any, tmp_path: Path, name: str) -> None:
+    # be7423f: a checkpoint with its file list (every save's) was read straight into the
+    # model: the tensors read before the planner raised were loaded (the model's first
+    # three, or every tensor where load_bytes raised), the CheckpointError silent on it
+    overlapkit_plugin_manager.register(_Failing(), name="failing-planners")
+    checkpoint.save(tmp_path / "ck", *_make(0))
+    model, opt = _make(1)
+    before = _snapshot(model, opt)
+    with pytest.raises(CheckpointError, match="the planner's own bug"):
+        checkpoint.load(tmp_path / "ck", model, opt, planner=name)
+    assert _same(_snapshot(model, opt), before)
+
+
+@pytest.mark.parametrize("name", ["clones", "halves"])
+def test_a_planner_plugin_reading_into_copies_it_drops_is_refused(
+        overlapkit_plugin_manager: Any, tmp_path: Path, name: str) -> None:
+    # be7423f: loaded with no error, the tensors keeping the values they had while the
+    # optimizer's lr was loaded: neither the saved state nor the one before
+    overlapkit_plugin_manager.register(_Failing(), name="failing-planners")
+    checkpoint.save(tmp_path / "ck", *_make(0))
+    model, opt = _make(1)
+    before = _snapshot(model, opt)
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint.load(tmp_path / "ck", model, opt, planner=name)
+    message = str(refused.value)
+    assert f"load planner {name!r}" in message and "'model.0.weight'" in message
+    assert "resolve_tensor" in message and "Nothing was loaded" in message
+    assert _same(_snapshot(model, opt), before)
+
+
+def test_a_planner_plugin_writing_its_copies_back_loads(
+        overlapkit_plugin_manager: Any, tmp_path: Path) -> None:
+    overlapkit_plugin_manager.register(_Failing(), name="failing-planners")
+    saved = _make(0)
+    checkpoint.save(tmp_path / "ck", *saved)
+    model, opt = _make(1)
+    checkpoint.load(tmp_path / "ck", model, opt, planner="halves_back")
+    loaded, expected = _snapshot(model, opt), _snapshot(*saved)
+    assert loaded[-1] == expected[-1]
+    for a, b in zip(loaded[:-1], expected[:-1], strict=True):  # through float16
+        assert torch.equal(a, b.to(torch.float16).to(b.dtype)) or torch.equal(a, b)

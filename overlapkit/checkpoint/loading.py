@@ -27,7 +27,7 @@ from overlapkit.checkpoint.extra import read_extra
 from overlapkit.checkpoint.integrity import MANIFEST_FILE, verify_files
 from overlapkit.checkpoint.metadata import SafeFileSystemReader, read_metadata
 from overlapkit.checkpoint.optimizer_state import allocate_optimizer_state
-from overlapkit.checkpoint.plan_check import check_plan_covers
+from overlapkit.checkpoint.plan_check import check_plan_covers, check_read_into, watch_read_into
 from overlapkit.checkpoint.planners import SafeLoadPlanner, resolve_load_planner
 from overlapkit.checkpoint.state_dicts import (
     MODEL_KEY,
@@ -239,13 +239,18 @@ def _load_into_real(path: Path, metadata: Metadata, model: torch.nn.Module,
                 check_plan_covers(chosen, name, state, flat, metadata, path=path,
                                   coordinator=not dist.is_initialized() or dist.get_rank() == 0)
         # Verified files read as they were saved; others may fail partway through, so
-        # what they are read into is kept aside first (the price: a second copy).
-        kept = [] if verified else [(t, t.detach().clone()) for t in _local_tensors(flat)]
+        # what they are read into is kept aside first (the price: a second copy). So
+        # does a plugin's planner, which may raise midway or read into copies it drops.
+        plugin = name != "custom" and not type(chosen).__module__.startswith("overlapkit.")
+        kept = ([] if verified and not plugin
+                else [(t, t.detach().clone()) for t in _local_tensors(flat)])
+        dropped = watch_read_into(chosen) if plugin else []
         try:
             reader = SafeFileSystemReader(path, metadata=metadata)
             converted_dcp_errors("loading the checkpoint at", path,
                                  lambda: dcp.load(state, storage_reader=reader,
                                                   planner=chosen))
+            check_read_into(chosen, name, dropped, path=path)
             load_into(model, optimizer, state,
                       partial_optimizer_state=skipped or share is not None)
         except BaseException:

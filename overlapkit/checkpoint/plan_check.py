@@ -12,6 +12,15 @@ refuses a plan that does not read each entry of this rank's state dict exactly o
 over (a tensor: as many elements as it holds here; any other value: one read), before
 any tensor is written.
 
+While it loads, :func:`watch_read_into` notes each entry whose ``resolve_tensor``
+returned a tensor that is not the destination's storage (a clone, a float16 copy) when
+the planner keeps DCP's ``commit_tensor``, which writes nothing back: the entry would
+keep its value while the rest loads (be7423f: loaded with no error, the model's tensors
+as they were and the optimizer's ``lr`` the saved one). :func:`check_read_into` refuses
+that after reading, and the caller puts back what was read (a registered planner's
+load keeps the destination aside, as a failure of the planner's own midway must change
+nothing too).
+
 A planner passed as an instance (``planner=MyPlanner()``) is the caller's own choice
 and is used as DCP would use it, unchecked (a partial load on purpose is allowed).
 """
@@ -24,13 +33,14 @@ from typing import Any
 
 import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 from torch.distributed.tensor import DTensor
 
 from overlapkit.errors import CheckpointError
 
-__all__ = ["check_plan_covers"]
+__all__ = ["check_plan_covers", "check_read_into", "watch_read_into"]
 
 
 def _elements(value: Any) -> int | None:
@@ -91,4 +101,57 @@ def check_plan_covers(planner: LoadPlanner, name: str, state: dict[str, Any],
         "were. Fix that planner (or its plugin), or load with planner='default'; to "
         "load part of a checkpoint on purpose, pass a planner instance (used unchecked, "
         "as torch.distributed.checkpoint uses it)."
+    )
+
+
+def _same_storage(a: torch.Tensor, b: Any) -> bool:
+    try:
+        return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+    except Exception:  # a destination without one storage (a DTensor): not judged
+        return True
+
+
+def watch_read_into(planner: LoadPlanner) -> list[str]:
+    """Note, while ``planner`` loads, the entries its ``resolve_tensor`` reads into a
+    tensor that is not their destination's, if its ``commit_tensor`` is DCP's (which
+    writes nothing back); returns the list the notes go into (see the module)."""
+    dropped: list[str] = []
+    if (not isinstance(planner, DefaultLoadPlanner)
+            or type(planner).commit_tensor is not DefaultLoadPlanner.commit_tensor):
+        return dropped
+    resolve = planner.resolve_tensor
+
+    def resolve_watched(read_item: ReadItem) -> torch.Tensor:
+        tensor = resolve(read_item)
+        try:
+            destination = planner.lookup_tensor(read_item.dest_index)
+        except Exception:  # an entry DCP's lookup does not find: not judged
+            return tensor
+        if not _same_storage(tensor, destination):
+            dropped.append(read_item.dest_index.fqn)
+        return tensor
+
+    planner.resolve_tensor = resolve_watched  # type: ignore[method-assign]
+    return dropped
+
+
+def check_read_into(planner: LoadPlanner, name: str, dropped: list[str], *,
+                    path: Path) -> None:
+    """Refuse the load :func:`watch_read_into` saw read into tensors it drops.
+
+    :raises CheckpointError: naming the planner and the entries; the caller puts back
+        what was read.
+    """
+    if not dropped:
+        return
+    kind = f"{type(planner).__module__}.{type(planner).__qualname__}"
+    raise CheckpointError(
+        f"load: the load planner {name!r} ({kind}) read {len(dropped)} tensors of the "
+        f"checkpoint at {path} into tensors it then dropped ({_listed(sorted(set(dropped)))}"
+        "): its resolve_tensor returned a copy (not the destination or a view of it) and "
+        "its commit_tensor, DCP's, writes nothing back, so those entries would have kept "
+        "the values they have now. Nothing was loaded: the model and optimizer are as "
+        "they were. Fix that planner (return a view of lookup_tensor(...) from "
+        "resolve_tensor, or copy the tensor into it in commit_tensor), or load with "
+        "planner='default'."
     )
