@@ -120,6 +120,34 @@ def test_cli_reports_a_broken_plugin_in_one_line(tmp_path: Path) -> None:
     assert last_line.startswith("overlapkit: error: error importing overlapkit plugin 'broken'")
 
 
+@pytest.mark.parametrize("code", ["2", "'usage: plugin.py [-h]'"])
+def test_a_plugin_calling_sys_exit_as_it_is_imported_is_named(tmp_path: Path,
+                                                               code: str) -> None:
+    # be7423f: the process ended at the first set-up with the module's exit code (and
+    # its message, if any), nothing naming the plugin or its distribution
+    path = make_plugin_dist(
+        tmp_path, dist="overlapkit-exits", entry_points={"exits": "exits_plugin"},
+        modules={"exits_plugin": f"import sys\nsys.exit({code})\n"},
+    )
+    proc = run_python(
+        """
+        import overlapkit
+        try:
+            overlapkit.build_comm_hook("allreduce")
+        except overlapkit.PluginLoadError as exc:
+            print(exc)
+        """, path)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr)
+    assert "'exits'" in proc.stdout and "overlapkit-exits 1.0.0" in proc.stdout
+    assert "SystemExit(" in proc.stdout and "sys.exit()" in proc.stdout
+    assert "OVERLAPKIT_DISABLE_PLUGINS=exits" in proc.stdout
+    cli = run_python(
+        "import sys; from overlapkit.cli import main; sys.exit(main(['plugins']))", path)
+    assert cli.returncode == 2
+    assert cli.stderr.strip().splitlines()[-1].startswith(
+        "overlapkit: error: error importing overlapkit plugin 'exits'")
+
+
 def test_blocking_a_broken_plugin_lets_the_rest_load(tmp_path: Path) -> None:
     path = make_plugin_dist(
         tmp_path, dist="overlapkit-broken", entry_points={"broken": "broken_plugin"},

@@ -213,11 +213,18 @@ class OverlapkitPluginManager(pluggy.PluginManager):
                 continue
             try:
                 plugin = ep.load()
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:
+                # SystemExit: a module calling sys.exit() as it is imported (a script's
+                # module given as the entry point) ended the process with no word, at
+                # be7423f: `overlapkit plugins` and every set-up exited with its code
+                what = (f"SystemExit({exc.code!r}): the module called sys.exit() (or "
+                        "exit()) while being imported; an entry point names a module "
+                        "whose import registers hooks, not a script"
+                        if isinstance(exc, SystemExit) else f"{type(exc).__name__}: {exc}")
                 raise PluginLoadError(
                     f"error importing overlapkit plugin {ep.name!r} (entry point "
                     f"{ep.value!r} of distribution {dist_name} {version}): "
-                    f"{type(exc).__name__}: {exc}. Fix or uninstall {dist_name}, or block "
+                    f"{what}. Fix or uninstall {dist_name}, or block "
                     f"the plugin with OVERLAPKIT_DISABLE_PLUGINS={ep.name}."
                 ) from exc
             self.register(plugin, name=ep.name)
