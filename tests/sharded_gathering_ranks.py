@@ -163,6 +163,32 @@ def load_pre_hooks_see_the_whole(rank: int) -> dict[str, Any]:
     return {"seen": (plain_seen, seen), "hooked": compare(values(reference), values(ddp))}
 
 
+def reordered_on_one_rank(rank: int) -> dict[str, Any]:
+    """One group's parameters reversed on rank 0 only (``param_groups[0]["params"]
+    .reverse()`` under ``if rank == 0:``): the steps follow it, bitwise plain DDP doing
+    the same; ``consolidate_state_dict()`` is refused on every rank as param groups in
+    another order, nothing gathered (with be7423f: "called for different optimizers",
+    which it was not); reversed back, gathered, the plain optimizer's dict."""
+    reference, plain, ddp, opt = _pair()
+    data = batches(rank, 3)
+    _train(reference, plain, data[:1])
+    _train(ddp, opt, data[:1])
+    for optimizer in (plain, opt):
+        if rank == 0:
+            optimizer.param_groups[0]["params"].reverse()
+    _train(reference, plain, data[1:])
+    _train(ddp, opt, data[1:])
+    out: dict[str, Any] = {"reordered: values": compare(values(reference), values(ddp)),
+                           "reordered: refused": error_of(lambda: opt.consolidate_state_dict(0))}
+    for optimizer in (plain, opt):
+        if rank == 0:
+            optimizer.param_groups[0]["params"].reverse()
+    opt.consolidate_state_dict(0)
+    out["reordered: gathered"] = compare_state_dicts(plain.state_dict(), opt.state_dict()) \
+        if rank == 0 else True
+    return out
+
+
 def used_after_destroy(rank: int, world_size: int) -> dict[str, Any]:
     """``destroy_process_group()`` and ``init_process_group`` again, then the old DDP
     model and optimizer used (0.4.0: torch's bare ``ValueError`` from inside the comm
@@ -189,4 +215,5 @@ def gathering(rank: int, world_size: int) -> dict[str, Any]:
     """Every part above, in one run of 3 ranks (the default group made again last)."""
     return {**changed_after_gathering(rank), **different_destinations(rank),
             **empty_dict_then_torch_s_get(rank), **load_pre_hooks_see_the_whole(rank),
-            **two_subgroups(rank), **used_after_destroy(rank, world_size)}
+            **two_subgroups(rank), **reordered_on_one_rank(rank),
+            **used_after_destroy(rank, world_size)}

@@ -4,7 +4,8 @@ process group, at 3 gloo ranks (one run): the state changed after
 ``to`` are refused at once on every rank, torch's ``get_optimizer_state_dict`` after a
 state dict without state is loaded initialises the state as the plain optimizer's, load
 pre-hooks see the whole dict, two sharded optimizers on overlapping subgroups are set up
-and train bitwise, and the optimizer is refused once its process group is destroyed."""
+and train bitwise, param groups reordered on one rank only are named at the gathering,
+and the optimizer is refused once its process group is destroyed."""
 
 from __future__ import annotations
 
@@ -67,3 +68,15 @@ def test_the_optimizer_used_after_its_process_group_was_destroyed_is_refused(
             assert error is not None and error["type"] == "ConfigurationError", (rank, error)
             assert "destroy_process_group" in error["message"], error
     assert not failures(results, "destroyed: nothing stepped")
+
+
+def test_param_groups_reordered_on_one_rank_are_named_at_the_gathering(
+        results: list[dict]) -> None:
+    assert not failures(results, "reordered: values")  # the steps follow the order
+    for rank, result in enumerate(results):
+        error = result["reordered: refused"]
+        assert error is not None and error["type"] == "ConfigurationError", (rank, error)
+        assert "in different orders" in error["message"], (rank, error)
+        assert "ranks [0] and [1, 2]" in error["message"], (rank, error)
+        assert "different optimizers" not in error["message"], (rank, error)
+    assert results[0]["reordered: gathered"], results[0]["reordered: gathered"]

@@ -20,6 +20,8 @@ while backward goes on. Split by the question each part answers:
   rank's own, in ``local_state_dict()``;
 - :mod:`~overlapkit.overlap.sharded.share_state`: its ``state``, this rank's share;
 - :mod:`~overlapkit.overlap.sharded.state_dicts`: whole and per-rank state dicts;
+- :mod:`~overlapkit.overlap.sharded.gather_tag`: what a gathering tells the other ranks
+  first (which optimizer, its param groups' order), and the refusal when they differ;
 - :mod:`~overlapkit.overlap.sharded.misfit`: whether a state dict fits, before loading;
 - :mod:`~overlapkit.overlap.sharded.model_group`: whether the DDP model's process group
   is still registered, before a gathering or a checkpoint;

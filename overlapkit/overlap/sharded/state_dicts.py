@@ -17,7 +17,6 @@ rank's share to one DCP checkpoint and reads it back at any world size.
 
 from __future__ import annotations
 
-import hashlib
 import operator
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -35,6 +34,7 @@ from overlapkit.nodes.exit_safe import (
 )
 from overlapkit.nodes.failed_collective import collective_failure
 from overlapkit.overlap.core.watched_reads import quiet_reads
+from overlapkit.overlap.sharded.gather_tag import gathering_tag, tags_differ_refusal
 from overlapkit.overlap.sharded.ownership import Ownership
 
 __all__ = ["SHARDED_STATE_KEY", "SHARDING_KEY", "Gathered", "check_sharded_state_dict",
@@ -264,17 +264,9 @@ def gather_state_dict(local: dict[str, Any], ownership: Ownership, group: Any,
     # must not need the GIL for its tensors (overlapkit.nodes.exit_safe)
     try:
         gathered = gather_object(mine, dst=dist.get_global_rank(group, to), group=group,
-                                 tag=_which_optimizer(ownership, local["param_groups"]))
-    except TagsDifferError:
-        raise ConfigurationError(
-            "consolidate_state_dict() was called for different optimizers on the ranks "
-            "of the DDP model's process group (each optimizer built by its own "
-            "overlap_ddp call, even over parameters of the same shapes; this rank's has "
-            f"{len(ownership.params)} parameters), so nothing "
-            "was gathered: the whole state dict would have mixed their states. Call it "
-            "for the same optimizer on every rank, in the same order (every rank "
-            "gathers one optimizer, then the next)."
-        ) from None
+                                 tag=gathering_tag(ownership, local["param_groups"]))
+    except TagsDifferError as error:
+        raise tags_differ_refusal(error.tags, ownership) from None
     except DestinationsDifferError as error:
         named = [dist.get_group_rank(group, each) for each in error.destinations]
         raise ConfigurationError(
@@ -296,24 +288,6 @@ def gather_state_dict(local: dict[str, Any], ownership: Ownership, group: Any,
         state.update(share)
     return {"state": dict(sorted(state.items())),
             "param_groups": _to_cpu(local["param_groups"])}
-
-
-def _which_optimizer(ownership: Ownership, groups: list[dict[str, Any]]) -> int:
-    """What every rank of one sharded optimizer knows alike of it (its parameters'
-    shapes and dtypes, their owners, the settings its param groups have: which
-    optimizer), and the identity its ranks agreed on at set-up
-    (:attr:`~overlapkit.overlap.sharded.ownership.Ownership.identity`), as a tag for the
-    gathering: two sharded optimizers on the same process group (a GAN's), each gathered
-    on some ranks at once, were paired (measured: 2 gloo ranks, the gathered dict of one
-    held the other's state under its indices, a (6,) ``exp_avg`` for a (16,) parameter,
-    silently); so were two of one class over parameters of the same shapes until the
-    identity (the dict of one held the other's ``step`` counts, 4 of 9 at 2 ranks)."""
-    described: list[Any] = [ownership.identity]
-    described += [(tuple(p.shape), str(p.dtype), owner)
-                            for p, owner in zip(ownership.params, ownership.owners, strict=True)]
-    described += [sorted(key for key in group if key != "params") for group in groups]
-    digest = hashlib.sha256(repr(described).encode()).digest()
-    return int.from_bytes(digest[:7], "big")
 
 
 def sharded_state_dict(local: dict[str, Any], ownership: Ownership) -> dict[str, Any]:
