@@ -76,5 +76,5 @@ def tags_differ_refusal(tags: list[int], ownership: Ownership) -> ConfigurationE
         "indexed by the parameters' positions in param_groups, so nothing was gathered: "
         "the ranks' shares would have been merged under different orders. Give param_groups the "
         "same order on every rank (reorder them on every rank, or on none), or save "
-        "without indices: overlapkit.checkpoint.save(path, model, optimizer), or "
-        "torch.distributed.checkpoint.save({'optim': optimizer}), on every rank.")
+        "by parameter name: overlapkit.checkpoint.save(path, model, optimizer) on every "
+        "rank.")
