@@ -5,12 +5,16 @@ While :meth:`~overlapkit.overlap.facade.OverlappedOptimizerFacade.learn_first_st
 defers the first step, a loop that reads a gradient between backward and ``step()``
 uses the window when the technique would free that gradient, or clip it, during later
 backwards (:mod:`~overlapkit.overlap.core.window`). The gradient is watched until
-``step()``: a torch operation reading its values notes the read in its window. A plain
-gradient is replaced by a view of it of class :class:`_WatchedGrad` (the same storage
-and version counter); a tensor subclass that cannot be viewed so (FSDP2's ``DTensor``
-gradients: ``as_subclass`` raises for a wrapper subclass) switches its own class to a
-watched subclass of it for that time, and back. The optimizer's ``state`` is wrapped in
-:class:`WatchedState`, the same dict behind it.
+``step()``: a torch operation reading its values notes the read in its window. The
+gradient object itself switches its class to a watched subclass of its own
+(:class:`_WatchedGrad` for a plain tensor; FSDP2's ``DTensor`` gradients alike) for that
+time, and back: the same object, not a view of it, so that what torch refuses on a
+view works as in the plain loop (``p.grad.detach_()``, a hand-written ``zero_grad``,
+torch's ``zero_grad(set_to_none=False)`` of a gradient made with ``create_graph=True``;
+before the thirteenth round the gradient was replaced by an ``as_subclass`` view, and
+kept as one after ``step()``, where ``detach_()`` raised torch's "Can't detach views
+in-place"). The optimizer's ``state`` is wrapped in :class:`WatchedState`, the same
+dict behind it.
 
 overlapkit's own reads (the loop's clip answered, the step) run under
 :func:`quiet_reads`.
@@ -125,12 +129,14 @@ def run_noting(func: Any, args: Any, kwargs: Any, reads_values: Callable[[Any], 
 
 
 class _WatchedGrad(_WatchesReads, torch.Tensor):
-    """A plain gradient kept in the first window (a view: the same storage and version
-    counter)."""
+    """A plain gradient kept in the first window (the same object, its class switched
+    for that time)."""
+
+    _unwatched_class = torch.Tensor
 
 
 #: tensor subclass -> its watched subclass (:func:`_watched_class`)
-_WATCHED_CLASSES: dict[type, type] = {}
+_WATCHED_CLASSES: dict[type, type] = {torch.Tensor: _WatchedGrad}
 
 
 def _watched_class(cls: type) -> type:
@@ -150,14 +156,9 @@ def is_watched(grad: torch.Tensor | None) -> bool:
 def watch_grad(param: torch.Tensor, window: _Window, name: str) -> None:
     """Watch the reads of ``param``'s gradient (not None, not watched) until
     :func:`unwatch_grad`."""
-    grad = param.grad
-    assert grad is not None
-    if type(grad) is torch.Tensor or isinstance(grad, torch.nn.Parameter):
-        watched: Any = grad.as_subclass(_WatchedGrad)
-        param.grad = watched
-    else:  # a wrapper subclass (DTensor): the same object, watched for a while
-        watched = grad
-        watched.__class__ = _watched_class(type(grad))
+    watched: Any = param.grad
+    assert watched is not None
+    watched.__class__ = _watched_class(type(watched))  # the same object, watched a while
     watched._window, watched._name = window, name
 
 
@@ -165,9 +166,7 @@ def unwatch_grad(param: torch.Tensor) -> None:
     """Give ``param`` back the gradient :func:`watch_grad` watched (before the step reads
     it)."""
     grad: Any = param.grad
-    if isinstance(grad, _WatchedGrad):
-        param.grad = grad.as_subclass(torch.Tensor)
-    elif isinstance(grad, _WatchesReads):
+    if isinstance(grad, _WatchesReads):
         grad.__class__ = type(grad)._unwatched_class  # type: ignore[attr-defined]
         del grad._window, grad._name
 
