@@ -11,6 +11,8 @@ while backward goes on. Split by the question each part answers:
 - :mod:`~overlapkit.overlap.sharded.agreement`: whether the ranks step with the same
   settings (checked once per step, before anything steps), and whether they all make a
   collective call (gathering, checkpoints) when one does;
+- :mod:`~overlapkit.overlap.sharded.grad_agreement`: whether they step with the same
+  gradients at a full ``step()`` (set by hand, no backward reducing them);
 - :mod:`~overlapkit.overlap.sharded.exchange`: sending the updated parameters;
 - :mod:`~overlapkit.overlap.sharded.optimizer`: the ``torch.optim.Optimizer`` users get;
 - :mod:`~overlapkit.overlap.sharded.hooks`: the hooks it takes (step hooks refused,

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from overlapkit.errors import ConfigurationError
 from overlapkit.nodes.exit_safe import Hold
 from overlapkit.nodes.failed_collective import collective_failure
+from overlapkit.overlap.sharded.grad_agreement import gradients_refusal
 
 __all__ = ["GATHERING", "MET_BY", "SettingsAgreement", "settings_read", "settings_refusal"]
 
@@ -144,6 +145,8 @@ class SettingsAgreement:
         self._last: tuple[list[list[Any]], list[list[tuple[str, Any]]], int] | None = None
         #: the refusal read when a peer was gathering instead (:meth:`peer_gathering`)
         self._gathering: ConfigurationError | None = None
+        #: whether the launched digest had the gradients' mixed in (:meth:`now`)
+        self._mixed = False
 
     def _read(self) -> tuple[list[list[tuple[str, Any]]], int]:
         """This rank's :func:`settings_read` and its digest, from the last ones when the
@@ -159,17 +162,20 @@ class SettingsAgreement:
         self._last = None if tensors else (raw, read, digest)
         return read, digest
 
-    def launch(self) -> None:
+    def launch(self, mixed: int = 0) -> None:
         """Start the all-reduce of this rank's digest (on every rank, in the same order
-        as the exchange's broadcasts); one at a time."""
+        as the exchange's broadcasts); one at a time. ``mixed``: a digest of the
+        gradients mixed in (a full step: :mod:`~overlapkit.overlap.sharded.grad_agreement`)."""
         if self._group is None:
             return
         if self._pending is not None:  # (a backward that raised before its end)
             self.refusal()
         read, digest = self._read()
+        digest = (digest ^ mixed) & _MASK
         sent = torch.tensor([digest, -digest], dtype=torch.int64)
         work = dist.all_reduce(sent, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         self._pending = (work, sent, read)
+        self._mixed = mixed != 0
 
     def refusal(self, what: str = "backward()") -> ConfigurationError | Exception | None:
         """Wait for the launched check: the refusal when the ranks' settings differ (the
@@ -196,12 +202,14 @@ class SettingsAgreement:
         except Exception as error:  # a peer stalled or is gone
             failed = collective_failure(error, description, self._group)
             return failed if failed is not None else error
+        if self._mixed and all(each == gathered[0] for each in gathered):
+            return gradients_refusal(what)  # the same settings: the gradients differ
         return settings_refusal(gathered, what)
 
-    def now(self, what: str) -> ConfigurationError | Exception | None:
-        """Check at once (a full ``step()``, before it steps anything): as
-        :meth:`refusal`."""
-        self.launch()
+    def now(self, what: str, mixed: int = 0) -> ConfigurationError | Exception | None:
+        """Check at once (a full ``step()``, before it steps anything, ``mixed`` the
+        digest of its gradients): as :meth:`refusal`."""
+        self.launch(mixed)
         return self.refusal(what)
 
     def peer_gathering(self, what: str) -> ConfigurationError | None:

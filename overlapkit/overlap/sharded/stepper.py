@@ -27,6 +27,7 @@ from overlapkit.overlap.ddp.bucket_stepper import BucketStepper
 from overlapkit.overlap.ddp.bucket_steps import PendingBucket
 from overlapkit.overlap.sharded.agreement import SettingsAgreement
 from overlapkit.overlap.sharded.exchange import ParameterExchange
+from overlapkit.overlap.sharded.grad_agreement import gradients_digest
 
 __all__ = ["ShardedBucketStepper", "destroyed_group_refusal", "join_refusal"]
 
@@ -137,10 +138,11 @@ class ShardedBucketStepper(BucketStepper):
         (``agree``: unless torch's initialising step, which a rank may take alone).
 
         :raises ConfigurationError: the exchange's group was destroyed; the ranks'
-            settings differ (nothing stepped)."""
+            settings, or gradients, differ (nothing stepped;
+            :mod:`~overlapkit.overlap.sharded.grad_agreement`)."""
         self.raise_if_destroyed("step()")
-        if agree and self.exchanging() and (
-                refused := self._kept_failure(self.agreement.now("step()"))) is not None:
+        if agree and self.exchanging() and (refused := self._kept_failure(self.agreement.now(
+                "step()", gradients_digest(self.engine.parameters())))) is not None:
             raise refused
 
     def meet(self, call: str) -> None:
