@@ -22,6 +22,8 @@ Private to :mod:`overlapkit.integrations.lightning`.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import StochasticWeightAveraging
 
@@ -60,7 +62,9 @@ def swa_batch_norm_epoch(trainer: pl.Trainer, module: pl.LightningModule) -> str
     if trainer.max_epochs == -1 or not StochasticWeightAveraging.pl_module_contains_batch_norm(
             module):
         return None
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+    # cast: Lightning types Trainer.callbacks by a property mypy does not see (and without
+    # Lightning installed, as in tox's `checks`, the Trainer is Any: an ignore goes unused)
+    for callback in cast(Any, trainer).callbacks:
         if isinstance(callback, StochasticWeightAveraging):
             return (f"{type(callback).__name__} (its BatchNorm epoch's optimizer step "
                     "steps the gradients of the last training step again)")
