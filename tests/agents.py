@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -118,7 +119,7 @@ class Job:
                     **(env or {})}
         self.max_restarts = max_restarts
         self.name = name
-        self.port = free_port()
+        self.port = rendezvous_port()
         #: agent index -> a command the agent runs under (its own mounts, say)
         self.wrap = wrap
         self.agents: list[Agent] = []
@@ -218,6 +219,28 @@ def own_disks(unshare: list[str], disks: Sequence[Path], at: Path
                 str(disks[index]), str(at)]
 
     return wrap
+
+
+def rendezvous_port() -> int:
+    """A free TCP port on 127.0.0.1 below the kernel's ephemeral range (32768 and up on
+    Linux), for a job's rendezvous. ``free_port()`` returns one from that range, where
+    every outgoing connection of the other tests' ranks takes its local port too: in a
+    CI run (stop 52) one was taken between the choice and torchrun's bind, the first
+    agent connected to that other store as a client and both agents failed at the
+    rendezvous. A port below the range is only ever taken by a bind like this one."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return free_port()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    return free_port()
 
 
 def _listening(port: int) -> bool:
