@@ -27,7 +27,12 @@ from overlapkit.checkpoint.extra import read_extra
 from overlapkit.checkpoint.integrity import MANIFEST_FILE, verify_files
 from overlapkit.checkpoint.metadata import SafeFileSystemReader, read_metadata
 from overlapkit.checkpoint.optimizer_state import allocate_optimizer_state
-from overlapkit.checkpoint.plan_check import check_plan_covers, check_read_into, watch_read_into
+from overlapkit.checkpoint.plan_check import (
+    check_plan_covers,
+    check_read_into,
+    unwatch_read_into,
+    watch_read_into,
+)
 from overlapkit.checkpoint.planners import SafeLoadPlanner, resolve_load_planner
 from overlapkit.checkpoint.state_dicts import (
     MODEL_KEY,
@@ -258,6 +263,8 @@ def _load_into_real(path: Path, metadata: Metadata, model: torch.nn.Module,
                 for tensor, copy in kept:
                     tensor.copy_(copy)
             raise
+        finally:
+            unwatch_read_into(chosen)
     except BaseException:
         if optimizer is not None:
             for param in created:  # created here, uninitialised

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from overlapkit.errors import CheckpointError
 
-__all__ = ["check_plan_covers", "check_read_into", "watch_read_into"]
+__all__ = ["check_plan_covers", "check_read_into", "unwatch_read_into", "watch_read_into"]
 
 
 def _elements(value: Any) -> int | None:
@@ -131,8 +131,17 @@ def watch_read_into(planner: LoadPlanner) -> list[str]:
             dropped.append(read_item.dest_index.fqn)
         return tensor
 
+    resolve_watched.__overlapkit_watched__ = True  # type: ignore[attr-defined]
     planner.resolve_tensor = resolve_watched  # type: ignore[method-assign]
     return dropped
+
+
+def unwatch_read_into(planner: LoadPlanner) -> None:
+    """Give ``planner`` back its own ``resolve_tensor`` after the load: a plugin may hand
+    out one planner instance for every load, which would otherwise gather a watcher per
+    load."""
+    if getattr(vars(planner).get("resolve_tensor"), "__overlapkit_watched__", False):
+        del planner.resolve_tensor
 
 
 def check_read_into(planner: LoadPlanner, name: str, dropped: list[str], *,
