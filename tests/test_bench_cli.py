@@ -266,3 +266,21 @@ def test_a_full_run_s_closing_line_counts_every_goal_of_the_table() -> None:
                     "1 not judged, 1 not measured")
     line = _summary([{"benchmark": "x", "goals": goals[:2]}], 12.0, quick=False)
     assert line.endswith("goals: 1 met, 1 missed")
+
+
+def test_the_network_bound_table_has_every_variant_at_each_link_and_lists_its_goals(
+    bench: tuple[list[dict[str, Any]], Path, str],
+) -> None:
+    result = {r["benchmark"]: r for r in bench[0]}["network_bound"]
+    for speed in ("10gbps", "1gbps"):
+        for variant in ("plain", "overlap_ddp", "overlap_ddp_comm_thread", "torch_overlap",
+                        "sharded", "zero"):
+            assert result["variants"][f"{speed}/{variant}"]["step_ms"] > 0
+    assert result["variants"]["1gbps/plain"]["optimizer_step_ms"] > 0
+    goals = {g["goal"]: g for g in result["goals"]}
+    # at 1 Gb/s the quick model's communication is many times its backward: judged
+    # with the full sizes, shown here
+    assert {"1gbps: (plain - overlap_ddp) / plain step()",
+            "1gbps: sharded / zero step time"} <= set(goals)
+    assert all(g["met"] is None and isinstance(g["value"], float) for g in goals.values())
+    assert result["plot"]["xs"] == [10.0, 1.0]

@@ -60,25 +60,34 @@ def test_demo_plot_is_a_png(demo_rows: dict[str, dict[str, object]]) -> None:
     assert Path(str(demo_rows["_plot"]["path"])).read_bytes()[:8] == PNG_SIGNATURE
 
 
-def test_demo_table_for_people() -> None:
+@pytest.fixture(scope="module")
+def table_run() -> subprocess.CompletedProcess[str]:
+    """The demo for people (a table on stdout, progress bars on stderr): overlap_ddp and
+    the plain baseline it is compared with, one run for both tests below."""
     proc = _overlapkit("demo", "--model-size", "tiny", "--steps", "3", "--technique",
                        "overlap_ddp")
     assert proc.returncode == 0, proc.stderr
-    header, _rule, *rows = proc.stdout.splitlines()
+    return proc
+
+
+def test_demo_table_for_people(table_run: subprocess.CompletedProcess[str]) -> None:
+    header, _rule, *rows = table_run.stdout.splitlines()
     assert header.split()[:3] == ["technique", "step", "(ms)"]
     assert [row.split()[0] for row in rows[:2]] == ["plain", "overlap_ddp"]
-    assert "overlap_ddp [" in proc.stderr  # the progress bar
-    assert proc.stderr.startswith("overlapkit demo: 2,128-parameter MLP (tiny), 2 CPU ranks")
+    assert "overlap_ddp [" in table_run.stderr  # the progress bar
+    assert table_run.stderr.startswith(
+        "overlapkit demo: 2,128-parameter MLP (tiny), 2 CPU ranks")
 
 
-def test_the_progress_bar_shows_the_loss_the_table_shows() -> None:
-    proc = _overlapkit("demo", "--model-size", "tiny", "--steps", "3", "--technique", "plain")
-    assert proc.returncode == 0, proc.stderr
-    last_bar = [line for line in proc.stderr.splitlines() if "plain [" in line][-1]
-    shown = float(last_bar.split("loss ")[1].split()[0])
-    table_loss = float(proc.stdout.splitlines()[2].split()[4])
-    assert "(mean over ranks)" in last_bar
-    assert shown == round(table_loss, 4)
+def test_the_progress_bar_shows_the_loss_the_table_shows(
+        table_run: subprocess.CompletedProcess[str]) -> None:
+    for row, technique in enumerate(("plain", "overlap_ddp"), start=2):
+        last_bar = [line for line in table_run.stderr.splitlines()
+                    if f"{technique} [" in line][-1]
+        shown = float(last_bar.split("loss ")[1].split()[0])
+        table_loss = float(table_run.stdout.splitlines()[row].split()[4])
+        assert "(mean over ranks)" in last_bar
+        assert shown == round(table_loss, 4), technique
 
 
 @pytest.mark.parametrize(
