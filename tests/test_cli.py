@@ -71,6 +71,24 @@ def test_help_and_version_import_no_torch() -> None:
     assert proc.returncode == 0, proc.stderr
 
 
+def test_listing_the_plugins_imports_neither_checkpoint_nor_fsdp() -> None:
+    # the built-in plugins' registration read the whole checkpoint package (DCP, FSDP
+    # and DTensor with it): 7.6 s of CPU for `overlapkit plugins` on a busy machine,
+    # 4.6 s without (benchmarks/cli_startup.py has the quiet figures)
+    code = ("import sys, overlapkit; overlapkit.list_plugins()\n"
+            "heavy = [m for m in ('torch.distributed.checkpoint', 'torch.distributed.fsdp',"
+            " 'torch.distributed.tensor') if m in sys.modules]\n"
+            "assert heavy == [], heavy\n"
+            "from overlapkit import checkpoint\n"
+            "assert checkpoint.save.__module__ == 'overlapkit.checkpoint.saving'\n"
+            "from overlapkit.checkpoint import MODEL_KEY, load\n"
+            "assert (MODEL_KEY, load.__name__) == ('model', 'load')\n"
+            "assert 'torch.distributed.checkpoint' in sys.modules")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_the_public_api_still_resolves_lazily() -> None:
     import overlapkit
 

@@ -5,6 +5,8 @@ module here)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -183,3 +185,36 @@ def test_a_scaler_driving_a_replaced_optimizer_names_the_replacement(call: str) 
                        match=rf"was replaced by a later .* so scaler\.{call}\(optimizer\)"):
         getattr(scaler, call)(old)
     new.release()
+
+
+@pytest.mark.parametrize("imported", ["before overlapkit", "after the set-up"])
+def test_fsdps_sharded_grad_scaler_is_guarded_whenever_its_module_is_imported(
+        imported: str) -> None:
+    """overlapkit no longer imports FSDP to know its scaler (1.5 s of CPU with DTensor):
+    ShardedGradScaler's own unscale_ is wrapped as its module is imported, before or
+    after the set-up, and its unscale_ on a plain module's optimizer is refused,
+    nothing unscaled."""
+    first = "from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler\n"
+    code = (
+        "import sys, torch, overlapkit\n"
+        + (first if imported == "before overlapkit" else "")
+        + "model = torch.nn.Linear(4, 2)\n"
+        "opt = overlapkit.optimizer_in_backward(model, torch.optim.AdamW, lr=0.1)\n"
+        + (first if imported == "after the set-up" else "")
+        + "from overlapkit.overlap.rules.amp_scaler import SCALERS\n"
+        "assert ShardedGradScaler in SCALERS, SCALERS\n"
+        "assert hasattr(ShardedGradScaler.unscale_, '__wrapped__')\n"
+        "assert hasattr(torch.amp.GradScaler.unscale_, '__wrapped__')\n"
+        "scaler = ShardedGradScaler('cpu', init_scale=1024.0)\n"
+        "scaler.scale(model(torch.ones(3, 4)).sum()).backward()\n"
+        "before = [p.detach().clone() for p in model.parameters()]\n"
+        "try:\n"
+        "    scaler.unscale_(opt)\n"
+        "except overlapkit.ConfigurationError as error:\n"
+        "    print('refused:', error)\n"
+        "assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("refused: ") and "grad_scaler=" in proc.stdout, proc.stdout

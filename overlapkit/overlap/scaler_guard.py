@@ -55,7 +55,7 @@ from overlapkit.overlap.plain_step_guard import (
     refuse_plain_step,
     refuse_retired,
 )
-from overlapkit.overlap.rules.amp_scaler import SCALERS
+from overlapkit.overlap.rules.amp_scaler import when_scaler_imported
 from overlapkit.overlap.rules.late_clipping import current_stepper
 from overlapkit.overlap.rules.released import is_released
 
@@ -66,13 +66,19 @@ _installed: list[bool] = []
 
 def install() -> None:
     """Wrap ``torch.amp.GradScaler.step`` and ``unscale_``, and FSDP's
-    ``ShardedGradScaler.unscale_`` (once; idempotent)."""
+    ``ShardedGradScaler.unscale_`` now or as its module is imported (once;
+    idempotent)."""
     if not _installed:
         _installed.append(True)
-        for cls in SCALERS:  # GradScaler, and ShardedGradScaler's own unscale_
-            for name in ("step", "unscale_"):
-                if name in vars(cls):
-                    setattr(cls, name, _guarded(vars(cls)[name], name))
+        when_scaler_imported(_wrap_scaler)
+
+
+def _wrap_scaler(cls: type[torch.amp.GradScaler]) -> None:
+    """Wrap the ``step`` and ``unscale_`` ``cls`` defines itself (GradScaler's both,
+    ShardedGradScaler's own ``unscale_``)."""
+    for name in ("step", "unscale_"):
+        if name in vars(cls):
+            setattr(cls, name, _guarded(vars(cls)[name], name))
 
 
 def _guarded(method: Callable[..., Any], name: str) -> Callable[..., Any]:

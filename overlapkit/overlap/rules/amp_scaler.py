@@ -22,35 +22,88 @@ place, silently).
 
 from __future__ import annotations
 
-from types import FrameType
+import importlib.abc
+import importlib.util
+import sys
+from collections.abc import Callable
+from contextlib import suppress
+from types import CodeType, FrameType, ModuleType
 from typing import Any
 
 import torch
 
 from overlapkit.errors import ConfigurationError
 
-__all__ = ["SCALERS", "guard_param_groups", "hand_inf_check", "refuse_scaler_step",
-           "scaler_refusal"]
+__all__ = ["SCALERS", "SHARDED_SCALER_MODULE", "guard_param_groups", "hand_inf_check",
+           "refuse_scaler_step", "scaler_refusal", "when_scaler_imported"]
 
 
-def _scalers() -> list[type[torch.amp.GradScaler]]:
-    """``torch.amp.GradScaler`` and FSDP's ``ShardedGradScaler`` (its own ``unscale_``
-    and ``_unscale_grads_``: 0.4.0 did not see it unscale the kept gradients in place),
-    where torch has it."""
-    try:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-    except ImportError:  # a torch built without distributed
-        return [torch.amp.GradScaler]
-    return [torch.amp.GradScaler, ShardedGradScaler]
+#: FSDP's scaler's module: importing it imports FSDP and DTensor (1.5 s of CPU on torch
+#: 2.13, more than overlapkit and DDP together), which a loop without FSDP never needs
+SHARDED_SCALER_MODULE = "torch.distributed.fsdp.sharded_grad_scaler"
 
-
-#: the scaler classes whose unscale is recognised
-SCALERS = tuple(_scalers())
+#: the scaler classes whose unscale is recognised: ``torch.amp.GradScaler``, and FSDP's
+#: ``ShardedGradScaler`` (its own ``unscale_`` and ``_unscale_grads_``: 0.4.0 did not see
+#: it unscale the kept gradients in place) from when its module is imported
+SCALERS: list[type[torch.amp.GradScaler]] = []
 #: their ``_unscale_grads_`` and torch's own ``unscale_`` (:mod:`overlapkit.overlap.
 #: scaler_guard` wraps it), which calls it
-_UNSCALE_GRADS = frozenset(cls._unscale_grads_.__code__ for cls in SCALERS)
-_UNSCALE = frozenset(getattr(cls.unscale_, "__wrapped__", cls.unscale_).__code__
-                     for cls in SCALERS)
+_UNSCALE_GRADS: set[CodeType] = set()
+_UNSCALE: set[CodeType] = set()
+#: what :func:`when_scaler_imported` runs for each scaler class, now and later
+_ON_SCALER: list[Callable[[type[torch.amp.GradScaler]], None]] = []
+
+
+def _recognise(cls: type[torch.amp.GradScaler]) -> None:
+    """Add ``cls`` to :data:`SCALERS` and run what waits for a scaler class."""
+    if cls in SCALERS:
+        return
+    SCALERS.append(cls)
+    _UNSCALE_GRADS.add(cls._unscale_grads_.__code__)
+    _UNSCALE.add(getattr(cls.unscale_, "__wrapped__", cls.unscale_).__code__)
+    for callback in _ON_SCALER:
+        callback(cls)
+
+
+def when_scaler_imported(callback: Callable[[type[torch.amp.GradScaler]], None]) -> None:
+    """Run ``callback`` on each scaler class of :data:`SCALERS`, and on FSDP's
+    ``ShardedGradScaler`` when its module is imported, if it is later."""
+    _ON_SCALER.append(callback)
+    for cls in list(SCALERS):
+        callback(cls)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Recognises ``ShardedGradScaler`` as its module is imported (a finder on
+    ``sys.meta_path`` that leaves the finding to the others and runs after the
+    module's own code), so that ``import overlapkit.overlap`` does not import FSDP."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != SHARDED_SCALER_MODULE:
+            return None
+        with suppress(ValueError):
+            sys.meta_path.remove(self)  # once; the other finders find it
+        spec = importlib.util.find_spec(fullname)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
+
+        def exec_then_recognise(module: ModuleType) -> None:
+            exec_module(module)
+            scaler = getattr(module, "ShardedGradScaler", None)
+            if isinstance(scaler, type):
+                _recognise(scaler)
+
+        loader.exec_module = exec_then_recognise
+        return spec
+
+
+_recognise(torch.amp.GradScaler)
+if SHARDED_SCALER_MODULE in sys.modules:
+    _recognise(sys.modules[SHARDED_SCALER_MODULE].ShardedGradScaler)
+else:
+    sys.meta_path.insert(0, _AfterImport())
 
 
 def scaler_refusal(technique: str) -> ConfigurationError:
