@@ -86,7 +86,10 @@ def _exit_when_orphaned() -> None:
 
 #: what the forkserver imports once for every rank: torch and the parts of it that
 #: overlapkit's built-in plugins import (``torch.distributed.checkpoint`` alone takes
-#: 0.5 s), none of overlapkit itself
+#: 0.5 s), none of overlapkit itself; and ``torch._dynamo``, which the first
+#: ``torch.optim`` optimizer a process builds imports (``Optimizer.__init__``): 1.6 s of
+#: CPU per rank on a loaded 2-core machine, 0.1 s with it preloaded (measured on torch
+#: 2.13, 2 ranks building one AdamW: 9.9 s per run against 1.0 s; docs/benchmarks.md)
 PRELOADED = (
     "torch",
     "torch.distributed",
@@ -94,6 +97,7 @@ PRELOADED = (
     "torch.distributed.algorithms.ddp_comm_hooks",
     "torch.distributed.checkpoint",
     "torch.distributed.fsdp",
+    "torch._dynamo",
 )
 
 
