@@ -66,7 +66,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
     """
 
     def __init__(self, engine: OverlapEngine, steps: BackwardSteps, technique: str,
-                 check_params: Callable[[list[Any]], None] | None = None) -> None:
+                 check_params: Callable[..., None] | None = None) -> None:
         super().__init__(engine.optimizer)
         self._engine = engine
         self._steps = steps
@@ -380,7 +380,7 @@ class OverlappedOptimizerFacade(OptimizerWrapper):
         refuse_retired(self._steps, "add_param_group()")
         (group,) = materialise_params([param_group])
         if self._check_params is not None:
-            self._check_params([group])
+            self._check_params([group], self._engine.optimizer)
         engine = self._engine
         params = flatten_params([group])
         # parameters the engine already owns are left to the optimizer's own error

@@ -28,6 +28,7 @@ from overlapkit.overlap.rules.global_step import check_grad_scaler, model_order
 from overlapkit.overlap.setup import (
     build_optimizer,
     check_params_belong,
+    check_steppable,
     flatten_params,
     materialise_params,
     optimizer_probe,
@@ -88,16 +89,32 @@ class ModelFacts:
         when the model may have grown parameters or changed ``requires_grad``."""
         return ModelFacts.of(self.model, self.kind, self.technique, self.inner)
 
-    def check_params_now(self, params: Iterable[Any]) -> None:
+    def check_params_now(self, params: Iterable[Any],
+                         optimizer: torch.optim.Optimizer | None = None) -> None:
         """:meth:`check_params` against the model as it is now (``add_param_group``)."""
-        self.now().check_params(params)
+        self.now().check_params(params, optimizer)
 
-    def check_params(self, params: Iterable[Any]) -> None:
-        """:raises ConfigurationError: an item of ``params`` is not a parameter of the
-        model or is listed twice, or (DDP) a trainable one DDP does not reduce. Frozen
-        parameters are accepted, as torch's optimizers accept them: they never get a
-        gradient, so they are never stepped and have no state (a plain module's or an
-        FSDP2 model's is hooked if unfrozen later)."""
+    def check_params(self, params: Iterable[Any],
+                     optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Check ``params``; given the ``optimizer`` they are added to (param-group
+        dicts, at ``add_param_group``), :func:`~overlapkit.overlap.setup.check_steppable`
+        too.
+
+        :raises ConfigurationError: an item of ``params`` is not a parameter of the
+            model or is listed twice, or (DDP) a trainable one DDP does not reduce; an
+            option the optimizer's step cannot run with. Frozen parameters are
+            accepted, as torch's optimizers accept them: they never get a gradient, so
+            they are never stepped and have no state (a plain module's or an FSDP2
+            model's is hooked if unfrozen later).
+        """
+        params = list(params)
+        self._check_belong(params)
+        if optimizer is not None:
+            check_steppable(optimizer, [g for g in params if isinstance(g, Mapping)],
+                            self.names, self.technique, added=True)
+
+    def _check_belong(self, params: list[Any]) -> None:
+        """:meth:`check_params`' check of the parameters against the model."""
         if self.kind != "ddp":
             check_params_belong(
                 params, self.names, owner="the module", example="module.parameters()",
@@ -176,8 +193,9 @@ def resolve_setup(model: ModelFacts, optim: Any, args: tuple[Any, ...],
 
     :raises OverlapkitError: what :func:`~overlapkit.overlap.adopt.check_adoptable`,
         :func:`~overlapkit.overlap.setup.resolve_overlapped_cls`,
-        :meth:`ModelFacts.check_params`, ``check_grad_scaler`` and
-        :func:`~overlapkit.overlap.setup.build_optimizer` refuse.
+        :meth:`ModelFacts.check_params`, ``check_grad_scaler``,
+        :func:`~overlapkit.overlap.setup.build_optimizer` and
+        :func:`~overlapkit.overlap.setup.check_steppable` refuse.
     """
     adopted, given = is_instance(optim), params is not None
     if adopted:
@@ -197,6 +215,7 @@ def resolve_setup(model: ModelFacts, optim: Any, args: tuple[Any, ...],
         _refuse_nothing_to_step(model, given=not adopted and given)
     optimizer = optim if adopted else build_optimizer(optim_cls, params, args, optim_kwargs,
                                                       model.technique)
+    check_steppable(optimizer, optimizer.param_groups, model.names, model.technique)
     return ResolvedSetup(
         model=model, optimizer=optimizer, adopted=adopted, optim_cls=optim_cls,
         args=args, optim_kwargs=optim_kwargs, overlapped_cls=overlapped_cls, params=params,

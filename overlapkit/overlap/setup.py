@@ -29,8 +29,8 @@ from overlapkit.overlap.rules.late_clipping import stepper_gone, unwatch
 from overlapkit.overlap.scaler_guard import install as install_scaler_guard
 from overlapkit.plugin.manager import get_plugin_manager
 
-__all__ = ["build_optimizer", "check_params_belong", "check_unclaimed", "claim_params",
-           "flatten_params", "materialise_params", "optimizer_probe",
+__all__ = ["build_optimizer", "check_params_belong", "check_steppable", "check_unclaimed",
+           "claim_params", "flatten_params", "materialise_params", "optimizer_probe",
            "resolve_overlapped_cls", "unclaim_params"]
 
 # parameter -> the technique stepping it during backward. Weak keys: a parameter's
@@ -198,6 +198,68 @@ def build_optimizer(
             "pass an optimizer class."
         )
     return optimizer
+
+
+#: where torch's ``capturable`` steps run (``_get_capturable_supported_devices``), should
+#: that private helper go
+_CAPTURABLE_DEVICES = ("cuda", "xpu", "hpu", "privateuseone", "xla")
+
+
+def _capturable_devices() -> tuple[str, ...]:
+    """The device types torch's ``capturable=True`` (not fused) step accepts."""
+    try:
+        from torch.optim.optimizer import _get_capturable_supported_devices
+        return tuple(_get_capturable_supported_devices(supports_xla=True))
+    except (ImportError, TypeError):
+        return _CAPTURABLE_DEVICES
+
+
+def check_steppable(optimizer: torch.optim.Optimizer, groups: Sequence[Mapping[str, Any]],
+                    names: Mapping[int, str], technique: str, *, added: bool = False
+                    ) -> None:
+    """Refuse, at set-up (or ``add_param_group``), the optimizer options with which
+    torch's own ``step()`` cannot step ``groups``' parameters, in the plain loop either:
+    ``differentiable=True`` on the optimizer (its step runs with autograd on, and torch
+    refuses the in-place update of a leaf that requires grad; a group's own
+    ``differentiable=True`` steps under ``no_grad`` and is honoured), and a group's
+    ``capturable=True``, not fused, over a parameter on a device the capturable step
+    does not take (CPU). Without this the first ``backward()`` raised torch's own error
+    from inside the hooks. A ``step()`` the optimizer's class wrote itself is left to it.
+
+    :param groups: param-group dicts, partial ones filled from ``optimizer.defaults``.
+    :param names: ``id(param)`` -> its name, for the message.
+    :param added: ``groups`` is the one group given to ``add_param_group``.
+    :raises ConfigurationError: such an option, naming it and what to do.
+    """
+    cls = type(optimizer)
+    torch_step = getattr(cls.step, "__module__", "").startswith("torch.optim")
+    if torch_step and optimizer.defaults.get("differentiable"):
+        raise ConfigurationError(
+            f"{cls.__qualname__}(differentiable=True) cannot step the model's parameters: "
+            "torch's step() then runs with autograd on and updates each parameter in "
+            "place, which torch refuses for a leaf tensor that requires grad (a plain "
+            "loop's step() raises 'a leaf Variable that requires grad is being used in an "
+            "in-place operation' too). differentiable=True is for differentiating through "
+            f"the update of non-leaf tensors, which {technique} does not step; build the "
+            "optimizer without it.")
+    devices = _capturable_devices()
+    for index, given in enumerate(groups):
+        group = {**optimizer.defaults, **given}
+        if not torch_step or not group.get("capturable") or group.get("fused"):
+            continue
+        bad = [p for p in flatten_params([given]) if p.device.type not in devices]
+        if bad:
+            where = names.get(id(bad[0]), "a parameter")
+            fused = (" or fused=True, whose kernel takes capturable on CPU"
+                     if "fused" in group else "")
+            which = "the param group added" if added else f"param group {index}"
+            raise ConfigurationError(
+                f"{cls.__qualname__} with capturable=True ({which}) cannot "
+                f"step {where!r} on {bad[0].device}: torch's capturable step takes "
+                f"parameters on {', '.join(devices)} only (a plain loop's step() fails "
+                "with torch's AssertionError 'If capturable=True, params and state_steps "
+                "must be on supported devices' too). capturable is for CUDA graphs: pass "
+                f"capturable=False{fused}.")
 
 
 #: ``ZeroRedundancyOptimizer``'s own arguments, which a port of a ZeRO loop passes on

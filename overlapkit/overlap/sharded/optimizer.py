@@ -361,7 +361,7 @@ class ShardedOverlapOptimizer(ShardedCommHookState, ShardedHooks, OverlappedOpti
         (group,) = materialise_params([param_group])
         self._held_now()
         facts = self._facts.now()
-        facts.check_params([group])
+        facts.check_params([group], self._engine.optimizer)
         engine = self._engine
         params = flatten_params([group])
         known = {id(p) for p in engine.parameters()}
