@@ -8,7 +8,7 @@ cached by the plugin manager; nothing here runs per bucket or per step.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import attrs
@@ -82,10 +82,19 @@ class Provided(Generic[R]):
 
 
 def _as_records(plugin: str, kind: HookKind, returned: Any) -> list[Any]:
-    """The records in what a hook returned: None, one record, or any sequence of them."""
+    """The records in what a hook returned: None, one record, or any iterable of them
+    (a list, a tuple, a set; a generator's are taken as the hook is called, see
+    :func:`_calls_per_plugin`). A mapping is refused: its keys would be taken."""
+    if isinstance(returned, Mapping):
+        raise PluginValidationError(
+            plugin,
+            f"{kind.hook}() returned a {type(returned).__name__}; return a list of the "
+            f"records (e.g. list(records.values())), expected "
+            f"{kind.record_type.__name__} records.",
+        )
     if returned is None:
         items: list[Any] = []
-    elif isinstance(returned, Sequence) and not isinstance(returned, (str, bytes)):
+    elif isinstance(returned, Iterable) and not isinstance(returned, (str, bytes)):
         items = list(returned)
     else:
         items = [returned]
@@ -94,7 +103,7 @@ def _as_records(plugin: str, kind: HookKind, returned: Any) -> list[Any]:
             raise PluginValidationError(
                 plugin,
                 f"{kind.hook}() returned {item!r}, expected {kind.record_type.__name__} "
-                f"records (a single one, a sequence of them, or None); return "
+                f"records (a single one, an iterable of them, or None); return "
                 f"overlapkit.plugin.{kind.record_type.__name__}(...) instead.",
             )
     return items
@@ -125,6 +134,8 @@ def _calls_per_plugin(pm: pluggy.PluginManager, kind: HookKind) -> Iterator[tupl
         trace(f"{kind.hook} [{impl.plugin_name}]")
         try:
             result = impl.function()
+            if isinstance(result, Iterator):  # a generator function: its records, now,
+                result = list(result)  # so that one raising part-way is named here
         except Exception as error:
             raise fail(impl.plugin_name,
                        f"its {kind.hook}() hook raised {type(error).__name__}: {error}",

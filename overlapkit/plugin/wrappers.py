@@ -17,7 +17,7 @@ Runs once per registry build, at set-up; nothing here runs per step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pluggy
@@ -31,10 +31,11 @@ def is_wrapper(impl: Any) -> bool:
 
 
 def _members(returned: Any) -> list[Any]:
-    """The objects one implementation's result stands for (a record, or a sequence)."""
+    """The objects one implementation's result stands for (a record, or an iterable
+    of them: a generator's were listed as it was called)."""
     if returned is None:
         return []
-    if isinstance(returned, Sequence) and not isinstance(returned, (str, bytes)):
+    if (isinstance(returned, Iterable) and not isinstance(returned, (str, bytes, Mapping))):
         return list(returned)
     return [returned]
 
