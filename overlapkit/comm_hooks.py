@@ -6,6 +6,13 @@ without a hook, see :func:`allreduce_hook`), ``fp16_compress`` and ``bf16_compre
 (cast to half precision for the allreduce, cast back after: torch's own hooks, so
 results match DDP with the same hook registered by hand). Other packages register more
 (``post_local_sgd`` comes from :mod:`overlapkit.local_sgd`).
+
+``bf16_compress`` runs on gloo (CPU) too, where plain DDP refuses torch's
+``bf16_compress_hook`` at ``register_comm_hook`` on a torch built without CUDA 11+ and
+NCCL 2.10+: DDP checks the hook's *name* against the build, not the backend the model
+uses, and gloo reduces bfloat16. overlapkit registers its own hook, which runs torch's,
+so that check does not apply; the gradients are those of plain DDP running the same
+hook under another name, bitwise (``tests/test_comm_hook_bf16.py``).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ def test_a_generator_function_hook_registers_what_it_yields() -> None:
 
     registry = _manager("yielding", hooks).registry
     assert registry.provided_by("yielding") == {"comm_hooks": ["gen_one", "gen_two"]}
-    state, hook = registry.comm_hook("gen_two").create(process_group=None)
+    _state, hook = registry.comm_hook("gen_two").create(process_group=None)
     assert hook.__name__ == "allreduce_hook"
 
 
