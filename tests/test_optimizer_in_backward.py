@@ -533,6 +533,7 @@ def test_distributed_bad_input_gets_an_overlapkit_error(
         assert error is not None, f"{case}: no error raised"
         assert error["overlapkit"] and error["type"] == expected_type, error
         assert expected_text in error["message"], error
+        assert ".." not in error["message"], error  # torch's own full stop kept once
 
 
 # -- CUDA (skipped without a GPU) ------------------------------------------------------------

@@ -286,9 +286,9 @@ def set_up_on_ddp(
             model.register_comm_hook(slot, slot_comm_hook)
         except RuntimeError as exc:
             raise ConfigurationError(
-                f"DDP refused the comm hook: {exc}. A DDP model takes one comm hook; if "
-                "you registered one (or a builtin one) yourself, remove it and pass its "
-                "name as comm_hook=."
+                f"DDP refused the comm hook: {str(exc).rstrip('.')}. A DDP model takes one "
+                "comm hook; if you registered one (or a builtin one) yourself, remove it "
+                "and pass its name as comm_hook=."
             ) from exc
         setattr(model, _MARKER, slot)
         model._comm_hooks = _CommHooks(model._comm_hooks)  # see _CommHooks
