@@ -9,13 +9,15 @@ with BatchNorm, whose extra last epoch (added to ``max_epochs``) runs the forwar
 statistics of the averaged weights, and ends with one optimizer step. That step is the
 plain step of the gradients still in ``.grad``: the last training step's, stepped again
 (Lightning zeroes the gradients at the start of a window, not after the step).
-``optimizer_in_backward`` has freed those, so a fit with that callback is seen at
-set-up (:func:`swa_batch_norm_epoch`) and stepped in the plain order from its first
-step; ``overlap_ddp`` keeps them and turns to the plain order for that last step only
-(:func:`skipped_backward`). Before the thirteenth probe the first was refused at that
-last step, after the whole fit had run, saying ``step()`` was called twice (one device)
-or that ``training_step`` returned None (DDP), and ``overlap_ddp``'s warning said the
-latter too.
+``optimizer_in_backward`` frees those, so a fit with that callback is seen at
+set-up (:func:`swa_batch_norm_epoch`) and its last training step, the one before that
+epoch, is taken in the plain order, which keeps them (:func:`swa_last_training_step`,
+asked before each ``training_step``); ``overlap_ddp`` keeps them and turns to the plain
+order for that epoch's step only (:func:`skipped_backward`). Before the thirteenth probe
+the first was refused at that last step, after the whole fit had run, saying ``step()``
+was called twice (one device) or that ``training_step`` returned None (DDP), and
+``overlap_ddp``'s warning said the latter too; in the thirteenth round every step of an
+``optimizer_in_backward`` fit was taken in the plain order.
 
 Private to :mod:`overlapkit.integrations.lightning`.
 """
@@ -29,8 +31,8 @@ from lightning.pytorch.callbacks import StochasticWeightAveraging
 
 from overlapkit.errors import ConfigurationError
 
-__all__ = ["SKIPPED_BACKWARD", "SWA_BATCH_NORM_EPOCH", "skipped_backward",
-           "swa_batch_norm_epoch"]
+__all__ = ["SKIPPED_BACKWARD", "SWA_BATCH_NORM_EPOCH", "SWA_LAST_TRAINING_STEP",
+           "skipped_backward", "swa_batch_norm_epoch", "swa_last_training_step"]
 
 #: why a DDP fit turns to the plain order when a synchronised micro-batch's
 #: training_step returns None (Lightning skips its backward): DDP's reducer stays
@@ -54,11 +56,21 @@ SWA_BATCH_NORM_EPOCH = (
     "without BatchNorm has no such epoch")
 
 
-def swa_batch_norm_epoch(trainer: pl.Trainer, module: pl.LightningModule) -> str | None:
-    """The callback's name when ``trainer`` has a ``StochasticWeightAveraging`` (or a
+#: why ``optimizer_in_backward`` takes the last training step before that epoch in the
+#: plain order, and that nothing need change
+SWA_LAST_TRAINING_STEP = (
+    f"{SWA_BATCH_NORM_EPOCH[0]}, which optimizer_in_backward would have freed",
+    "nothing to change: every training step before it overlapped; a module without "
+    "BatchNorm has no such epoch")
+
+
+def swa_batch_norm_epoch(trainer: pl.Trainer, module: pl.LightningModule
+                         ) -> StochasticWeightAveraging | None:
+    """The callback when ``trainer`` has a ``StochasticWeightAveraging`` (or a
     subclass) that will add its BatchNorm epoch to this fit (``module`` has BatchNorm
-    and ``max_epochs`` is not -1): a user of the window for ``optimizer_in_backward``,
-    which would have freed the gradients that epoch's step takes again."""
+    and ``max_epochs`` is not -1), seen at set-up: ``optimizer_in_backward`` would
+    have freed the gradients that epoch's step takes again, so it keeps those of the
+    last training step before it (:func:`swa_last_training_step`)."""
     if trainer.max_epochs == -1 or not StochasticWeightAveraging.pl_module_contains_batch_norm(
             module):
         return None
@@ -66,9 +78,22 @@ def swa_batch_norm_epoch(trainer: pl.Trainer, module: pl.LightningModule) -> str
     # Lightning installed, as in tox's `checks`, the Trainer is Any: an ignore goes unused)
     for callback in cast(Any, trainer).callbacks:
         if isinstance(callback, StochasticWeightAveraging):
-            return (f"{type(callback).__name__} (its BatchNorm epoch's optimizer step "
-                    "steps the gradients of the last training step again)")
+            return callback
     return None
+
+
+def swa_last_training_step(trainer: pl.Trainer, callback: StochasticWeightAveraging) -> bool:
+    """Whether the micro-batch whose ``training_step`` is about to run ends the last
+    epoch before ``callback``'s BatchNorm epoch (so ends an optimizer step: Lightning
+    steps on an epoch's last batch): its gradients are the ones that epoch's step takes
+    again. Asked before each ``training_step`` of an ``optimizer_in_backward`` fit with
+    the callback (a few attribute reads); a fit that stops before (``max_steps``,
+    ``EarlyStopping``) has no BatchNorm epoch and never gets there."""
+    loop = trainer.fit_loop
+    # swa_end: the callback's last epoch, from max_epochs as on_fit_start read it
+    return (not getattr(loop, "_skip_backward", False)
+            and trainer.current_epoch == callback.swa_end
+            and loop.epoch_loop._num_ready_batches_reached())
 
 
 def skipped_backward(trainer: pl.Trainer, freeing: bool) -> tuple[str, str]:

@@ -33,7 +33,6 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from overlapkit.errors import ConfigurationError
-from overlapkit.integrations._lightning_skipped import swa_batch_norm_epoch
 from overlapkit.overlap.core.watched_params import (
     unwatch_params,
     watch_params,
@@ -120,8 +119,6 @@ def window_users(trainer: pl.Trainer, module: pl.LightningModule, technique: str
     if technique == "optimizer_in_backward" and reads_grads_after_step is not False:
         found += [f"{owner}.{hook}"
                   for owner, hook in overriding(trainer, module, AFTER_STEP_HOOKS)]
-    if technique == "optimizer_in_backward" and (swa := swa_batch_norm_epoch(trainer, module)):
-        found.append(swa)
     return found, watched
 
 
@@ -146,9 +143,6 @@ def plain_order_warning(users: list[str], strategy: str, technique: str) -> str:
         hints.append("pass OverlapDDPStrategy('overlap_ddp', hooks_read_only_grads=True) "
                      "without gradient_clip_val if on_after_backward / "
                      "on_before_optimizer_step only read .grad")
-    if any("its BatchNorm epoch" in u for u in users):  # swa_batch_norm_epoch
-        hints.append("use OverlapDDPStrategy('overlap_ddp'), which keeps the gradients "
-                     "(it takes only that epoch's step in the plain order)")
     if any(u.endswith("optimizer_zero_grad (an override)") for u in users):
         hints.append("leave optimizer_zero_grad to Lightning, or use "
                      "OverlapDDPStrategy('overlap_ddp'), which keeps the gradients")

@@ -56,6 +56,11 @@ from overlapkit.integrations._lightning_setup import (
     overlapped_like,
     plain_optimizer,
 )
+from overlapkit.integrations._lightning_skipped import (
+    SWA_LAST_TRAINING_STEP,
+    swa_batch_norm_epoch,
+    swa_last_training_step,
+)
 from overlapkit.integrations._lightning_window import (
     GradientWrites,
     clips_itself,
@@ -93,6 +98,9 @@ class _StepsInBackward(pl.strategies.Strategy):
     #: the user's on_after_backward / on_before_optimizer_step read nothing but .grad
     #: (overlap_ddp without clipping then keeps the overlap)
     _hooks_read_only_grads: bool = False
+    #: optimizer_in_backward: StochasticWeightAveraging adding its BatchNorm epoch, whose
+    #: step takes the last training step's gradients again (kept: that step is plain)
+    _swa: Any = None
 
     @property
     def technique(self) -> str:
@@ -139,6 +147,8 @@ class _StepsInBackward(pl.strategies.Strategy):
         overlapped = overlapped_like(plain, self._technique, model,
                                      {} if own_clipping else clipping, options)
         _SET_UP.add(module)
+        self._swa = (swa_batch_norm_epoch(trainer, module)
+                     if self._technique == "optimizer_in_backward" else None)
         # the LR schedulers stay on `plain`, the adopted optimizer the technique steps:
         # torch's "scheduler before optimizer.step()" check sees its steps, and
         # LearningRateMonitor finds it behind trainer.optimizers[0].optimizer, named as
@@ -158,6 +168,12 @@ class _StepsInBackward(pl.strategies.Strategy):
         _install(self, overlapped)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        if (self._swa is not None and module is not None and not self._automatic.plain_order
+                and self._automatic.optimizer is not None
+                and swa_last_training_step(module.trainer, self._swa)):
+            self._automatic._plain_order_from_now("from its last training step on",
+                                                  *SWA_LAST_TRAINING_STEP)
         output = self._automatic.training_step(
             functools.partial(super().training_step, *args, **kwargs))
         follow_hooked_loss(self._automatic, output)  # a cached loss: backwards nested

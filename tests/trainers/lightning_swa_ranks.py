@@ -30,31 +30,47 @@ class WithBatchNorm(Regression):
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.GELU(),
                                  nn.Linear(32, 1))
+        #: (epoch, batch) of the training steps that found the gradients of the step
+        #: before freed (optimizer_in_backward stepped it during its backward)
+        self.freed: list[tuple[int, int]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if all(p.grad is None for p in self.parameters()):
+            self.freed.append((self.current_epoch, batch_idx))
+        return super().training_step(batch, batch_idx)
 
 
-def _fit(label: str, world_size: int, root: Path) -> list[torch.Tensor]:
+def _fit(label: str, world_size: int, root: Path, options: dict[str, Any],
+         freed: dict[str, Any] | None = None) -> list[torch.Tensor]:
     module = WithBatchNorm()
     trainer(strategy(label), world_size, root, max_epochs=2,
-            callbacks=[StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1)]
-            ).fit(module, data())
+            callbacks=[StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1)],
+            **options).fit(module, data())
+    if freed is not None:
+        freed[label] = module.freed
     saved = module.optimizers().state_dict()  # type: ignore[union-attr]
     return [*values(module), *[b.clone() for b in module.buffers()],
             *[v for i in sorted(saved["state"]) for v in saved["state"][i].values()]]
 
 
-def run(rank: int, world_size: int, root: str) -> dict[str, Any]:
+def run(rank: int, world_size: int, root: str, options: dict[str, Any] | None = None
+        ) -> dict[str, Any]:
+    """``options``: more of the Trainer's (accumulation, clipping, fewer batches)."""
     quiet()
-    plain = {p: _fit(p, world_size, Path(root) / p) for p in set(PAIRS[world_size].values())}
+    options = options or {}
+    plain = {p: _fit(p, world_size, Path(root) / p, options) for p in set(PAIRS[world_size].values())}
     out: dict[str, Any] = {}
+    freed: dict[str, Any] = {}
     for label, plain_label in PAIRS[world_size].items():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                got = _fit(label, world_size, Path(root) / label)
+                got = _fit(label, world_size, Path(root) / label, options, freed)
             except Exception as error:  # reported, not raised: every rank answers
                 out[label] = f"{type(error).__name__}: {error}"
                 continue
         out[label] = bool(compare(plain[plain_label], got))
         out[f"{label} | warnings"] = [str(w.message) for w in caught
                                       if "in the plain order" in str(w.message)]
+        out[f"{label} | freed"] = freed.get(label)
     return out

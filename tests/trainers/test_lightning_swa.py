@@ -4,10 +4,12 @@ end of the fit that runs the forwards only (no backward, no ``zero_grad``) and e
 one optimizer step, which in the plain loop steps the last training step's gradients
 again. At ``be7423f`` ``optimizer_in_backward`` (which freed them) refused that step after
 the whole fit had run, saying ``step()`` was called twice (one device) or that
-``training_step`` returned None (DDP), and ``overlap_ddp``'s warning said the latter. Now
-``optimizer_in_backward`` sees the callback at set-up and takes every step in the plain
-order; ``overlap_ddp`` takes that last step so: bitwise, one warning naming the callback.
-Rank code: lightning_swa_ranks.py."""
+``training_step`` returned None (DDP), and ``overlap_ddp``'s warning said the latter. In
+the thirteenth round ``optimizer_in_backward`` saw the callback at set-up and took every
+step in the plain order; since the fourteenth (at ``4b7a286`` that was still so) it
+overlaps every training step but the last one before that epoch, which keeps its
+gradients; ``overlap_ddp`` takes that epoch's step so: bitwise, one warning naming the
+callback when the order changes. Rank code: lightning_swa_ranks.py."""
 
 from __future__ import annotations
 
@@ -34,4 +36,23 @@ def test_swa_with_batch_norm_is_the_plain_fit_bitwise_with_one_warning(
             warned = results[f"{label} | warnings"]
             assert len(warned) == 1, (rank, label, warned)
             assert "StochasticWeightAveraging" in warned[0], warned
-            assert ("its BatchNorm epoch" in warned[0]) == (label != "overlap_ddp"), warned
+            assert ("from its last training step on" in warned[0]) == (
+                label != "overlap_ddp"), warned
+            if label != "overlap_ddp":  # the steps before overlapped: their gradients freed
+                assert (1, 1) in results[f"{label} | freed"], results[f"{label} | freed"]
+
+
+def test_swa_with_accumulation_and_clipping_overlaps_until_the_last_window(
+        tmp_path: Path) -> None:
+    """``accumulate_grad_batches=3`` over 8 batches (the epoch's last window has 2) and
+    clipping: the last window's micro-batches before its last run under ``no_step()``,
+    that last one in the plain order; bitwise, one warning."""
+    options = {"accumulate_grad_batches": 3, "gradient_clip_val": 0.5}
+    results: dict[str, Any] = run_distributed(run, 1, args=(str(tmp_path), options),
+                                              timeout=400)[0]
+    for label in PAIRS[1]:
+        assert results[label] is True, (label, results[label])
+        assert len(results[f"{label} | warnings"]) == 1, results[f"{label} | warnings"]
+    for label in ("optimizer_in_backward", "one device"):
+        assert results[f"{label} | freed"] == [(0, 0), (0, 6), (1, 0), (1, 3), (1, 6)], (
+            label, results[f"{label} | freed"])
