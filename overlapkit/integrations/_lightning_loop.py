@@ -289,7 +289,7 @@ class AutomaticOptimization:
             # the plain order reduces and steps as the plain loop does (DDP's early
             # reduction; SWA's BatchNorm epoch), refused where the gradients were freed
             self._plain_order_from_now("from this one on", *skipped_backward(
-                trainer, freeing=self._freeing_ddp_model is not None))
+                trainer, self._freeing_ddp_model is not None, probing))
         with self._watch("on_before_optimizer_step", self._stepped > 0, probing):
             call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
             call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)

@@ -96,18 +96,21 @@ def swa_last_training_step(trainer: pl.Trainer, callback: StochasticWeightAverag
             and loop.epoch_loop._num_ready_batches_reached())
 
 
-def skipped_backward(trainer: pl.Trainer, freeing: bool) -> tuple[str, str]:
+def skipped_backward(trainer: pl.Trainer, freeing: bool, probing: bool) -> tuple[str, str]:
     """Why an optimizer step whose closure ran no backward turns the rest of the fit to
     the plain order, and how to keep the overlap: :data:`SWA_BATCH_NORM_EPOCH` while
     Lightning skips the backward (``fit_loop._skip_backward``), else
-    :data:`SKIPPED_BACKWARD`.
+    :data:`SKIPPED_BACKWARD`. ``probing``: that step is the fit's first, so nothing was
+    freed before it (a fit resumed from a checkpoint of the epoch before SWA's BatchNorm
+    epoch: the plain run steps no gradients there either; before the fourteenth probe
+    ``optimizer_in_backward`` on DDP refused it, saying it had freed them).
 
     :raises ConfigurationError: ``freeing`` (``optimizer_in_backward`` on DDP, whose
         early freeing of the gradients would lose some), before that step.
     """
     swa = bool(getattr(trainer.fit_loop, "_skip_backward", False))
     why, keep = SWA_BATCH_NORM_EPOCH if swa else SKIPPED_BACKWARD
-    if not freeing:
+    if not freeing or (swa and probing):
         return why, keep
     if swa:
         raise ConfigurationError(

@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("lightning", reason="the `trainers` tox environment installs lightning")
 
-from lightning_swa_ranks import PAIRS, run
+from lightning_swa_ranks import PAIRS, resume, run
 
 from overlapkit.distributed import run_distributed
 
@@ -56,3 +56,14 @@ def test_swa_with_accumulation_and_clipping_overlaps_until_the_last_window(
     for label in ("optimizer_in_backward", "one device"):
         assert results[f"{label} | freed"] == [(0, 0), (0, 6), (1, 0), (1, 3), (1, 6)], (
             label, results[f"{label} | freed"])
+
+
+def test_a_fit_resumed_into_the_batch_norm_epoch_is_the_plain_one(tmp_path: Path) -> None:
+    """Resumed from the checkpoint of the last training epoch, the fit is SWA's BatchNorm
+    epoch alone, whose step is the fit's first: nothing was freed. At ``4b7a286``
+    ``optimizer_in_backward`` took the whole fit in the plain order; keeping the overlap
+    until the last training step first refused this one on DDP, saying it had freed the
+    gradients (the refusal now needs a step before it)."""
+    results: dict[str, Any] = run_distributed(resume, 1, args=(str(tmp_path),),
+                                              timeout=400)[0]
+    assert results == dict.fromkeys(PAIRS[1], True), results
