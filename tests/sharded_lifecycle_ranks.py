@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import gc
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -283,3 +284,39 @@ def state_dict_hooks(rank: int, world_size: int) -> dict[str, Any]:
     return {"plain": plain_dict.get("hooked"), "whole": whole.get("hooked"),
             "local": local.get("hooked"), "plain seen": plain_seen, "seen": seen,
             "state": compare_state_dicts({**plain_dict}, {**whole})}
+
+
+# -- fourteenth round: DDP(static_graph=True), whose first backward steps at its end ----
+
+def static_graph_reads(rank: int, world_size: int, read: bool) -> dict[str, Any]:
+    """Three steps on ``DDP(..., static_graph=True)`` (its first backward reduces, and so
+    steps, everything at its end), against plain DDP + AdamW on the same model; with
+    ``read``, an EMA of the weights updated between the first backward and ``step()``
+    (warned of once, at that line). The warnings of parameters read in the window come
+    back as their lines."""
+    from overlapkit.overlap.core.watched_params import ParameterReadInWindowWarning
+
+    data = batches(rank, 3)
+    reference = build_reference(static_graph=True)
+    plain = torch.optim.AdamW(reference.parameters(), lr=LR)
+    for tokens in data:
+        _loss(reference, tokens).backward()
+        plain.step()
+        plain.zero_grad()
+    ddp = build(static_graph=True)
+    opt = _sharded(ddp)
+    ema = torch.optim.swa_utils.AveragedModel(ddp.module)
+    read_line = -1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for index, tokens in enumerate(data):
+            _loss(ddp, tokens).backward()
+            if read and index == 0:
+                read_line = sys._getframe().f_lineno + 1
+                ema.update_parameters(ddp.module)
+            opt.step()
+            opt.zero_grad()
+    lines = [(os.path.basename(w.filename), w.lineno) for w in caught
+             if issubclass(w.category, ParameterReadInWindowWarning)]
+    return {"warned at": lines, "read at": (os.path.basename(__file__), read_line),
+            "params": compare(values(ddp), values(reference))}

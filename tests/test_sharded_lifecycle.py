@@ -76,3 +76,13 @@ def test_state_dict_hooks_round_trip_as_a_plain_optimizers(world_size: int) -> N
         assert result["local"] is not None, rank
         assert result["seen"] == result["plain seen"] * 2, (rank, result)
         assert result["state"], (rank, result["state"])
+
+
+@pytest.mark.parametrize("read", [False, True])
+def test_static_graph_first_backward_warns_of_the_loops_reads_only(read: bool) -> None:
+    """DDP(static_graph=True) steps everything at the end of its first backward: the
+    exchange of the updated parameters there is overlapkit's read, not the loop's (it
+    was warned of as the loop's, at its backward() line, with 4b7a286)."""
+    for rank, result in enumerate(_run(ranks_.static_graph_reads, 2, read)):
+        assert result["params"], (rank, result["params"])
+        assert result["warned at"] == ([result["read at"]] if read else []), (rank, result)

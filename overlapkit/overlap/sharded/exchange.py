@@ -219,9 +219,14 @@ class ParameterExchange:
         if self._all_plan is None:
             self._all_plan = transfers_of(self.ownership.params, self.ownership,
                                           self.exchanged, self.cap_bytes)
-        for transfer in self._all_plan:
-            with self._stream(transfer, after_compute=after_compute):
-                self._launch(transfer)
+        # overlapkit's own read of the stepped parameters, not the loop's: with
+        # static_graph=True DDP's first backward steps everything at its end, in a
+        # window already watched for the loop's reads (a false ParameterReadInWindow
+        # warning, and the loop's own read there was no longer watched for)
+        with quiet_reads():
+            for transfer in self._all_plan:
+                with self._stream(transfer, after_compute=after_compute):
+                    self._launch(transfer)
 
     def _launch(self, transfer: Transfer) -> None:
         params = transfer.params
