@@ -9,7 +9,6 @@ measured, so that a failing test says what and by how much.
 from __future__ import annotations
 
 import copy
-import datetime
 import gc
 import os
 import sys
@@ -321,27 +320,3 @@ def static_graph_reads(rank: int, world_size: int, read: bool) -> dict[str, Any]
              if issubclass(w.category, ParameterReadInWindowWarning)]
     return {"warned at": lines, "read at": (os.path.basename(__file__), read_line),
             "params": compare(values(ddp), values(reference))}
-
-
-def step_again_on_one_rank(rank: int, world_size: int) -> dict[str, Any]:
-    """Rank 0 calls ``zero_grad()`` and ``step()`` again after its first step (a retry
-    after an error it caught), the other ranks run on to the next backward: the plain
-    optimizer's ``step()`` without gradients is a no-op. On a 20 s group (with 4b7a286
-    it waited in the settings check, paired with the others' next backward, then in the
-    exchange: ``ExchangeFailedError`` at the timeout, gloo's bare error elsewhere)."""
-    group = dist.new_group(timeout=datetime.timedelta(seconds=20))
-    data = batches(rank, 3)
-    results: dict[str, Any] = {}
-    for name in ("plain", "sharded"):
-        ddp = build(process_group=group)
-        opt = (_sharded(ddp) if name == "sharded"
-               else torch.optim.AdamW(ddp.parameters(), lr=LR))
-        for index, tokens in enumerate(data):
-            _loss(ddp, tokens).backward()
-            opt.step()
-            if index == 0 and rank == 0:
-                opt.zero_grad()
-                opt.step()
-            opt.zero_grad()
-        results[name] = values(ddp)
-    return {"params": compare(results["sharded"], results["plain"])}

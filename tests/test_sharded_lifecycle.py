@@ -86,10 +86,3 @@ def test_static_graph_first_backward_warns_of_the_loops_reads_only(read: bool) -
     for rank, result in enumerate(_run(ranks_.static_graph_reads, 2, read)):
         assert result["params"], (rank, result["params"])
         assert result["warned at"] == ([result["read at"]] if read else []), (rank, result)
-
-
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_step_again_without_gradients_on_one_rank_is_the_plain_no_op(
-        world_size: int) -> None:
-    for rank, result in enumerate(_run(ranks_.step_again_on_one_rank, world_size)):
-        assert result["params"], (rank, result["params"])

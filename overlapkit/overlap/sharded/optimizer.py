@@ -3,8 +3,9 @@
 
 It is ``overlap_ddp``'s optimizer — a ``torch.optim.Optimizer`` whose steps happen during
 backward, one DDP bucket at a time, bitwise plain DDP — with each rank keeping the
-optimizer state of its share of the parameters only, which its broadcast sends to the
-others before ``backward()`` returns. What differs for the loop:
+optimizer state of its share of the parameters only. The parameters another rank owns
+are updated by that rank's broadcast, which lands before ``backward()`` returns. What
+differs for the loop:
 
 - ``state_dict()`` is the whole optimizer's state, gathered on demand: call
   :meth:`~ShardedOverlapOptimizer.consolidate_state_dict` on every rank first (as with
@@ -204,26 +205,25 @@ class ShardedOverlapOptimizer(ShardedCommHookState, ShardedHooks, OverlappedOpti
         built with state as Adagrad, or loaded a dict with state): a rank taking it
         alone would hold state the others do not (:func:`~overlapkit.overlap.sharded.
         torch_api.in_torch_s_initialising_step`). Else it steps this rank's share, as a
-        plain optimizer's (also after loading a dict without state), and exchanges
+        plain optimizer's (also after loading a dict without state: 0.4.0 skipped it there,
+        and Adam's ``step`` counts then trailed the plain ones by one), and exchanges
         nothing (at ``lr`` 0 it changes no parameter: :func:`~overlapkit.overlap.sharded.
-        torch_api.initialising_step_kept`), so a rank may take it alone; so is a full
-        step with no gradient (a no-op: ``zero_grad()``, ``step()`` on one rank)."""
+        torch_api.initialising_step_kept`), so a rank may take it alone."""
         refuse_retired(self._steps, "step()")
         stepper = self._stepper
         initialising = closure is None and in_torch_s_initialising_step()
         if initialising and stepper.plain_holds_state:
             return
         full = not self._stepper.stepped_since_step
-        alone = full and (initialising or (closure is None and stepper.gradless()))
         if full:  # (a stepping backward checked param_groups when it started)
-            stepper.before_full_step(agree=not alone)
+            stepper.before_full_step(agree=not initialising)
             self.synchronize()
             self._held_now()
-        with initialising_step_kept(self._ownership.mine(), self._engine.optimizer,
-                                    initialising) if alone else nullcontext():
+        with initialising_step_kept(self._ownership.mine(), self._engine.optimizer) \
+                if initialising and full else nullcontext():
             super().step(closure)
         if full:
-            stepper.advance() if alone else stepper.full_step_taken()
+            stepper.advance() if initialising else stepper.full_step_taken()
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the whole optimizer state on rank ``to`` (of the DDP model's process

@@ -145,13 +145,6 @@ class ShardedBucketStepper(BucketStepper):
                 "step()", gradients_digest(self.engine.parameters())))) is not None:
             raise refused
 
-    def gradless(self) -> bool:
-        """No parameter has a gradient: a full ``step()`` then steps nothing (torch's
-        optimizers skip them), so it is taken without the settings check and the exchange,
-        on this rank alone if need be, as the plain optimizer's no-op step
-        (:func:`~overlapkit.overlap.sharded.torch_api.initialising_step_kept`)."""
-        return all(p.grad is None for p in self.engine.parameters())
-
     def meet(self, call: str) -> None:
         """Before a collective ``call`` (``consolidate_state_dict()``, checkpoint save
         or load): refused where another rank started a backward or ``step()`` instead

@@ -77,8 +77,8 @@ def in_torch_s_initialising_step() -> bool:
 
 
 @contextmanager
-def initialising_step_kept(params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
-                           initialising: bool = True) -> Iterator[None]:
+def initialising_step_kept(params: list[torch.Tensor], optimizer: torch.optim.Optimizer
+                           ) -> Iterator[None]:
     """Around torch's initialising step of this rank's share (``params``), which is
     not exchanged: torch takes it at ``lr`` 0 on zero gradients, so it creates the
     state and changes no parameter, and the other ranks hold the same values already.
@@ -90,14 +90,9 @@ def initialising_step_kept(params: list[torch.Tensor], optimizer: torch.optim.Op
     ``ExchangeFailedError``, and the process group unusable after: the next backward
     failed on every rank), where the plain optimizer steps alone.
 
-    Not ``initialising``: a full ``step()`` with no gradient on any parameter, which
-    torch's optimizers take as a no-op (``step()`` again after ``zero_grad()``, on one
-    rank: it waited for the others' next backward until the group's timeout).
-
     :raises ConfigurationError: the step changed a parameter of the share all the same
-        (an optimizer whose update does not scale with ``lr``, or that steps parameters
-        without a gradient): the parameters are put back as they were (the other
-        ranks', which did not see the change).
+        (an optimizer whose update does not scale with ``lr``): the parameters are put
+        back as they were (the other ranks', which did not see the change).
     """
     before = [p.detach().clone() for p in params]
     yield
@@ -108,15 +103,6 @@ def initialising_step_kept(params: list[torch.Tensor], optimizer: torch.optim.Op
     with torch.no_grad():
         for param, kept in zip(params, before, strict=True):
             param.copy_(kept)
-    if not initialising:
-        raise ConfigurationError(
-            f"step() of {type(optimizer).__name__} with no gradient on any parameter "
-            f"changed {len(changed)} of this rank's parameters: with sharded optimizer "
-            "state such a step is taken on each rank's share without sending the "
-            "parameters to the other ranks (a rank may take it alone, as the plain "
-            "optimizer's no-op step), so the ranks' copies would differ. The parameters "
-            "were put back. Call step() after a backward, or use overlap_ddp without "
-            "shard_optimizer_state.")
     raise ConfigurationError(
         "torch's get_optimizer_state_dict / set_optimizer_state_dict took its "
         f"initialising step of {type(optimizer).__name__} (zero gradients, lr 0) and it "
