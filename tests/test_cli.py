@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from plugin_dists import run_python
 
 
 def _overlapkit(*args: str) -> subprocess.CompletedProcess[str]:
@@ -66,8 +67,7 @@ def test_help_and_version_import_no_torch() -> None:
             "    except SystemExit: pass\n"
             "import overlapkit; overlapkit.hookimpl; overlapkit.OverlapkitError\n"
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
+    proc = run_python(code)
     assert proc.returncode == 0, proc.stderr
 
 
@@ -84,8 +84,7 @@ def test_listing_the_plugins_imports_neither_checkpoint_nor_fsdp() -> None:
             "from overlapkit.checkpoint import MODEL_KEY, load\n"
             "assert (MODEL_KEY, load.__name__) == ('model', 'load')\n"
             "assert 'torch.distributed.checkpoint' in sys.modules")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300)
+    proc = run_python(code, timeout=300)
     assert proc.returncode == 0, proc.stderr
 
 
